@@ -1,0 +1,300 @@
+"""The validated configuration tree of a run, loaded from YAML with dotted command-line overrides.
+
+Owns: every knob of a run, documented field by field, and its loading/validation.
+
+Invariants:
+- An unknown key, a wrong type or an out-of-range value stops the run before any work, with an
+  error naming the dotted key and what was expected (`ConfigError`).
+- The resolved config (defaults filled in, overrides applied) is what the run writes to
+  `RUN_DIR/config.yaml`; loading that file back gives the same config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class RunConfig(Section):
+    name: str = "run"
+    """Name of the run (used in logs and plot titles)."""
+    seed: int = 0
+    """Seeds every random number generator in-process (torch, python, numpy, data order, sampling)."""
+    output_dir: str = "runs/default"
+    """Run folder: config.yaml, metrics.jsonl, checkpoints/, plots, timeline.json, tensorboard/."""
+    progress: bool = True
+    """Show a live progress bar on a terminal (plain log lines otherwise)."""
+
+
+class ModelConfig(Section):
+    path: str = "preset:tiny-llama"
+    """A local Hugging Face model folder, or `preset:NAME` for a built-in tiny model (random init)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype of the policy."""
+    device: str = "cpu"
+    """`cpu` or `cuda[:N]`."""
+    use_chat_template: bool | None = None
+    """Render prompts with the tokenizer's chat template; `null` = when the tokenizer has one."""
+
+
+class DataConfig(Section):
+    task: str | None = "arithmetic"
+    """Built-in task (`arithmetic`, `reverse`, `sort`, `countdown`); `null` to read `path` instead."""
+    difficulty: int = Field(2, ge=1, le=5)
+    """Difficulty of the built-in task."""
+    path: str | None = None
+    """Training data file: `.jsonl`, `.parquet` or a saved HF dataset folder (when `task` is null)."""
+    test_path: str | None = None
+    """Held-out data file for evaluation (same formats); defaults to the task's test split."""
+    prompt_field: str = "prompt"
+    """Field of a data row holding the prompt text."""
+    answer_field: str = "answer"
+    """Field of a data row holding the ground truth passed to the reward."""
+    test_size: int = Field(256, ge=1)
+    """Number of held-out examples used for evaluation."""
+    max_prompt_tokens: int = Field(256, ge=1)
+    """Longest prompt accepted, in tokens."""
+    on_long_prompt: Literal["skip", "error"] = "skip"
+    """What to do with a longer prompt: skip it (and count it in `data/skipped_long_prompts`) or stop."""
+
+
+class RewardConfig(Section):
+    fns: list[str] = Field(default_factory=lambda: ["auto"])
+    """Reward functions: registered names (`exact_match`, `numeric_match`, `math_verify`, `format`, ...) or
+    `package.module:function`. `auto` = the verifier of the built-in task."""
+    weights: list[float] | None = None
+    """Weights of `fns` (default: all 1)."""
+    timeout_s: float = Field(5.0, gt=0)
+    """Time limit per sample; a reward that raises or exceeds it scores 0 and is counted."""
+    workers: int = Field(4, ge=1)
+    """Threads scoring rewards concurrently."""
+
+
+class RolloutConfig(Section):
+    engine: str = "torch"
+    """Inference engine from the registry (or `package.module:factory`)."""
+    prompts_per_step: int = Field(32, ge=1)
+    """Prompts per training step (each sampled `group_size` times)."""
+    group_size: int = Field(8, ge=1)
+    """Responses per prompt (the GRPO group)."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature (0 = greedy)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling threshold."""
+    top_k: int = Field(0, ge=0)
+    """Top-k filter (0 = off)."""
+    max_new_tokens: int = Field(16, ge=1)
+    """Longest response, in tokens."""
+    max_batch_size: int = Field(128, ge=1)
+    """Concurrent sequences in the inference engine (continuous batching slots)."""
+    replicas: int = Field(1, ge=1)
+    """Rollout workers (separated runtimes)."""
+
+
+class AlgoConfig(Section):
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
+    """Advantage estimator (`gae` trains a value head: PPO with a critic)."""
+    clip_low: float = Field(0.2, ge=0)
+    """Lower PPO clip range (ratio >= 1 - clip_low)."""
+    clip_high: float = Field(0.28, ge=0)
+    """Upper PPO clip range (DAPO clip-higher: ratio <= 1 + clip_high)."""
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    """How per-token losses become one number."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL penalty to the reference model (0 = no reference forward)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus weight."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount (GAE, REINFORCE++)."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """GAE lambda."""
+    value_coef: float = Field(0.5, ge=0)
+    """Value loss weight (PPO with a critic)."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal."""
+    overlong_filter: bool = False
+    """Exclude responses cut at `max_new_tokens` from the loss."""
+    tis_cap: float | None = None
+    """Truncated importance sampling cap between training-side and inference-side log-probs (async)."""
+
+
+class TrainConfig(Section):
+    steps: int = Field(100, ge=1)
+    """Training steps (one optimizer step each)."""
+    lr: float = Field(1e-4, gt=0)
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Max global gradient norm."""
+    micro_batch_size: int = Field(64, ge=1)
+    """Sequences per forward/backward (gradient accumulation over the step's batch)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up steps."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Decay after warm-up."""
+    max_nan_steps: int = Field(3, ge=1)
+    """Stop after this many consecutive steps with a non-finite loss (each is skipped and logged)."""
+    packing: Literal["auto", "on", "off"] = "auto"
+    """Shared-prompt packing of GRPO groups in the training forward (`auto`: by the measured rule)."""
+
+
+class SFTConfig(Section):
+    steps: int = Field(300, ge=0)
+    """Supervised steps on (prompt, answer) pairs."""
+    batch_size: int = Field(64, ge=1)
+    """Pairs per step."""
+    lr: float = Field(1e-3, gt=0)
+    """AdamW learning rate (cosine decay)."""
+    output: str | None = None
+    """Where `asyncflow train` finds/writes the warm-started model; `null` = `RUN_DIR/sft`."""
+
+
+class EvalConfig(Section):
+    every: int = Field(10, ge=0)
+    """Evaluate on the held-out split every N steps (0 = only at the end)."""
+    temperature: float = Field(0.0, ge=0)
+    """Sampling temperature during evaluation (0 = greedy)."""
+    max_new_tokens: int | None = None
+    """Defaults to `rollout.max_new_tokens`."""
+
+
+class CheckpointConfig(Section):
+    every: int = Field(50, ge=0)
+    """Checkpoint every N steps (0 = only at the end)."""
+    keep: int = Field(2, ge=1)
+    """Checkpoints kept on disk (oldest removed)."""
+
+
+class WorkflowConfig(Section):
+    mode: Literal["sync", "stream", "async"] = "sync"
+    """`sync` colocated baseline; `stream` periodic asynchrony (on-policy); `async` bounded staleness."""
+    max_staleness: int = Field(1, ge=1)
+    """`async` only: a row is trained on weights at most this many versions newer than its own."""
+
+
+class RuntimeConfig(Section):
+    kind: Literal["inline", "ray"] = "inline"
+    """`inline`: every worker in this process; `ray`: workers as Ray actors."""
+    address: str | None = None
+    """Ray cluster address to join; `null` starts a local cluster."""
+    num_cpus: int | None = None
+    """CPUs of the local Ray cluster (default: all)."""
+    rollout_cpus: float = Field(1.0, gt=0)
+    """CPUs per rollout worker."""
+    trainer_cpus: float = Field(1.0, gt=0)
+    """CPUs of the trainer worker."""
+    rollout_gpus: float = Field(0.0, ge=0)
+    """GPUs per rollout worker."""
+    trainer_gpus: float = Field(0.0, ge=0)
+    """GPUs of the trainer worker."""
+    weight_sync: Literal["inprocess", "shared_memory", "ray", "torch_distributed"] = "shared_memory"
+    """How new weights reach the rollout workers."""
+    call_timeout_s: float = Field(600.0, gt=0)
+    """Timeout of every remote call and weight sync."""
+
+
+class Config(Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    workflow: WorkflowConfig = Field(default_factory=WorkflowConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> "Config":
+        if self.data.task is None and self.data.path is None:
+            raise ValueError("data.task is null and data.path is not set: give a built-in task or a data file")
+        if self.reward.weights is not None and len(self.reward.weights) != len(self.reward.fns):
+            raise ValueError(f"reward.weights has {len(self.reward.weights)} entries but reward.fns has {len(self.reward.fns)}")
+        return self
+
+
+class ConfigError(ValueError):
+    """The config file or an override is invalid; the message names the key."""
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for i, key in enumerate(keys[:-1]):
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {'.'.join(keys[: i + 1])} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """`["train.lr=3e-4", "data.task=null"]` -> nested dict; values parsed as YAML scalars/lists."""
+    tree: dict = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(root)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key")
+        else:
+            got = "" if e["type"] == "missing" else f" (got {e.get('input')!r})"
+            lines.append(f"  {key}: {e['msg']}{got}")
+    return "invalid config:\n" + "\n".join(lines)
+
+
+def build_config(data: dict, overrides: list[str] | None = None) -> Config:
+    try:
+        return Config.model_validate(_merge(data, parse_overrides(overrides or [])))
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML config (or defaults when `path` is None) and apply dotted overrides."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+    return build_config(data, overrides)
+
+
+def dump_config(config: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))

@@ -1,0 +1,115 @@
+"""Engine interfaces: what the workers need from an inference engine and a training engine.
+
+Owns: the `InferenceEngine` and `TrainEngine` protocols, the value types that cross them
+(`SamplingParams`, `GenerationRequest`, `Completion`), and the engine registry through which
+adapters (the built-in torch engines, vLLM, an OpenAI-compatible server ...) plug in.
+
+Invariants:
+- The core never imports a particular engine; it asks the registry by name.
+- Every `Completion` carries the weight version of the engine that generated it.
+- `InferenceEngine.generate` yields each completion as soon as it finishes (completion order,
+  not request order), so downstream stages can start on the first finished group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. `top_k=0` and `top_p=1.0` disable those filters."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 32
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class GenerationRequest:
+    request_id: Any
+    prompt_ids: list[int]
+
+
+@dataclass
+class Completion:
+    """One finished sample. `logprobs[i]` is the sampling log-prob of `response_ids[i]`
+    (under the temperature-scaled distribution, before top-k/top-p truncation)."""
+
+    request_id: Any
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (a stop token was produced, and is included) or "length"
+    weight_version: int
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    weight_version: int
+
+    def generate(self, requests: Iterable[GenerationRequest], params: SamplingParams) -> Iterator[Completion]:
+        """Generate for every request, yielding completions as they finish.
+
+        `requests` may be a lazy iterator: the engine pulls new requests as batch slots free up.
+        """
+        ...
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load new policy weights; subsequent generations are tagged with `version`."""
+        ...
+
+
+@runtime_checkable
+class TrainEngine(Protocol):
+    """Policy training: log-probs of packed micro-batches, accumulation, optimizer steps."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip gradients, step the optimizer and LR schedule, zero gradients; returns grad norm and lr."""
+        ...
+
+
+INFERENCE_ENGINES: dict[str, Callable[..., InferenceEngine]] = {}
+TRAIN_ENGINES: dict[str, Callable[..., TrainEngine]] = {}
+
+
+def register_inference_engine(name: str):
+    def decorator(factory):
+        INFERENCE_ENGINES[name] = factory
+        return factory
+
+    return decorator
+
+
+def register_train_engine(name: str):
+    def decorator(factory):
+        TRAIN_ENGINES[name] = factory
+        return factory
+
+    return decorator
+
+
+def _lookup(registry: dict, kind: str, name: str):
+    if ":" in name and name not in registry:  # a user adapter given as "package.module:factory"
+        import importlib
+
+        module_name, _, attr = name.partition(":")
+        return getattr(importlib.import_module(module_name), attr)
+    if name not in registry:
+        raise ValueError(f"unknown {kind} engine {name!r}; registered: {sorted(registry)} (or give 'module:factory')")
+    return registry[name]
+
+
+def make_inference_engine(name: str, **kwargs) -> InferenceEngine:
+    return _lookup(INFERENCE_ENGINES, "inference", name)(**kwargs)
+
+
+def make_train_engine(name: str, **kwargs) -> TrainEngine:
+    return _lookup(TRAIN_ENGINES, "train", name)(**kwargs)

@@ -1,0 +1,75 @@
+"""Loading causal LMs and tokenizers: the one code path for built-in presets and user models.
+
+Owns: resolving a model reference (a local Hugging Face folder, or `preset:NAME` which is first
+materialised as such a folder) and loading it with `AutoModelForCausalLM` / `AutoTokenizer`,
+plus prompt rendering (chat template when the tokenizer has one).
+
+Invariant: presets are never special-cased after materialisation; they go through exactly the
+same `from_pretrained` calls as any user model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from asyncflow.models.presets import build_preset
+
+PRESET_PREFIX = "preset:"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """A model reference that cannot be resolved or loaded."""
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("ASYNCFLOW_CACHE", Path.home() / ".cache" / "asyncflow"))
+
+
+def resolve_model_path(ref: str, *, seed: int = 0, cache_dir: str | Path | None = None) -> Path:
+    """Turn `preset:NAME` or a local folder into a local HF folder, checking it exists."""
+    if ref.startswith(PRESET_PREFIX):
+        name = ref[len(PRESET_PREFIX) :]
+        return build_preset(name, Path(cache_dir or default_cache_dir()) / "presets" / f"{name}-seed{seed}", seed=seed)
+    path = Path(ref).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(
+            f"model path {ref!r} does not exist or is not a folder (model.path expects a local Hugging Face "
+            f"model folder or 'preset:NAME'; downloading from a hub is not supported here)"
+        )
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"model folder {str(path)!r} has no config.json; is it a Hugging Face model folder?")
+    return path
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu") -> PreTrainedModel:
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"model.dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], attn_implementation="sdpa")
+    return model.to(device)
+
+
+def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, use_chat_template: bool | None = None) -> list[int]:
+    """Prompt text -> token ids. Uses the chat template when the tokenizer has one (unless disabled)."""
+    if use_chat_template is None:
+        use_chat_template = bool(getattr(tokenizer, "chat_template", None))
+    if use_chat_template:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    if tokenizer.bos_token_id is not None:
+        ids = [tokenizer.bos_token_id] + ids
+    return ids

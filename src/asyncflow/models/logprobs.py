@@ -1,0 +1,86 @@
+"""Per-token log-probabilities of responses under a causal LM (the unpacked reference path).
+
+Owns: `TrainSample` (a prompt and one response, token ids) and `response_logprobs`, which runs
+the model on right-padded prompt+response sequences and returns log-probs aligned with response
+tokens. The shared-prompt packed path (`asyncflow.models.packing`) must return exactly the same
+tensors; this function is its reference.
+
+Shapes: N samples, L = longest response in the micro-batch; outputs are `[N, L]`, right-padded,
+with `mask [N, L]` marking real response tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class TrainSample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    group_id: int = 0  # responses of one GRPO group share the prompt (used by packing)
+
+
+@dataclass
+class LogProbs:
+    logprobs: torch.Tensor  # [N, L] float32
+    mask: torch.Tensor  # [N, L] bool
+    entropy: torch.Tensor | None = None  # [N, L] float32, when requested
+
+
+def response_mask(samples: list[TrainSample], device=None) -> torch.Tensor:
+    """`[N, L]` bool mask of real response tokens."""
+    lengths = torch.tensor([len(s.response_ids) for s in samples], device=device)
+    return torch.arange(int(lengths.max()), device=device)[None, :] < lengths[:, None]
+
+
+def gather_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+    """log softmax(logits / T)[target] and optionally the entropy. logits `[..., V]`, targets `[...]`."""
+    logits = logits.float() / temperature
+    log_z = torch.logsumexp(logits, dim=-1)
+    token_logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z
+    entropy = None
+    if with_entropy:
+        probs = torch.softmax(logits, dim=-1)
+        entropy = log_z - (probs * logits).sum(-1)
+    return token_logprobs, entropy
+
+
+def response_logprobs(
+    model: torch.nn.Module,
+    samples: list[TrainSample],
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> LogProbs:
+    """Log-probs of each response token given its prompt and the preceding response tokens.
+
+    Runs one forward over `[N, T]` right-padded `prompt + response` sequences (T = longest).
+    """
+    if not samples:
+        raise ValueError("response_logprobs needs at least one sample")
+    device = next(model.parameters()).device
+    seqs = [s.prompt_ids + s.response_ids for s in samples]
+    T = max(map(len, seqs))
+    input_ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    attention = torch.zeros(len(seqs), T, dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        input_ids[i, : len(seq)] = torch.tensor(seq)
+        attention[i, : len(seq)] = 1
+    input_ids, attention = input_ids.to(device), attention.to(device)
+    mask = response_mask(samples, device)
+    L = mask.shape[1]
+    # Response token j of sample i sits at position P_i + j and is predicted by position P_i + j - 1.
+    prompt_lens = torch.tensor([len(s.prompt_ids) for s in samples], device=device)
+    positions = (prompt_lens[:, None] - 1 + torch.arange(L, device=device)[None, :]).clamp(max=T - 1)
+    logits = model(input_ids=input_ids, attention_mask=attention).logits  # [N, T, V]
+    picked = logits.gather(1, positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [N, L, V]
+    targets = input_ids.gather(1, (positions + 1).clamp(max=T - 1))
+    logprobs, entropy = gather_token_logprobs(picked, targets, temperature, with_entropy)
+    logprobs = logprobs.masked_fill(~mask, 0.0)
+    if entropy is not None:
+        entropy = entropy.masked_fill(~mask, 0.0)
+    return LogProbs(logprobs, mask, entropy)

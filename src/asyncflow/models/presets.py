@@ -1,0 +1,101 @@
+"""Built-in tiny models and an offline character-level tokenizer.
+
+Owns: the presets (tiny Llama and Qwen2 configurations, random init) and the character
+tokenizer used by the built-in tasks. Both are written as ordinary Hugging Face folders
+(`config.json` + safetensors weights, `tokenizer.json` + `tokenizer_config.json`) so that they
+load back through `asyncflow.models.loading`, the same code path a user's own model takes.
+
+Invariant: a preset is fully determined by (name, vocabulary, seed); building it twice gives
+byte-identical weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+SPECIAL_TOKENS = (PAD, BOS, EOS)
+
+# Printable ASCII covers the built-in tasks, user prompts in plain text, and answer tags.
+DEFAULT_ALPHABET = "".join(chr(c) for c in range(32, 127))
+
+#: name -> (architecture, hidden, layers, heads, kv heads, intermediate, max positions)
+PRESETS: dict[str, tuple[str, int, int, int, int, int, int]] = {
+    "tiny-llama": ("llama", 128, 4, 4, 2, 384, 512),  # ~0.8M parameters
+    "tiny-qwen2": ("qwen2", 128, 4, 4, 2, 384, 512),
+    "small-llama": ("llama", 256, 6, 8, 4, 768, 1024),  # ~5M parameters
+    "small-qwen2": ("qwen2", 256, 6, 8, 4, 768, 1024),
+    "base-llama": ("llama", 384, 8, 6, 2, 1152, 2048),  # ~14M parameters
+}
+
+
+def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: one token per character, plus pad/bos/eos.
+
+    Characters outside `alphabet` are an error at encode time (no unknown token), so a
+    task whose text the vocabulary cannot express fails loudly instead of training on garbage.
+    """
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in dict.fromkeys(alphabet):
+        vocab.setdefault(ch, len(vocab))
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        clean_up_tokenization_spaces=False,
+        model_max_length=100_000,
+    )
+
+
+def preset_config(name: str, vocab_size: int, pad_id: int, bos_id: int, eos_id: int):
+    """The transformers config of preset `name` for a given vocabulary."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    arch, hidden, layers, heads, kv_heads, inter, max_pos = PRESETS[name]
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=inter,
+        max_position_embeddings=max_pos,
+        pad_token_id=pad_id,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        tie_word_embeddings=True,
+        rope_theta=10_000.0,
+    )
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    return cls(**common)
+
+
+def build_preset(name: str, out_dir: str | Path, *, seed: int = 0, alphabet: str = DEFAULT_ALPHABET) -> Path:
+    """Create preset `name` with random weights and save model + tokenizer to `out_dir`.
+
+    Returns `out_dir`. Existing folders with a matching `asyncflow_preset.json` stamp are reused.
+    """
+    out = Path(out_dir)
+    stamp = {"preset": name, "seed": seed, "alphabet": alphabet}
+    stamp_file = out / "asyncflow_preset.json"
+    if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp:
+        return out
+    tokenizer = build_char_tokenizer(alphabet)
+    config = preset_config(name, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    stamp_file.write_text(json.dumps(stamp))
+    return out
