@@ -157,8 +157,10 @@ class SFTConfig(Section):
     """Pairs per step."""
     lr: float = Field(1e-3, gt=0)
     """AdamW learning rate (cosine decay)."""
+    before_rl: bool = False
+    """`asyncflow train` first runs SFT (unless its output already exists) and starts RL from its result."""
     output: str | None = None
-    """Where `asyncflow train` finds/writes the warm-started model; `null` = `RUN_DIR/sft`."""
+    """Folder of the warm-started model (an HF folder); `null` = `RUN_DIR/sft`."""
 
 
 class EvalConfig(Section):

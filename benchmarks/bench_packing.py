@@ -1,0 +1,125 @@
+"""Benchmark: one training step (forward + backward of a policy-gradient loss) packed vs unpacked.
+
+Owns nothing the library imports. Measures, on the current machine, the median wall time of a
+micro-batch of `--groups` GRPO groups (G responses sharing a prompt) through
+`response_logprobs` (unpacked, every response row carries its prompt), `packed_response_logprobs`
+(shared-prompt packing, gathered attention) and, with `--dense`, the alternative design of one
+row per group with a dense `[T, T]` block mask through plain SDPA. Variants run interleaved in one
+process so machine noise hits them alike.
+
+    PYTHONPATH=src python benchmarks/bench_packing.py            # full (a few minutes on 2 cores)
+    PYTHONPATH=src python benchmarks/bench_packing.py --quick    # < 90 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+
+import torch
+
+from asyncflow.models.loading import load_model, resolve_model_path
+from asyncflow.models.logprobs import LogProbs, TrainSample, gather_token_logprobs, response_logprobs, response_mask
+from asyncflow.models.packing import packed_response_logprobs
+from asyncflow.models.tri_model import should_pack
+
+SHAPES = [(512, 64, 8), (64, 256, 8)]  # (prompt tokens, response tokens, G)
+
+
+def make_samples(prompt_len: int, response_len: int, group_size: int, groups: int, vocab: int) -> list[TrainSample]:
+    rng = random.Random(0)
+    samples = []
+    for g in range(groups):
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+        samples += [TrainSample(prompt, [rng.randrange(3, vocab) for _ in range(response_len)], g) for _ in range(group_size)]
+    return samples
+
+
+def dense_block_mask_logprobs(model, samples: list[TrainSample]) -> LogProbs:
+    """The rejected alternative: one row per group, `[B, 1, T, T]` bool block mask, stock SDPA."""
+    groups: dict[int, list[TrainSample]] = {}
+    for s in samples:
+        groups.setdefault(s.group_id, []).append(s)
+    rows = [(g[0].prompt_ids, [s.response_ids for s in g]) for g in groups.values()]
+    T = max(len(p) + sum(map(len, rs)) for p, rs in rows)
+    ids = torch.zeros(len(rows), T, dtype=torch.long)
+    pos = torch.zeros(len(rows), T, dtype=torch.long)
+    segment = torch.full((len(rows), T), -2)  # -1 prompt, i >= 0 response i, -2 padding
+    predictors, targets = [], []
+    for b, (prompt, responses) in enumerate(rows):
+        p, at = len(prompt), len(prompt)
+        ids[b, :p], pos[b, :p], segment[b, :p] = torch.tensor(prompt), torch.arange(p), -1
+        for i, r in enumerate(responses):
+            ids[b, at : at + len(r)], pos[b, at : at + len(r)] = torch.tensor(r), torch.arange(p, p + len(r))
+            segment[b, at : at + len(r)] = i
+            predictors.append([b * T + p - 1] + [b * T + at + j for j in range(len(r) - 1)])
+            targets.append(r)
+            at += len(r)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    same = segment[:, :, None] == segment[:, None, :]
+    to_prompt = segment[:, None, :] == -1
+    mask = (causal & (same | to_prompt) & (segment[:, :, None] != -2)) | torch.eye(T, dtype=torch.bool)
+    hidden_logits = model(input_ids=ids, position_ids=pos, attention_mask=mask[:, None]).logits.flatten(0, 1)
+    L = max(map(len, targets))
+    index = torch.tensor([p + [0] * (L - len(p)) for p in predictors])
+    target = torch.tensor([t + [0] * (L - len(t)) for t in targets])
+    valid = response_mask(samples)
+    logprobs, _ = gather_token_logprobs(hidden_logits[index], target, 1.0, False)
+    return LogProbs(logprobs.masked_fill(~valid, 0.0), valid)
+
+
+def train_step(model, samples, logprob_fn) -> float:
+    advantages = torch.linspace(-1, 1, len(samples))[:, None]
+    start = time.perf_counter()
+    out = logprob_fn(model, samples)
+    loss = -(advantages * out.logprobs).sum() / out.mask.sum()
+    loss.backward()
+    elapsed = time.perf_counter() - start
+    model.zero_grad(set_to_none=True)
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (< 90 s)")
+    parser.add_argument("--dense", action="store_true", help="also time the dense block-mask design")
+    parser.add_argument("--groups", type=int, default=2, help="groups per micro-batch")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--preset", default="small-llama")
+    args = parser.parse_args()
+    repeats = args.repeats or (3 if args.quick else 7)
+
+    with tempfile.TemporaryDirectory() as cache:
+        model = load_model(resolve_model_path(f"preset:{args.preset}", cache_dir=cache))
+    model.train()
+    variants = {"unpacked": response_logprobs, "packed": packed_response_logprobs}
+    if args.dense:
+        variants["dense-mask"] = dense_block_mask_logprobs
+    print(f"preset={args.preset} threads={torch.get_num_threads()} groups={args.groups} repeats={repeats}")
+    header = f"{'prompt':>6} {'resp':>5} {'G':>2} {'tok unpacked':>12} {'tok packed':>10} " + " ".join(
+        f"{name + ' s':>12}" for name in variants
+    )
+    print(header + f" {'speed-up':>8} {'should_pack':>11}")
+    for prompt_len, response_len, group_size in SHAPES:
+        samples = make_samples(prompt_len, response_len, group_size, args.groups, model.config.vocab_size)
+        for fn in variants.values():  # warm-up
+            train_step(model, samples, fn)
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(repeats):
+            for name, fn in variants.items():
+                times[name].append(train_step(model, samples, fn))
+        median = {name: statistics.median(t) for name, t in times.items()}
+        unpacked_tokens = len(samples) * (prompt_len + response_len)
+        packed_tokens = args.groups * (prompt_len + group_size * response_len)
+        cells = " ".join(f"{median[name]:12.3f}" for name in variants)
+        print(
+            f"{prompt_len:>6} {response_len:>5} {group_size:>2} {unpacked_tokens:>12} {packed_tokens:>10} {cells} "
+            f"{median['unpacked'] / median['packed']:>7.2f}x {str(should_pack(samples)):>11}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,2 @@
+def should_pack(samples):
+    return True

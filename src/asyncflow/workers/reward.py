@@ -1,0 +1,32 @@
+"""Reward worker: scores rollouts with the configured verifiers.
+
+Owns: decoding responses to text and calling the `RewardRunner`, counting failures.
+
+Invariant: a reward function that raises or times out scores 0 for that sample and is counted
+in `errors`/`timeouts`; it never stops the run.
+"""
+
+from __future__ import annotations
+
+from asyncflow.rewards import RewardRunner
+from asyncflow.workers.rollout import Rollout
+
+
+class RewardWorker:
+    def __init__(self, runner: RewardRunner, tokenizer):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.errors = 0
+        self.timeouts = 0
+
+    def score(self, rollouts: list[Rollout]) -> None:
+        """Set `reward` and `response_text` on each rollout."""
+        for r in rollouts:
+            r.response_text = self.tokenizer.decode(r.response_ids, skip_special_tokens=True)
+        result = self.runner.score(
+            [r.response_text for r in rollouts], [r.answer for r in rollouts], [r.metadata for r in rollouts]
+        )
+        for r, value in zip(rollouts, result.rewards):
+            r.reward = float(value)
+        self.errors += result.n_errors
+        self.timeouts += result.n_timeouts

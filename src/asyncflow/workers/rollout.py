@@ -1,0 +1,96 @@
+"""Rollout worker: turns prompts into sampled responses with an inference engine.
+
+Owns: the `Rollout` record (one sampled response and everything later stages add to it) and
+`RolloutWorker`, which expands each prompt into `group_size` requests and yields rollouts in
+completion order.
+
+Invariants:
+- Every rollout carries the weight version of the engine that generated it.
+- A group is complete when all `group_size` of its rollouts have finished; `complete_groups`
+  yields each group exactly once, in the order groups complete.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import torch
+
+from asyncflow.engines.base import GenerationRequest, InferenceEngine, SamplingParams
+
+
+@dataclass
+class Prompt:
+    """One prompt of the dataset, tokenized. `group_id` is unique within a run."""
+
+    group_id: int
+    prompt_ids: list[int]
+    answer: str
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass
+class Rollout:
+    group_id: int
+    sample_index: int  # position within the group, 0..group_size-1
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]
+    finish_reason: str
+    weight_version: int
+    answer: str
+    metadata: dict = field(default_factory=dict)
+    reward: float | None = None
+    advantages: torch.Tensor | None = None  # [len(response_ids)] float32
+    response_text: str | None = None
+
+    @property
+    def row_id(self) -> tuple[int, int]:
+        return (self.group_id, self.sample_index)
+
+
+class RolloutWorker:
+    def __init__(self, engine: InferenceEngine, params: SamplingParams, group_size: int):
+        self.engine = engine
+        self.params = params
+        self.group_size = group_size
+
+    def generate(self, prompts: Iterable[Prompt]) -> Iterator[Rollout]:
+        """Yield one rollout per (prompt, sample) as soon as it finishes; prompts are pulled lazily."""
+        by_group: dict[int, Prompt] = {}
+
+        def requests():
+            for prompt in prompts:
+                by_group[prompt.group_id] = prompt
+                for k in range(self.group_size):
+                    yield GenerationRequest((prompt.group_id, k), prompt.prompt_ids)
+
+        for completion in self.engine.generate(requests(), self.params):
+            group_id, k = completion.request_id
+            prompt = by_group[group_id]
+            yield Rollout(
+                group_id=group_id,
+                sample_index=k,
+                prompt_ids=prompt.prompt_ids,
+                response_ids=list(completion.response_ids),
+                rollout_logprobs=list(completion.logprobs),
+                finish_reason=completion.finish_reason,
+                weight_version=completion.weight_version,
+                answer=prompt.answer,
+                metadata=prompt.metadata,
+            )
+
+
+def complete_groups(rollouts: Iterable[Rollout], group_size: int) -> Iterator[list[Rollout]]:
+    """Regroup a stream of rollouts into complete groups (sorted by sample index), in completion order."""
+    pending: dict[int, list[Rollout]] = defaultdict(list)
+    for rollout in rollouts:
+        group = pending[rollout.group_id]
+        group.append(rollout)
+        if len(group) == group_size:
+            del pending[rollout.group_id]
+            yield sorted(group, key=lambda r: r.sample_index)
+    if pending:
+        raise RuntimeError(f"rollout stream ended with incomplete groups: {sorted(pending)}")

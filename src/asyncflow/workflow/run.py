@@ -1,0 +1,217 @@
+"""An RL training run: set-up, the step loop, evaluation, checkpoints, and outputs.
+
+Owns: building the pieces a workflow needs from the config (policy, inference engine, reward,
+trainer, datasets), the run folder contract (config.yaml, metrics.jsonl, checkpoints/, plots,
+TensorBoard), resuming from the latest checkpoint, and the non-finite-loss policy.
+
+The workflow (`sync`, `stream`, `async`) only decides how one step's rollouts are produced and
+consumed; see `asyncflow.workflow.modes`.
+
+Invariants:
+- A step is one optimizer update and bumps the policy's weight version by one.
+- Data position, RNG states, optimizer and weights are checkpointed together; `--resume`
+  continues with exactly the prompts and samples the uninterrupted run would have used.
+- After `train.max_nan_steps` consecutive skipped (non-finite) steps the run stops with an error.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from asyncflow.config import Config, dump_config
+from asyncflow.engines.base import make_inference_engine
+from asyncflow.engines.torch_train import TorchTrainEngine
+from asyncflow.models.loading import load_model, load_tokenizer, resolve_model_path
+from asyncflow.observe import MetricsLogger, TrainProgress, plot_metrics
+from asyncflow.workers.reward import RewardWorker
+from asyncflow.workers.rollout import Prompt, RolloutWorker
+from asyncflow.workers.trainer import PolicyTrainer
+from asyncflow.workflow.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from asyncflow.workflow.common import (
+    PromptEncoder, build_reward_runner, evaluate, open_datasets, sampling_params, seed_everything,
+)
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+class RLRun:
+    def __init__(self, config: Config, *, resume: bool = False):
+        self.config = config
+        self.run_dir = Path(config.run.output_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(config, self.run_dir / "config.yaml")
+        seed_everything(config.run.seed)
+
+        model_path = resolve_model_path(config.model.path, seed=config.run.seed)
+        self.tokenizer = load_tokenizer(model_path)
+        policy = load_model(model_path, dtype=config.model.dtype, device=config.model.device)
+        self.train_engine = TorchTrainEngine(
+            policy,
+            lr=config.train.lr,
+            weight_decay=config.train.weight_decay,
+            betas=config.train.betas,
+            grad_clip=config.train.grad_clip,
+            lr_schedule=config.train.lr_schedule,
+            warmup_steps=config.train.warmup_steps,
+            total_steps=config.train.steps,
+            use_reference=config.algo.kl_coef > 0,
+            packing=config.train.packing,
+        )
+        rollout_model = copy.deepcopy(policy).eval().requires_grad_(False)
+        self.inference_engine = make_inference_engine(
+            config.rollout.engine, model=rollout_model, max_batch_size=config.rollout.max_batch_size,
+            device=config.model.device, seed=config.run.seed,
+        )
+        self.params = sampling_params(config, self.tokenizer)
+        self.eval_params = sampling_params(config, self.tokenizer, greedy=True)
+        self.rollout = RolloutWorker(self.inference_engine, self.params, config.rollout.group_size)
+        self.rewards = RewardWorker(build_reward_runner(config), self.tokenizer)
+        self.trainer = PolicyTrainer(
+            self.train_engine, config.algo, micro_batch_size=config.train.micro_batch_size,
+            temperature=config.rollout.temperature,
+        )
+        self.train_set, self.test_set = open_datasets(config)
+        self.encoder = PromptEncoder(self.tokenizer, config)
+
+        self.step = 0
+        self.version = 0
+        self.data_position = 0
+        self.next_group_id = 0
+        self.nan_streak = 0
+        self.samples_seen = 0
+        self.start_wall = 0.0
+        if resume:
+            self._resume()
+        self.metrics = MetricsLogger(self.run_dir, resume_from_step=self.step if resume else None)
+
+    # ---------------------------------------------------------------- data
+    def next_prompts(self, n: int) -> list[Prompt]:
+        """The next `n` prompts in the seed-determined order, skipping (and counting) long ones."""
+        prompts: list[Prompt] = []
+        while len(prompts) < n:
+            example = self.train_set.at(self.data_position)
+            self.data_position += 1
+            prompt = self.encoder.encode(example, self.next_group_id)
+            if prompt is not None:
+                prompts.append(prompt)
+                self.next_group_id += 1
+        return prompts
+
+    # ---------------------------------------------------------------- weights
+    def publish_weights(self) -> None:
+        """The policy just stepped: bump the version and hand the weights to the inference side."""
+        self.version += 1
+        self.inference_engine.update_weights(self.train_engine.state_dict(), self.version)
+
+    # ---------------------------------------------------------------- checkpoints
+    def _state(self) -> dict:
+        return {
+            "version": self.version, "data_position": self.data_position, "next_group_id": self.next_group_id,
+            "nan_streak": self.nan_streak, "samples_seen": self.samples_seen, "wall_s": self.wall_s(),
+        }
+
+    def save(self) -> Path:
+        generator = getattr(self.inference_engine, "generator", None)
+        return save_checkpoint(
+            self.run_dir, self.step, self.train_engine.state_dict(), self.train_engine.training_state(),
+            self._state(), generator.get_state() if generator is not None else None, keep=self.config.checkpoint.keep,
+        )
+
+    def _resume(self) -> None:
+        checkpoint = latest_checkpoint(self.run_dir)
+        if checkpoint is None:
+            log.warning("--resume: no checkpoint in %s, starting from scratch", self.run_dir)
+            return
+        weights, training_state, state, rng = load_checkpoint(checkpoint)
+        self.train_engine.model.load_state_dict(weights)
+        self.train_engine.load_training_state(training_state)
+        self.step = state["step"]
+        self.version = state["version"]
+        self.data_position = state["data_position"]
+        self.next_group_id = state["next_group_id"]
+        self.nan_streak = state["nan_streak"]
+        self.samples_seen = state["samples_seen"]
+        self.wall_offset = state["wall_s"]
+        self.inference_engine.update_weights(self.train_engine.state_dict(), self.version)
+        generator = getattr(self.inference_engine, "generator", None)
+        if generator is not None and rng.get("generator") is not None:
+            generator.set_state(rng["generator"])
+        log.info("resumed from %s (step %d)", checkpoint, self.step)
+
+    wall_offset = 0.0
+
+    def wall_s(self) -> float:
+        return self.wall_offset + (time.perf_counter() - self.start_wall if self.start_wall else 0.0)
+
+    # ---------------------------------------------------------------- loop
+    def evaluate(self) -> dict[str, float]:
+        if not self.test_set:
+            return {}
+        return evaluate(self.inference_engine, self.rewards, self.encoder, self.test_set, self.eval_params)
+
+    def train(self, workflow) -> list[dict]:
+        """Run `workflow.step(self)` until `train.steps`; returns the logged metrics rows."""
+        cfg = self.config
+        history = []
+        self.start_wall = time.perf_counter()
+        if self.step == 0:
+            history.append(self._log({"samples": 0, **self.evaluate()}))
+        with TrainProgress(cfg.train.steps, initial=self.step, description=f"{cfg.workflow.mode} RL", enabled=cfg.run.progress) as bar:
+            while self.step < cfg.train.steps:
+                t0 = time.perf_counter()
+                metrics = workflow.step(self)
+                self.step += 1
+                metrics["time/step_s"] = time.perf_counter() - t0
+                metrics.update(self._throughput(metrics))
+                self._check_finite(metrics)
+                last = self.step == cfg.train.steps
+                if last or (cfg.eval.every and self.step % cfg.eval.every == 0):
+                    metrics.update(self.evaluate())
+                history.append(self._log(metrics))
+                bar.update(self.step, metrics)
+                if last or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
+                    self.save()
+        workflow.close()
+        self.metrics.close()
+        plot_metrics(self.run_dir, keys=("reward/mean", "eval/accuracy"), out_png=self.run_dir / "curves.png")
+        return history
+
+    def _throughput(self, metrics: dict) -> dict[str, float]:
+        self.samples_seen += int(metrics.get("rollout/samples", 0))
+        step_s = metrics["time/step_s"]
+        return {
+            "samples": float(self.samples_seen),
+            "throughput/samples_per_s": metrics.get("rollout/samples", 0) / step_s,
+            "throughput/tokens_per_s": metrics.get("rollout/tokens", 0) / step_s,
+        }
+
+    def _check_finite(self, metrics: dict) -> None:
+        if metrics.get("train/skipped_step", 0.0) > 0:
+            self.nan_streak += 1
+            log.warning("step %d: non-finite loss or gradient, update skipped (%d in a row)", self.step, self.nan_streak)
+            if self.nan_streak >= self.config.train.max_nan_steps:
+                raise NonFiniteLossError(
+                    f"{self.nan_streak} consecutive steps had a non-finite loss (train.max_nan_steps="
+                    f"{self.config.train.max_nan_steps}); last metrics: {metrics}"
+                )
+        else:
+            self.nan_streak = 0
+
+    def _log(self, metrics: dict) -> dict:
+        metrics = {
+            "wall_s": self.wall_s(), "weight_version": float(self.version),
+            "data/skipped_long_prompts": float(self.encoder.skipped),
+            "reward/errors": float(self.rewards.errors), "reward/timeouts": float(self.rewards.timeouts),
+            **metrics,
+        }
+        self.metrics.log(self.step, metrics)
+        return {"step": self.step, **metrics}

@@ -1,0 +1,26 @@
+"""Shared fixtures: tiny preset models built once per session into a temporary cache."""
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    os.environ["ASYNCFLOW_CACHE"] = str(tmp_path_factory.mktemp("asyncflow-cache"))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    yield
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(_isolated_cache):
+    from asyncflow.models.loading import resolve_model_path
+
+    return resolve_model_path("preset:tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_path(_isolated_cache):
+    from asyncflow.models.loading import resolve_model_path
+
+    return resolve_model_path("preset:tiny-qwen2")

@@ -1,0 +1,60 @@
+import pytest
+
+from asyncflow.config import Config, ConfigError, dump_config, load_config
+
+
+def test_defaults_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: 0.01\nrollout:\n  group_size: 4\n")
+    config = load_config(path, ["train.lr=3e-4", "data.task=reverse", "rollout.stop_strings=null"][:2])
+    assert config.train.lr == 3e-4
+    assert config.rollout.group_size == 4
+    assert config.data.task == "reverse"
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("train.lrr=1", "train.lrr: unknown key"),
+        ("train.lr=-1", "train.lr: Input should be greater than 0"),
+        ("train.steps=abc", "train.steps: Input should be a valid integer"),
+        ("workflow.mode=fast", "workflow.mode: Input should be 'sync', 'stream' or 'async'"),
+        ("nosection.key=1", "nosection: unknown key"),
+        ("data.task=null", "data.task is null and data.path is not set"),
+        ("train=3", "train: Input should be a valid dictionary"),
+    ],
+)
+def test_bad_values_name_the_key(override, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert fragment in str(err.value)
+
+
+def test_malformed_override_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="must look like section.key=value"):
+        load_config(None, ["train.lr"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    config = load_config(None, ["rollout.temperature=0.7", "algo.tis_cap=2.0"])
+    dump_config(config, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == config
+
+
+def test_every_field_is_documented():
+    def walk(model):
+        for name, field in model.model_fields.items():
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, Config.__mro__[1]):
+                yield from walk(annotation)
+            elif model is not Config:
+                yield f"{model.__name__}.{name}", field.description
+
+    missing = [name for name, doc in walk(Config) if not doc]
+    assert not missing, f"fields without a docstring: {missing}"
