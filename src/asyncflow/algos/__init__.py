@@ -1,0 +1,41 @@
+"""Core RL math for asyncflow: advantage estimators, losses, DAPO filtering.
+
+Owns: pure functions on torch tensors only (no asyncflow imports beyond this package, no I/O).
+Shapes: per-token `[N, L]` right-padded with a `mask [N, L]`; per-response `[N]`; groups by
+`group_ids [N]`. See each module's docstring for its invariants.
+"""
+
+from asyncflow.algos.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    broadcast_to_tokens,
+    compute_advantages,
+    discounted_returns,
+    dr_grpo_advantages,
+    gae,
+    grpo_advantages,
+    outcome_rewards_to_tokens,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    whiten,
+)
+from asyncflow.algos.filtering import keep_groups_with_variance, overlong_mask, overlong_penalty
+from asyncflow.algos.losses import (
+    AGGREGATION_MODES,
+    KL_ESTIMATORS,
+    aggregate,
+    aggregation_normalisers,
+    entropy_from_logits,
+    kl_penalty,
+    masked_mean,
+    policy_loss,
+    truncated_importance_weights,
+    value_loss,
+)
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS", "AGGREGATION_MODES", "KL_ESTIMATORS", "aggregate", "aggregation_normalisers",
+    "broadcast_to_tokens", "compute_advantages", "discounted_returns", "dr_grpo_advantages",
+    "entropy_from_logits", "gae", "grpo_advantages", "keep_groups_with_variance", "kl_penalty",
+    "masked_mean", "outcome_rewards_to_tokens", "overlong_mask", "overlong_penalty", "policy_loss",
+    "reinforce_pp_advantages", "rloo_advantages", "truncated_importance_weights", "value_loss", "whiten",
+]

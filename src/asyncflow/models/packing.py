@@ -91,8 +91,7 @@ class SharedPromptLayout:
 
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
-    prompt_index: torch.Tensor  # [groups, Pmax] token index of each prompt slot
-    prompt_mask: torch.Tensor  # [groups, 1, Pmax, Pmax] bool: causal, real keys only
+    prompt_index: torch.Tensor  # [groups, Pmax] token index of each prompt slot (right-padded)
     response_query_index: torch.Tensor  # [N, Rmax] token index of each response slot
     response_key_index: torch.Tensor  # [N, Pmax + Rmax] its group's prompt slots, then its own slots
     response_mask: torch.Tensor  # [N, 1, Rmax, Pmax + Rmax] bool: whole prompt + causal self
@@ -159,8 +158,6 @@ def plan_shared_prompt(samples: list[TrainSample], device: torch.device | str = 
     output_index = torch.cat(output_parts)
 
     prompt_len_t = torch.tensor(prompt_lens)
-    q_pos = torch.arange(p_max)
-    prompt_mask = (q_pos[None, :, None] >= q_pos[None, None, :]) & (q_pos[None, None, :] < prompt_len_t[:, None, None])
     group_of_sample = torch.cat([torch.full((end - start,), g) for g, (start, end) in enumerate(runs)])
     key_pos = torch.arange(p_max + r_max)
     r_pos = torch.arange(r_max)
@@ -177,7 +174,6 @@ def plan_shared_prompt(samples: list[TrainSample], device: torch.device | str = 
         input_ids=torch.tensor(tokens, **to)[None],
         position_ids=torch.tensor(positions, **to)[None],
         prompt_index=prompt_index.to(**to),
-        prompt_mask=prompt_mask[:, None].to(**to),
         response_query_index=response_query_index.to(**to),
         response_key_index=response_key_index.to(**to),
         response_mask=response_mask[:, None].to(**to),
@@ -194,12 +190,20 @@ def plan_shared_prompt(samples: list[TrainSample], device: torch.device | str = 
 
 
 def _gathered_sdpa(q, k, v, query_index, key_index, mask, scaling, dropout):
-    """SDPA over gathered segments. q `[T, H, D]`, k/v `[T, Hkv, D]`, indices `[S, Q]`/`[S, K]` -> `[S, Q, H, D]`."""
+    """SDPA over gathered segments. q `[T, H, D]`, k/v `[T, Hkv, D]`, indices `[S, Q]`/`[S, K]` -> `[S, Q, H, D]`.
+
+    `mask=None` means plain causal: exact for right-padded prompts, since a real query never sees a
+    later (padded) key and the outputs of padded queries are dropped (zero gradient).
+    """
+    def gather(x, index):  # index_select: its backward (index_add) is much cheaper on CPU than x[index]'s
+        return x.index_select(0, index.flatten()).unflatten(0, index.shape).transpose(1, 2)
+
     out = F.scaled_dot_product_attention(
-        q[query_index].transpose(1, 2),
-        k[key_index].transpose(1, 2),
-        v[key_index].transpose(1, 2),
+        gather(q, query_index),
+        gather(k, key_index),
+        gather(v, key_index),
         attn_mask=mask,
+        is_causal=mask is None,
         dropout_p=dropout,
         scale=scaling,
         enable_gqa=q.shape[1] != k.shape[1],
@@ -233,7 +237,7 @@ def shared_prompt_attention(
             layout.max_seqlen_k, dropout_p=dropout, softmax_scale=scaling, causal=True,
         )  # causal is bottom-right aligned when a segment has more keys than queries
         return out[None], None
-    prompt_out = _gathered_sdpa(q, k, v, layout.prompt_index, layout.prompt_index, layout.prompt_mask, scaling, dropout)
+    prompt_out = _gathered_sdpa(q, k, v, layout.prompt_index, layout.prompt_index, None, scaling, dropout)
     response_out = _gathered_sdpa(
         q, k, v, layout.response_query_index, layout.response_key_index, layout.response_mask, scaling, dropout
     )

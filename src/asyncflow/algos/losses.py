@@ -1,0 +1,216 @@
+"""Losses for RL post-training: clipped policy loss (PPO/GRPO/DAPO), KL penalties, entropy,
+clipped value loss, truncated importance sampling weights, and masked aggregation.
+
+Owns: pure functions on tensors. Per-token tensors are `[N, L]` (N responses, right-padded to L)
+with `mask [N, L]` (bool or 0/1 float) marking real response tokens.
+
+Aggregation (`aggregate`) — the one place the loss over tokens becomes a scalar:
+- "token_mean":          sum_{i,t} m_it * l_it / T        T = number of valid tokens
+- "seq_mean_token_mean": sum_i [ sum_t m_it * l_it / n_i ] / S   n_i = valid tokens of row i
+- "seq_mean_token_sum":  sum_i [ sum_t m_it * l_it ] / S          S = rows with n_i > 0
+Invariant (gradient accumulation): T and S default to the counts of the tensors given; pass the
+counts of the WHOLE batch (`total_tokens`, `total_sequences`, see `aggregation_normalisers`) and
+the sum over micro-batches of the aggregated losses equals the loss of the whole batch, for every
+mode. With zero valid tokens the loss is 0 (and still connected to the graph), never NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from asyncflow.algos._checks import check_ndim, check_same_shape, float_mask
+
+AGGREGATION_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+_LOG_RATIO_CLAMP = 20.0  # |log pi/pi_old| is clamped here before exp() to keep ratios finite
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `x` over valid (mask == 1) elements.
+
+    x [...], mask [...] (same shape). dim=None -> scalar over all valid elements; dim=d -> the
+    mean along d (that dimension removed). Where there is no valid element the result is 0.
+    """
+    check_same_shape(x=x, mask=mask)
+    m = float_mask(mask, x)
+    if dim is None:
+        return (x * m).sum() / m.sum().clamp(min=1.0)
+    return (x * m).sum(dim) / m.sum(dim).clamp(min=1.0)
+
+
+def aggregation_normalisers(mask: torch.Tensor) -> tuple[int, int]:
+    """(total_tokens, total_sequences) of a batch: valid tokens, and rows with >= 1 valid token.
+
+    mask [N, L]. Pass these to `aggregate` / `policy_loss` for each micro-batch of that batch.
+    """
+    check_ndim("mask", mask, 2)
+    m = mask.to(torch.float32)
+    return int(m.sum().item()), int((m.sum(dim=1) > 0).sum().item())
+
+
+def aggregate(
+    loss_per_token: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token_mean",
+    total_tokens: int | float | None = None,
+    total_sequences: int | float | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss [N, L] to a scalar (see the module docstring for the formulas).
+
+    total_tokens / total_sequences: the global normalisers T / S (whole batch across micro-
+    batches); None uses this tensor's own counts. Only the one the mode uses is read.
+    """
+    if mode not in AGGREGATION_MODES:
+        raise ValueError(f"unknown aggregation mode {mode!r}; expected one of {AGGREGATION_MODES}")
+    check_ndim("loss_per_token", loss_per_token, 2)
+    check_same_shape(loss_per_token=loss_per_token, mask=mask)
+    m = float_mask(mask, loss_per_token)
+    masked = loss_per_token * m
+    if mode == "token_mean":
+        denom = _normaliser("total_tokens", total_tokens, m.sum())
+        return masked.sum() / denom
+    tokens_per_seq = m.sum(dim=1)  # [N]
+    per_seq = masked.sum(dim=1)  # [N]
+    if mode == "seq_mean_token_mean":
+        per_seq = per_seq / tokens_per_seq.clamp(min=1.0)
+    denom = _normaliser("total_sequences", total_sequences, (tokens_per_seq > 0).sum().to(m.dtype))
+    return per_seq.sum() / denom
+
+
+def _normaliser(name: str, given: int | float | None, local: torch.Tensor) -> torch.Tensor | float:
+    if given is None:
+        return local.clamp(min=1.0)
+    if not given > 0:
+        raise ValueError(f"{name} must be > 0, got {given}")
+    return float(given)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    aggregation: str = "token_mean",
+    dual_clip: float | None = None,
+    importance_weights: torch.Tensor | None = None,
+    total_tokens: int | float | None = None,
+    total_sequences: int | float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped surrogate policy loss (PPO / GRPO; DAPO clip-higher via clip_low != clip_high).
+
+    logprobs [N, L] (with grad), old_logprobs [N, L], advantages [N, L], mask [N, L].
+        ratio_t = exp(logp_t - old_logp_t)              (log-ratio clamped to +-20)
+        l_t     = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - clip_low, 1 + clip_high))
+        dual clip (c = dual_clip > 1): where A_t < 0, l_t = min(l_t, -A_t * c)
+        l_t    *= importance_weights_t                  (e.g. TIS weights; treated as constants)
+    then `aggregate(l, mask, aggregation, total_tokens, total_sequences)`.
+    Returns (loss scalar, stats) with stats (floats, over this micro-batch's valid tokens):
+    clip_fraction (tokens where the clipped term is active), approx_kl (k3 estimate of
+    KL(old || new)), ratio_mean, and dual_clip_fraction when dual_clip is set.
+    """
+    check_ndim("logprobs", logprobs, 2)
+    check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask,
+                     importance_weights=importance_weights)
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError(f"clip_low and clip_high must be >= 0, got {clip_low}, {clip_high}")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    old = old_logprobs.detach().to(logprobs.dtype)
+    adv = advantages.detach().to(logprobs.dtype)
+    log_ratio = (logprobs - old).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    stats: dict[str, float] = {}
+    if dual_clip is not None:
+        lower_bound = -adv * dual_clip
+        dual_active = (adv < 0) & (per_token > lower_bound)
+        per_token = torch.where(adv < 0, torch.minimum(per_token, lower_bound), per_token)
+        stats["dual_clip_fraction"] = masked_mean(dual_active.float(), mask).item()
+    if importance_weights is not None:
+        per_token = per_token * importance_weights.detach().to(per_token.dtype)
+    loss = aggregate(per_token, mask, aggregation, total_tokens, total_sequences)
+    with torch.no_grad():
+        stats["clip_fraction"] = masked_mean((clipped > unclipped).float(), mask).item()
+        stats["approx_kl"] = masked_mean(ratio - 1.0 - log_ratio, mask).item()
+        stats["ratio_mean"] = masked_mean(ratio, mask).item()
+    return loss, stats
+
+
+@torch.no_grad()
+def truncated_importance_weights(
+    train_old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, cap: float = 2.0
+) -> torch.Tensor:
+    """Truncated importance sampling (TIS) weights between the training-side and inference-side
+    log-probs of the same (old) policy: w_t = min(exp(a_t - b_t), cap), 0 at padding; detached.
+
+    train_old_logprobs [N, L] (a), rollout_logprobs [N, L] (b), mask [N, L] -> [N, L].
+    """
+    check_ndim("train_old_logprobs", train_old_logprobs, 2)
+    check_same_shape(train_old_logprobs=train_old_logprobs, rollout_logprobs=rollout_logprobs, mask=mask)
+    if not cap > 0:
+        raise ValueError(f"TIS cap must be > 0, got {cap}")
+    log_w = (train_old_logprobs - rollout_logprobs.to(train_old_logprobs.dtype)).clamp(max=_LOG_RATIO_CLAMP)
+    return torch.exp(log_w).clamp(max=cap) * float_mask(mask, train_old_logprobs)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from sampled-token log-probs (Schulman's estimators).
+
+    logprobs [...] (policy p, sampled from p), ref_logprobs [...] (reference q) -> [...]; with
+    d = logq - logp:  k1 = -d = logp - logq;  k2 = 0.5 * d^2;  k3 = exp(d) - d - 1 (>= 0, unbiased).
+    Mask or aggregate the result yourself.
+    """
+    check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs)
+    d = ref_logprobs.to(logprobs.dtype) - logprobs
+    if kind == "k1":
+        return -d
+    if kind == "k2":
+        return 0.5 * d * d
+    if kind == "k3":
+        return torch.exp(d) - d - 1.0
+    raise ValueError(f"unknown KL estimator {kind!r}; expected one of {KL_ESTIMATORS}")
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last dim: logits [..., V] -> [...].
+
+    H = logsumexp(z) - sum_v softmax(z)_v * z_v (stable for large logits).
+    """
+    if logits.ndim < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must have a non-empty last (vocabulary) dim, got shape {tuple(logits.shape)}")
+    probs = F.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float | None = 0.2,
+    aggregation: str = "token_mean",
+    total_tokens: int | float | None = None,
+    total_sequences: int | float | None = None,
+) -> torch.Tensor:
+    """Clipped PPO value loss: values, old_values, returns, mask [N, L] -> scalar.
+
+        v_clip_t = old_v_t + clip(v_t - old_v_t, -clip, clip)
+        l_t      = 0.5 * max((v_t - R_t)^2, (v_clip_t - R_t)^2)     (clip=None: 0.5 * (v_t - R_t)^2)
+    aggregated like the policy loss (`aggregate`).
+    """
+    check_ndim("values", values, 2)
+    check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
+    target = returns.detach().to(values.dtype)
+    per_token = (values - target) ** 2
+    if clip is not None:
+        if not clip > 0:
+            raise ValueError(f"value clip must be > 0 (or None), got {clip}")
+        old = old_values.detach().to(values.dtype)
+        v_clipped = old + (values - old).clamp(-clip, clip)
+        per_token = torch.maximum(per_token, (v_clipped - target) ** 2)
+    return aggregate(0.5 * per_token, mask, aggregation, total_tokens, total_sequences)
