@@ -1,11 +1,12 @@
 """Benchmark: one training step (forward + backward of a policy-gradient loss) packed vs unpacked.
 
-Owns nothing the library imports. Measures, on the current machine, the median wall time of a
+Owns nothing the library imports. Measures, on the current machine, the median wall (and process CPU) time of a
 micro-batch of `--groups` GRPO groups (G responses sharing a prompt) through
 `response_logprobs` (unpacked, every response row carries its prompt), `packed_response_logprobs`
 (shared-prompt packing, gathered attention) and, with `--dense`, the alternative design of one
 row per group with a dense `[T, T]` block mask through plain SDPA. Variants run interleaved in one
-process so machine noise hits them alike.
+process so machine noise hits them alike. One torch thread by default: on a CPU shared with other
+jobs, oversubscribed OpenMP threads make multi-threaded timings swing several-fold.
 
     PYTHONPATH=src python benchmarks/bench_packing.py            # full (a few minutes on 2 cores)
     PYTHONPATH=src python benchmarks/bench_packing.py --quick    # < 90 s
@@ -71,15 +72,16 @@ def dense_block_mask_logprobs(model, samples: list[TrainSample]) -> LogProbs:
     return LogProbs(logprobs.masked_fill(~valid, 0.0), valid)
 
 
-def train_step(model, samples, logprob_fn) -> float:
+def train_step(model, samples, logprob_fn) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of forward + backward of a policy-gradient loss."""
     advantages = torch.linspace(-1, 1, len(samples))[:, None]
-    start = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     out = logprob_fn(model, samples)
     loss = -(advantages * out.logprobs).sum() / out.mask.sum()
     loss.backward()
-    elapsed = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     model.zero_grad(set_to_none=True)
-    return elapsed
+    return wall, cpu
 
 
 def main() -> None:
@@ -89,8 +91,10 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=2, help="groups per micro-batch")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--preset", default="small-llama")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: repeatable on a shared CPU)")
     args = parser.parse_args()
-    repeats = args.repeats or (3 if args.quick else 7)
+    torch.set_num_threads(args.threads)
+    repeats = args.repeats or (2 if args.quick else 7)
 
     with tempfile.TemporaryDirectory() as cache:
         model = load_model(resolve_model_path(f"preset:{args.preset}", cache_dir=cache))
@@ -102,22 +106,26 @@ def main() -> None:
     header = f"{'prompt':>6} {'resp':>5} {'G':>2} {'tok unpacked':>12} {'tok packed':>10} " + " ".join(
         f"{name + ' s':>12}" for name in variants
     )
-    print(header + f" {'speed-up':>8} {'should_pack':>11}")
+    print(header + f" {'speed-up':>8} {'(cpu)':>6} {'should_pack':>11}")
     for prompt_len, response_len, group_size in SHAPES:
         samples = make_samples(prompt_len, response_len, group_size, args.groups, model.config.vocab_size)
         for fn in variants.values():  # warm-up
             train_step(model, samples, fn)
-        times: dict[str, list[float]] = {name: [] for name in variants}
+        walls: dict[str, list[float]] = {name: [] for name in variants}
+        cpus: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(repeats):
             for name, fn in variants.items():
-                times[name].append(train_step(model, samples, fn))
-        median = {name: statistics.median(t) for name, t in times.items()}
+                wall, cpu = train_step(model, samples, fn)
+                walls[name].append(wall)
+                cpus[name].append(cpu)
+        median = {name: statistics.median(t) for name, t in walls.items()}
+        cpu_speedup = statistics.median(cpus["unpacked"]) / statistics.median(cpus["packed"])
         unpacked_tokens = len(samples) * (prompt_len + response_len)
         packed_tokens = args.groups * (prompt_len + group_size * response_len)
         cells = " ".join(f"{median[name]:12.3f}" for name in variants)
         print(
             f"{prompt_len:>6} {response_len:>5} {group_size:>2} {unpacked_tokens:>12} {packed_tokens:>10} {cells} "
-            f"{median['unpacked'] / median['packed']:>7.2f}x {str(should_pack(samples)):>11}"
+            f"{median['unpacked'] / median['packed']:>7.2f}x {cpu_speedup:>5.2f}x {str(should_pack(samples)):>11}"
         )
 
 

@@ -59,7 +59,8 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[dict[str, Any], str]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise DatasetError(f"{where}: line {line_number} is not valid JSON ({err.msg} at column {err.colno})") from None
+                message = f"{where}: line {line_number} is not valid JSON ({err.msg} at column {err.colno})"
+                raise DatasetError(message) from None
             if not isinstance(row, dict):
                 raise DatasetError(f"{where}: line {line_number} is a JSON {type(row).__name__}, expected an object")
             yield row, where

@@ -145,6 +145,8 @@ class Task(ABC):
             stream = self.iter_train()
             return [next(stream) for _ in range(n)]
         if split == "test":
+            if n is not None and n < 0:
+                raise ValueError(f"{self.label}: n must be >= 0, got {n}")
             wanted = TEST_SIZE if n is None else n
             if len(self._test) < wanted and not self._test_exhausted:
                 self._test = list(itertools.islice(self._held_out_stream(), wanted))

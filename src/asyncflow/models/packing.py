@@ -92,9 +92,13 @@ class SharedPromptLayout:
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
     prompt_index: torch.Tensor  # [groups, Pmax] token index of each prompt slot (right-padded)
-    response_query_index: torch.Tensor  # [N, Rmax] token index of each response slot
-    response_key_index: torch.Tensor  # [N, Pmax + Rmax] its group's prompt slots, then its own slots
-    response_mask: torch.Tensor  # [N, 1, Rmax, Pmax + Rmax] bool: whole prompt + causal self
+    # Response attention, one of two forms (see `plan_shared_prompt`):
+    #   rectangle: queries [N, Rmax] = its slots; keys [N, Pmax + Rmax] = prompt slots, then its slots;
+    #              mask [N, 1, Rmax, Pmax + Rmax] bool (whole prompt + causal self)
+    #   causal rows: queries = keys = [N, Tmax] its prompt's slots, then its slots; mask None (causal)
+    response_query_index: torch.Tensor
+    response_key_index: torch.Tensor
+    response_mask: torch.Tensor | None
     output_index: torch.Tensor  # [T] row of token t in cat(prompt outputs, response outputs) flattened
     predictor_index: torch.Tensor  # [N, L] token whose logits predict response token j
     targets: torch.Tensor  # [N, L] response token ids (0 where padded)
@@ -112,17 +116,26 @@ class SharedPromptLayout:
 
 
 def plan_shared_prompt(samples: list[TrainSample], device: torch.device | str = "cpu") -> SharedPromptLayout:
-    """Build the packed token row and every index the attention and logit gathers need."""
+    """Build the packed token row and every index the attention and logit gathers need.
+
+    Response attention takes the form with fewer attention scores: the rectangle (`Rmax x (Pmax+Rmax)`
+    per response, masked, so nothing is skipped) or causal rows (`Tmax^2 / 2` with SDPA's causal
+    block skipping; the prompt rows are computed and dropped). Long prompts favour the rectangle,
+    long responses the causal rows (at P=64, R=256 they cut the packed step time by about 10%).
+    """
     runs = group_runs(samples)
     prompt_lens = [len(samples[start].prompt_ids) for start, _ in runs]
     response_lens = [len(s.response_ids) for s in samples]
     p_max, r_max, n = max(prompt_lens), max(response_lens), len(samples)
+    t_max = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    causal_rows = t_max * t_max / 2 < r_max * (p_max + r_max)
+    row_width = t_max if causal_rows else r_max
 
     tokens: list[int] = []
     positions: list[int] = []
     prompt_index = torch.zeros(len(runs), p_max, dtype=torch.long)
-    response_query_index = torch.zeros(n, r_max, dtype=torch.long)
-    response_key_index = torch.zeros(n, p_max + r_max, dtype=torch.long)
+    response_query_index = torch.zeros(n, row_width, dtype=torch.long)
+    response_key_index = torch.zeros(n, t_max if causal_rows else p_max + r_max, dtype=torch.long)
     output_parts, varlen_keys, q_lens, k_lens = [], [], [], []
     predictor_index = torch.zeros(n, r_max, dtype=torch.long)
     targets = torch.zeros(n, r_max, dtype=torch.long)
@@ -143,27 +156,33 @@ def plan_shared_prompt(samples: list[TrainSample], device: torch.device | str = 
             response = samples[i].response_ids
             r = len(response)
             response_slots = torch.arange(len(tokens), len(tokens) + r)
-            response_query_index[i, :r] = response_slots
             response_key_index[i, :p] = prompt_slots
-            response_key_index[i, p_max : p_max + r] = response_slots
+            if causal_rows:
+                response_key_index[i, p : p + r] = response_slots
+            else:
+                response_query_index[i, :r] = response_slots
+                response_key_index[i, p_max : p_max + r] = response_slots
             predictor_index[i, 0] = prompt_start + p - 1
             predictor_index[i, 1:r] = response_slots[:-1]
             targets[i, :r] = torch.tensor(response)
             tokens += response
             positions += range(p, p + r)
-            output_parts.append(response_base + i * r_max + torch.arange(r))
+            output_parts.append(response_base + i * row_width + (p if causal_rows else 0) + torch.arange(r))
             varlen_keys += [prompt_slots, response_slots]
             q_lens.append(r)
             k_lens.append(p + r)
     output_index = torch.cat(output_parts)
 
-    prompt_len_t = torch.tensor(prompt_lens)
-    group_of_sample = torch.cat([torch.full((end - start,), g) for g, (start, end) in enumerate(runs)])
-    key_pos = torch.arange(p_max + r_max)
-    r_pos = torch.arange(r_max)
-    sees_prompt = key_pos[None, None, :] < prompt_len_t[group_of_sample][:, None, None]  # [N, 1, K]
-    sees_self = (key_pos[None, :] >= p_max) & (key_pos[None, :] - p_max <= r_pos[:, None])  # [Rmax, K]
-    response_mask = sees_prompt | sees_self[None]
+    if causal_rows:
+        response_query_index, response_mask = response_key_index, None
+    else:
+        prompt_len_t = torch.tensor(prompt_lens)
+        group_of_sample = torch.cat([torch.full((end - start,), g) for g, (start, end) in enumerate(runs)])
+        key_pos = torch.arange(p_max + r_max)
+        r_pos = torch.arange(r_max)
+        sees_prompt = key_pos[None, None, :] < prompt_len_t[group_of_sample][:, None, None]  # [N, 1, K]
+        sees_self = (key_pos[None, :] >= p_max) & (key_pos[None, :] - p_max <= r_pos[:, None])  # [Rmax, K]
+        response_mask = (sees_prompt | sees_self[None])[:, None]
     mask = torch.arange(r_max)[None, :] < torch.tensor(response_lens)[:, None]
 
     def cu(lengths: list[int]) -> torch.Tensor:
@@ -176,7 +195,7 @@ def plan_shared_prompt(samples: list[TrainSample], device: torch.device | str = 
         prompt_index=prompt_index.to(**to),
         response_query_index=response_query_index.to(**to),
         response_key_index=response_key_index.to(**to),
-        response_mask=response_mask[:, None].to(**to),
+        response_mask=None if response_mask is None else response_mask.to(**to),
         output_index=output_index.to(**to),
         predictor_index=predictor_index.to(**to),
         targets=targets.to(**to),
@@ -271,13 +290,18 @@ def packed_response_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    layout: SharedPromptLayout | None = None,
 ) -> LogProbs:
     """`response_logprobs` computed with each group's prompt run once (see the module docstring).
 
     Returns `LogProbs` with `logprobs`/`mask`/`entropy` `[N, L]` in the order of `samples`.
+    `layout` (from `plan_shared_prompt(samples, device)`) lets several models share one plan.
     """
     device = next(model.parameters()).device
-    layout = plan_shared_prompt(samples, device)
+    if layout is None:
+        layout = plan_shared_prompt(samples, device)
+    elif layout.input_ids.device != device or layout.targets.shape[0] != len(samples):
+        raise ValueError("layout was planned for other samples or another device than the model's")
     n, length = layout.targets.shape
     with _attention_implementation(model, ATTENTION_NAME):
         if _accepts_logits_to_keep(model):

@@ -34,7 +34,7 @@ from typing import Literal
 import torch
 
 from asyncflow.models.logprobs import LogProbs, TrainSample, response_logprobs
-from asyncflow.models.packing import PackingError, group_runs, packed_response_logprobs
+from asyncflow.models.packing import PackingError, group_runs, packed_response_logprobs, plan_shared_prompt
 
 Packing = Literal["auto", "on", "off"]
 PACK_MIN_TOKEN_SAVING = 0.10
@@ -73,11 +73,19 @@ def make_reference(policy: torch.nn.Module) -> torch.nn.Module:
     return reference
 
 
-def _logprobs_fn(samples: list[TrainSample], packing: Packing):
+def _logprobs_fn(samples: list[TrainSample], packing: Packing, device: torch.device):
+    """The log-prob function for this micro-batch; packed ones share one plan (for models on `device`)."""
     if packing not in ("auto", "on", "off"):
         raise ValueError(f"packing must be 'auto', 'on' or 'off', got {packing!r}")
-    pack = packing == "on" or (packing == "auto" and should_pack(samples))
-    return packed_response_logprobs if pack else response_logprobs
+    if packing == "on" or (packing == "auto" and should_pack(samples)):
+        layout = plan_shared_prompt(samples, device)
+
+        def packed(model, samples, **kwargs):
+            same_device = next(model.parameters()).device == device
+            return packed_response_logprobs(model, samples, layout=layout if same_device else None, **kwargs)
+
+        return packed
+    return response_logprobs
 
 
 def tri_model_logprobs(
@@ -94,8 +102,8 @@ def tri_model_logprobs(
 
     Outputs are `[N, L]` in the order of `samples` (see `response_logprobs`) on the policy's device.
     """
-    logprobs_fn = _logprobs_fn(samples, packing)
     device = next(policy.parameters()).device
+    logprobs_fn = _logprobs_fn(samples, packing, device)
     with torch.no_grad():
         ref = None
         if reference is not None:

@@ -111,9 +111,9 @@ class PolicyTrainer:
             )
             maskf = mask.float()
             n_tok = maskf.sum()
-            entropy = (out.policy.entropy * maskf).sum()
+            entropy = (out.policy.entropy * maskf).sum()  # with grad: the bonus term below
             stats = {k: float(v) * float(n_tok) for k, v in stats.items()}
-            stats["entropy"] = float(entropy)
+            stats["entropy"] = float(entropy.detach())
             stats["logprob_gap"] = float(((old - rollout_logprobs).abs() * maskf).sum())
             if out.ref is not None:
                 kl = (kl_penalty(logp, out.ref, algo.kl_estimator) * maskf)

@@ -75,7 +75,7 @@ def reward_specs(config: Config) -> list[str]:
     if config.reward.fns == ["auto"]:
         if not config.data.task:
             raise ValueError("reward.fns is 'auto' but there is no built-in task: name reward functions in reward.fns")
-        return [make_task(config.data.task, difficulty=config.data.difficulty, seed=config.run.seed).reward]
+        return [make_task(config.data.task, difficulty=config.data.difficulty, seed=config.run.seed).verifier]
     return list(config.reward.fns)
 
 

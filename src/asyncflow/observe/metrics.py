@@ -1,0 +1,144 @@
+"""Per-step scalar metrics: `RUN_DIR/metrics.jsonl` (the contract users script against) and
+TensorBoard event files under `RUN_DIR/tensorboard`.
+
+Owns: `MetricsLogger`, `read_metrics`, `METRICS_FILE`.
+Invariants:
+- One JSON object per `log` call, one per line, flushed at once: `{"step": N, ...}` with `step`
+  first and the metric names sorted after it; values are floats, non-finite values (NaN, inf)
+  are written as null (JSON has no NaN) and read back by `read_metrics` as NaN.
+- Resuming with `resume_from_step=S` drops every row with step > S from metrics.jsonl (rewritten
+  atomically) and tells TensorBoard to discard its events with step > S, so a resumed run never
+  shows a step twice.
+- `log` is thread-safe. Only the `tensorboard` package is needed for event files (torch is not).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
+
+class MetricsLogger:
+    """Append-only metrics log for one run directory; use as a context manager or call `close()`."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, resume_from_step: int | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        if resume_from_step is not None:
+            _check_step(resume_from_step)
+            if self.path.exists():
+                kept = [row for row in read_metrics(self.run_dir) if row["step"] <= resume_from_step]
+                tmp = self.path.with_suffix(".jsonl.tmp")
+                tmp.write_text("".join(_encode(row["step"], row) for row in kept), encoding="utf-8")
+                os.replace(tmp, self.path)
+        self._file = self.path.open("a", encoding="utf-8")
+        self._lock = threading.Lock()
+        self._tensorboard = (
+            _TensorBoardWriter(self.run_dir / TENSORBOARD_DIR, resume_from_step) if tensorboard else None
+        )
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record `metrics` (name -> number: int, float, numpy scalar, 0-d tensor) for `step`."""
+        _check_step(step)
+        values = {name: _to_float(name, value) for name, value in metrics.items()}
+        line = _encode(step, values)
+        with self._lock:
+            if self._file.closed:
+                raise RuntimeError(f"MetricsLogger for {self.run_dir} is closed")
+            self._file.write(line)
+            self._file.flush()
+            if self._tensorboard is not None:
+                self._tensorboard.write(step, values)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.close()
+            if self._tensorboard is not None:
+                self._tensorboard.close()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
+    """Rows of RUN_DIR/metrics.jsonl in file order (`step` an int, nulls as NaN); [] if absent."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    rows = []
+    with path.open(encoding="utf-8") as lines:
+        for line_number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{line_number}: not valid JSON ({err.msg})") from None
+            if not isinstance(row, dict) or type(row.get("step")) is not int:
+                found = line.strip()[:80]
+                raise ValueError(f"{path}:{line_number}: expected an object with an integer 'step', got {found!r}")
+            rows.append({key: math.nan if value is None else value for key, value in row.items()})
+    return rows
+
+
+def _check_step(step: object) -> None:
+    if type(step) is not int or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+
+
+def _to_float(name: object, value: Any) -> float:
+    if not isinstance(name, str) or not name or name == "step":
+        raise ValueError(f"metric name must be a non-empty string other than 'step', got {name!r}")
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"metric {name!r} must be a number, got {type(value).__name__} {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"metric {name!r} must be a number, got {type(value).__name__} {value!r}") from None
+
+
+def _encode(step: int, values: Mapping[str, float]) -> str:
+    row: dict[str, Any] = {"step": step}
+    for name in sorted(key for key in values if key != "step"):
+        value = values[name]
+        row[name] = value if math.isfinite(value) else None
+    return json.dumps(row, allow_nan=False) + "\n"
+
+
+class _TensorBoardWriter:
+    """Scalars straight into a TensorBoard event file, through the tensorboard package alone."""
+
+    def __init__(self, logdir: Path, resume_from_step: int | None) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._event, self._summary = Event, Summary
+        self._writer = EventFileWriter(str(logdir))
+        if resume_from_step is not None:
+            # TensorBoard drops earlier events with step >= a START session log's step
+            # (this is what torch's SummaryWriter(purge_step=...) writes).
+            start = SessionLog(status=SessionLog.START)
+            self._writer.add_event(Event(wall_time=time.time(), step=resume_from_step + 1, session_log=start))
+
+    def write(self, step: int, values: Mapping[str, float]) -> None:
+        summary = self._summary(value=[self._summary.Value(tag=name, simple_value=v) for name, v in values.items()])
+        self._writer.add_event(self._event(wall_time=time.time(), step=step, summary=summary))
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()

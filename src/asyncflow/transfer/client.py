@@ -1,0 +1,295 @@
+"""Client: the one API every worker uses, whether the queue runs in-process or as Ray actors.
+
+Owns: `TransferQueue` (append rows, write columns into existing rows, request batch metadata,
+read the data straight from the storage units, stream micro-batches, lifecycle, checkpoints,
+metrics) and the in-process deployment (`TransferQueue.local`, threads sharing one controller and
+N storage units). `asyncflow.transfer.ray_queue` builds the same client over Ray actors.
+
+Invariants:
+- The client keeps no state of its own: the controller decides, the storage units hold the bytes.
+  A client over Ray actors therefore pickles (as actor handles) and works from any actor.
+- Input is checked (row counts, tensor types, one dtype and trailing shape per column) before
+  anything is sent; the controller checks it against the partition's schema before any row exists.
+- Row `i` lives on storage unit `i % num_storage_units`; reads go to those units directly.
+- Every call that can block takes a timeout (default `self.timeout`) and ends in `TransferTimeout`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+from asyncflow.transfer.controller import Controller
+from asyncflow.transfer.samplers import Sampler
+from asyncflow.transfer.schema import (
+    Batch,
+    BatchMeta,
+    ColumnSpec,
+    UnknownColumnError,
+    check_rows,
+    column_rows,
+    pack_rows,
+    pad_rows,
+    unpack_rows,
+)
+from asyncflow.transfer.storage import StorageUnit
+
+Call = tuple[Any, str, tuple, dict]  # (target, method name, args, kwargs)
+
+
+class LocalTransport:
+    """Direct calls on in-process objects; they lock internally, so any thread may call."""
+
+    def call_all(self, calls: list[Call], timeout: float) -> list:
+        return [getattr(target, method)(*args, **kwargs) for target, method, args, kwargs in calls]
+
+
+class TransferQueue:
+    def __init__(self, controller: Any, units: Sequence[Any], transport: Any, timeout: float = 60.0) -> None:
+        """`controller` / `units`: objects or actor handles with the `Controller` / `StorageUnit` methods;
+        `transport.call_all` invokes them. `timeout`: default wait of blocking calls, and the slack every
+        remote call gets on top of its own wait."""
+        self._controller = controller
+        self._units = list(units)
+        self._transport = transport
+        self.timeout = timeout
+
+    @classmethod
+    def local(
+        cls,
+        num_storage_units: int = 2,
+        capacity: int | None = None,
+        on_full: str = "block",
+        tasks: Sequence[str] = (),
+        timeout: float = 60.0,
+    ) -> TransferQueue:
+        """In-process queue. `capacity`: default rows in flight per partition (None: unbounded); `on_full`:
+        "block" (producers wait) or "error"; `tasks`: consumers that must acknowledge a partition's rows before
+        they stop counting against capacity and before the partition clears."""
+        controller = Controller(num_storage_units, capacity, on_full, tasks)
+        units = [StorageUnit(notify=controller.mark_ready) for _ in range(num_storage_units)]
+        controller.on_clear = lambda partition: [unit.drop(partition) for unit in units]
+        return cls(controller, units, LocalTransport(), timeout)
+
+    @property
+    def num_storage_units(self) -> int:
+        return len(self._units)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def create_partition(
+        self,
+        partition: str,
+        *,
+        num_rows: int | None = None,
+        columns: Mapping[str, ColumnSpec] | None = None,
+        capacity: int | None = None,
+        group_size: int | None = None,
+    ) -> None:
+        """Optional (appending creates a partition with defaults). `num_rows`: complete once that many rows
+        exist; `columns`: the closed set of columns with their schemas; `group_size`: for GroupSampler."""
+        cols = dict(columns) if columns is not None else None
+        self._control("create_partition", partition, num_rows, cols, capacity, group_size)
+
+    def register_task(self, task: str) -> None:
+        """Partitions clear, and rows stop counting against capacity, once every registered task acknowledged them."""
+        self._control("register_task", task)
+
+    def seal(self, partition: str) -> None:
+        """No more rows will be appended to `partition`."""
+        self._control("seal", partition)
+
+    def ack(self, partition: str, task: str, indices: Sequence[int]) -> None:
+        """`task` is done with rows it was handed (the loader does this for you). Once every registered task
+        acknowledged every row of a complete partition, the partition is cleared and its data dropped."""
+        self._control("ack", partition, task, list(indices))
+
+    def clear(self, partition: str) -> None:
+        """Drop the partition and its data now, whoever still wanted it."""
+        self._control("clear", partition)
+
+    def reset(self, partition: str, task: str | None = None, indices: Sequence[int] | None = None) -> None:
+        """Make rows (default: all) deliverable again to `task` (default: every task), e.g. after a failure."""
+        self._control("reset", partition, task, None if indices is None else list(indices))
+
+    def status(self, partition: str) -> dict:
+        return self._control("status", partition)
+
+    # ---- producing ------------------------------------------------------------------------------
+    def append(
+        self,
+        partition: str,
+        columns: Mapping[str, Any],
+        *,
+        group_ids: Sequence[int | None] | None = None,
+        weight_version: int | Sequence[int | None] | None = None,
+        metadata: dict | Sequence[dict] | None = None,
+        timeout: float | None = None,
+    ) -> list[int]:
+        """Append new rows; returns their global indices. `columns[c]`: one tensor per row (or a tensor whose
+        dim 0 indexes rows). Blocks up to `timeout` while the partition is at capacity."""
+        rows = {column: column_rows(value) for column, value in columns.items()}
+        num = len(next(iter(rows.values()))) if rows else 0
+        names = [f"#{i} (new)" for i in range(num)]
+        specs = {column: check_rows(partition, column, r, names) for column, r in rows.items()}
+        if not specs:
+            raise ValueError(f"partition {partition!r}: append needs at least one column")
+        group_ids = _per_row(group_ids, num, "group_ids", partition)
+        versions = _per_row(weight_version, num, "weight_version", partition)
+        metas = [m or {} for m in _per_row(metadata, num, "metadata", partition)]
+        wait = self.timeout if timeout is None else timeout
+        indices = self._control("allocate", partition, num, specs, group_ids, versions, metas, wait, wait=wait)
+        self._write(partition, indices, rows, None, None)
+        return indices
+
+    def write(
+        self,
+        partition: str,
+        indices: Sequence[int],
+        columns: Mapping[str, Any],
+        *,
+        weight_version: int | Sequence[int | None] | None = None,
+        metadata: dict | Sequence[dict | None] | None = None,
+    ) -> None:
+        """Write further columns of existing rows, and update their weight version / metadata with them."""
+        indices = [int(i) for i in indices]
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"partition {partition!r}: duplicate row indices in one write")
+        rows = {column: column_rows(value) for column, value in columns.items()}
+        for column, r in rows.items():
+            check_rows(partition, column, r, indices)
+        versions = _per_row(weight_version, len(indices), "weight_version", partition)
+        metas = _per_row(metadata, len(indices), "metadata", partition)
+        self._write(partition, indices, rows, versions, metas)
+
+    def _write(self, partition, indices, rows, versions, metas) -> None:
+        calls = []
+        for unit, positions in self._by_unit(indices).items():
+            packed = {column: pack_rows([r[p] for p in positions]) for column, r in rows.items()}
+            pick = (lambda values: None if values is None else [values[p] for p in positions])  # noqa: E731
+            args = (partition, [indices[p] for p in positions], packed, pick(versions), pick(metas))
+            calls.append((self._units[unit], "write", args, {}))
+        self._transport.call_all(calls, self.timeout)
+
+    # ---- consuming ------------------------------------------------------------------------------
+    def request(
+        self,
+        partition: str,
+        task: str,
+        columns: Sequence[str],
+        batch_size: int,
+        *,
+        sampler: Sampler | None = None,
+        timeout: float | None = None,
+        block: bool = True,
+        ack: Sequence[int] = (),
+    ) -> BatchMeta | None:
+        """Metadata of up to `batch_size` rows whose `columns` are all ready and that `task` has not consumed
+        (marked consumed now). Empty BatchMeta: `partition` is complete and exhausted for `task`. Waits up to
+        `timeout`; with `block=False` returns None at once when nothing is ready. `ack`: rows of an earlier
+        batch this worker is done with (see `ack`), sent along to save a round trip."""
+        wait = self.timeout if timeout is None else timeout
+        args = (partition, task, list(columns), batch_size, sampler, wait, block, list(ack))
+        return self._control("request", *args, wait=wait if block else 0.0)
+
+    def get(self, meta: BatchMeta, columns: Sequence[str] | None = None, *, padded: bool = False, pad_value=0) -> Batch:
+        """Read `columns` (default: those requested) of the rows in `meta`, in meta order, from the units."""
+        columns = list(meta.columns if columns is None else columns)
+        for column in columns:
+            if column not in meta.columns:
+                raise UnknownColumnError(
+                    f"partition {meta.partition!r} column {column!r}: task {meta.task!r} requested only "
+                    f"{meta.columns}, so only those are known to be ready"
+                )
+        if not meta or not columns:
+            return Batch(meta, {}, {}, padded)
+        groups = self._by_unit(meta.indices)
+        calls = [(self._units[u], "read", (meta.partition, [meta.indices[p] for p in pos], columns), {}) for u, pos in groups.items()]
+        results = self._transport.call_all(calls, self.timeout)
+        data, lengths = {}, {}
+        for column in columns:
+            if len(results) == 1:
+                values, row_lengths = results[0][column]
+            else:
+                ordered: list = [None] * len(meta)
+                for positions, result in zip(groups.values(), results):
+                    for p, row in zip(positions, unpack_rows(result[column])):
+                        ordered[p] = row
+                values, row_lengths = pack_rows(ordered)
+            if row_lengths is not None:
+                lengths[column] = torch.tensor(row_lengths, dtype=torch.int64)
+                if padded:
+                    values = pad_rows(values, lengths[column], pad_value)
+            data[column] = values
+        return Batch(meta, data, lengths, padded)
+
+    def loader(
+        self,
+        partition: str,
+        task: str,
+        columns: Sequence[str],
+        batch_size: int,
+        *,
+        sampler: Sampler | None = None,
+        padded: bool = False,
+        timeout: float | None = None,
+    ) -> Iterator[Batch]:
+        """Yield micro-batches of `partition` for `task` as soon as they are ready; stop once it is complete
+        and exhausted for `task`. A batch is acknowledged when the next one is asked for, so whatever the
+        consumer writes back for it happens first. Each wait is bounded by `timeout`."""
+        done: list[int] = []
+        while True:
+            meta = self.request(partition, task, columns, batch_size, sampler=sampler, timeout=timeout, ack=done)
+            if not meta:
+                return
+            yield self.get(meta, padded=padded)
+            done = meta.indices
+
+    # ---- metrics and checkpoints ------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        """Controller counters (produced/<column>, consumed/<task>[/<column>], wait_s/<task>, ...) plus
+        bytes_written / bytes_read summed over the storage units."""
+        out = dict(self._control("metrics"))
+        for unit_metrics in self._on_units("metrics"):
+            for key, value in unit_metrics.items():
+                out[key] = out.get(key, 0) + value
+        return out
+
+    def state_dict(self) -> dict:
+        """Controller metadata and every unit's cells; plain Python and tensors, for `torch.save`.
+        Take it while producers and consumers are paused, so both halves describe the same moment."""
+        return {"controller": self._control("state_dict"), "storage": self._on_units("state_dict")}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["storage"]) != len(self._units):
+            raise ValueError(
+                f"checkpoint has {len(state['storage'])} storage units, this queue {len(self._units)}; "
+                "rows are sharded by index, so the counts must match"
+            )
+        self._control("load_state_dict", state["controller"])
+        self._transport.call_all(
+            [(unit, "load_state_dict", (s,), {}) for unit, s in zip(self._units, state["storage"])], self.timeout
+        )
+
+    # ---- internals ----------------------------------------------------------------------------------
+    def _control(self, method: str, *args, wait: float = 0.0):
+        return self._transport.call_all([(self._controller, method, args, {})], wait + self.timeout)[0]
+
+    def _on_units(self, method: str, *args) -> list:
+        return self._transport.call_all([(unit, method, args, {}) for unit in self._units], self.timeout)
+
+    def _by_unit(self, indices: Sequence[int]) -> dict[int, list[int]]:
+        groups: dict[int, list[int]] = {}
+        for position, index in enumerate(indices):
+            groups.setdefault(index % len(self._units), []).append(position)
+        return groups
+
+
+def _per_row(value: Any, num: int, name: str, partition: str) -> list:
+    """One entry per row: None or a single int/dict applies to every row; otherwise a sequence of `num`."""
+    if value is None or isinstance(value, (int, dict)):
+        return [value] * num
+    values = list(value)
+    if len(values) != num:
+        raise ValueError(f"partition {partition!r}: {name} has {len(values)} entries for {num} rows")
+    return values

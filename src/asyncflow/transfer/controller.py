@@ -1,0 +1,468 @@
+"""Controller: the metadata half of the TransferQueue. It never holds data.
+
+Owns: partitions (rows with group id, weight version, metadata, and per column a ready bit with
+the cell's length), per-task consumed and acknowledged bits, column schemas, capacity accounting,
+the partition lifecycle (append -> seal or reach `num_rows` -> acknowledged by every registered
+task -> cleared, which drops its data through `on_clear`), and row/wait metrics.
+
+Invariants (every public method runs under one lock, so each is atomic):
+- `try_request` returns only rows whose requested columns are all ready and that the task has not
+  consumed, and marks them consumed in the same step: a row reaches a task at most once until
+  `reset` re-arms it.
+- A cell becomes ready once; a second `mark_ready` for it raises `FilledCellError` and changes
+  nothing. A call is validated completely before anything is applied.
+- A column's schema is fixed by its declaration or its first write and checked on every write.
+- A row is consumed when handed out and acknowledged when its reader is done with it (the loader
+  acknowledges a batch with its next request). Rows in flight (appended, not yet acknowledged by
+  every registered task) never exceed capacity, and a partition is cleared only when it is complete
+  and every registered task acknowledged every row, so no reader loses data it still reads.
+- Names of cleared partitions are remembered: a late write fails loudly; a registered task asking
+  for a partition cleared because everyone finished it sees it exhausted.
+Blocking (`allocate`, `request`) waits on a condition variable here; the Ray controller actor
+wraps the same non-blocking `try_*` cores with asyncio instead.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Sequence, TypeVar
+
+from asyncflow.transfer.samplers import Candidate, OldestFirst, Sampler
+from asyncflow.transfer.schema import (
+    BatchMeta,
+    CapacityError,
+    ColumnSchemaError,
+    ColumnSpec,
+    FilledCellError,
+    PartitionClosedError,
+    TransferError,
+    TransferTimeout,
+    UnknownColumnError,
+    UnknownPartitionError,
+    UnknownRowError,
+)
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Row:
+    group_id: int | None
+    weight_version: int | None
+    metadata: dict
+    ready: dict[str, int] = field(default_factory=dict)  # column -> dim-0 length (0 for scalars)
+
+
+@dataclass
+class _Partition:
+    num_rows: int | None
+    capacity: int | None
+    group_size: int | None
+    closed_columns: bool  # columns declared at creation: no others may be written or requested
+    schema: dict[str, ColumnSpec]
+    sealed: bool = False
+    rows: dict[int, _Row] = field(default_factory=dict)  # insertion order = append order
+    consumed: dict[str, set[int]] = field(default_factory=dict)
+    acked: dict[str, set[int]] = field(default_factory=dict)
+    retired: set[int] = field(default_factory=set)  # acknowledged by every registered task
+
+    @property
+    def complete(self) -> bool:
+        return self.sealed or (self.num_rows is not None and len(self.rows) >= self.num_rows)
+
+
+class Controller:
+    def __init__(
+        self, num_storage_units: int = 1, capacity: int | None = None, on_full: str = "block", tasks: Sequence[str] = ()
+    ) -> None:
+        if on_full not in ("block", "error"):
+            raise ValueError(f"on_full must be 'block' or 'error', got {on_full!r}")
+        self.num_storage_units = num_storage_units
+        self.capacity = capacity
+        self.on_full = on_full
+        self._cond = threading.Condition(threading.RLock())
+        self._partitions: dict[str, _Partition] = {}
+        self._cleared: dict[str, str] = {}  # name -> "consumed" (finished by every registered task) or "cleared"
+        self.on_clear: Callable[[str], None] | None = None  # drops the partition's data from the storage units
+        self._tasks: list[str] = list(dict.fromkeys(tasks))
+        self._next_index = 0
+        self._counters: Counter[str] = Counter()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def create_partition(
+        self,
+        partition: str,
+        num_rows: int | None = None,
+        columns: dict[str, ColumnSpec] | None = None,
+        capacity: int | None = None,
+        group_size: int | None = None,
+    ) -> None:
+        """Declare a partition. `columns` closes its column set; `capacity` overrides the queue default."""
+        with self._cond:
+            if partition in self._partitions:
+                raise ValueError(f"partition {partition!r} already exists")
+            self._check_not_cleared(partition, "create")
+            self._partitions[partition] = _Partition(
+                num_rows, capacity if capacity is not None else self.capacity, group_size,
+                columns is not None, dict(columns or {}),
+            )  # fmt: skip
+            self._cond.notify_all()
+
+    def register_task(self, task: str) -> None:
+        """A task whose consumption gates capacity and clearing, in every partition."""
+        with self._cond:
+            if task not in self._tasks:
+                self._tasks.append(task)
+                for part in self._partitions.values():
+                    self._recount_retired(part)
+                self._cond.notify_all()
+
+    def seal(self, partition: str) -> None:
+        """No more rows will be appended: consumers drain the rest and then see the partition exhausted."""
+        with self._cond:
+            part = self._partition_for_write(partition, "seal")
+            part.sealed = True
+            self._clear_if_finished(partition, part)
+            self._cond.notify_all()
+
+    def ack(self, partition: str, task: str, indices: Sequence[int]) -> None:
+        """`task` is done with these rows it was handed. Clears the partition once it is complete and every
+        registered task acknowledged every row."""
+        with self._cond:
+            if not indices or self._cleared.get(partition) == "consumed":
+                return
+            part = self._partition_for_write(partition, f"acknowledge row {indices[0]} (task {task!r}) of", create=False)
+            consumed = part.consumed.get(task, set())
+            stray = [i for i in indices if i not in consumed]
+            if stray:
+                raise UnknownRowError(f"partition {partition!r} row {stray[0]}: task {task!r} acknowledged a row it was not handed")
+            part.acked.setdefault(task, set()).update(indices)
+            self._retire(part, indices)
+            self._clear_if_finished(partition, part)
+            self._cond.notify_all()
+
+    def clear(self, partition: str) -> None:
+        """Drop the partition now, whoever still wanted it; later writes and requests fail."""
+        with self._cond:
+            self._clear(partition, "cleared")
+            self._cond.notify_all()
+
+    def reset(self, partition: str, task: str | None = None, indices: Sequence[int] | None = None) -> None:
+        """Forget consumption (of `indices`, or all rows) by `task` (or every task), e.g. to retry."""
+        with self._cond:
+            part = self._partition_for_write(partition, "reset", create=False)
+            for name in [task] if task is not None else list(part.consumed):
+                for bits in (part.consumed.setdefault(name, set()), part.acked.setdefault(name, set())):
+                    bits.clear() if indices is None else bits.difference_update(indices)
+            self._recount_retired(part)
+            self._cond.notify_all()
+
+    # ---- producing -----------------------------------------------------------------------------
+    def try_allocate(
+        self,
+        partition: str,
+        num: int,
+        columns: dict[str, ColumnSpec],
+        group_ids: Sequence[int | None],
+        weight_versions: Sequence[int | None],
+        metadata: Sequence[dict],
+    ) -> list[int] | None:
+        """New global row indices for `num` rows about to be written with `columns`; None while full."""
+        with self._cond:
+            part = self._partition_for_write(partition, "append to")
+            if part.sealed:
+                raise PartitionClosedError(f"partition {partition!r} is sealed: cannot append {num} rows")
+            if part.num_rows is not None and len(part.rows) + num > part.num_rows:
+                raise PartitionClosedError(
+                    f"partition {partition!r} holds {len(part.rows)} of its num_rows={part.num_rows}: "
+                    f"cannot append {num} more"
+                )
+            self._check_schema(partition, part, columns, f"{self._next_index} (new)")
+            in_flight = len(part.rows) - len(part.retired)
+            if part.capacity is not None and in_flight + num > part.capacity:
+                if num > part.capacity or self.on_full == "error":
+                    raise CapacityError(self.explain_full(partition, num))
+                return None
+            indices = list(range(self._next_index, self._next_index + num))
+            self._next_index += num
+            for index, group_id, version, meta in zip(indices, group_ids, weight_versions, metadata):
+                part.rows[index] = _Row(group_id, version, dict(meta))
+            part.schema.update({c: spec for c, spec in columns.items() if c not in part.schema})
+            self._counters["rows_appended"] += num
+            self._cond.notify_all()
+            return indices
+
+    def allocate(self, partition: str, num: int, columns, group_ids, weight_versions, metadata, timeout: float):
+        """`try_allocate`, blocking up to `timeout` seconds while the partition is full (backpressure)."""
+        start = time.monotonic()
+        try:
+            return self._block(
+                lambda: self.try_allocate(partition, num, columns, group_ids, weight_versions, metadata),
+                timeout, lambda: self.explain_full(partition, num),
+            )  # fmt: skip
+        finally:
+            self.record_wait("backpressure", time.monotonic() - start)
+
+    def mark_ready(
+        self,
+        partition: str,
+        rows: Sequence[int],
+        columns: dict[str, ColumnSpec],
+        lengths: dict[str, list[int] | None],
+        weight_versions: Sequence[int | None] | None = None,
+        metadata: Sequence[dict | None] | None = None,
+    ) -> None:
+        """Called by a storage unit after storing cells: they become ready, with their row-level fields."""
+        with self._cond:
+            column_names = ", ".join(columns)
+            part = self._partition_for_write(partition, f"write row {rows[0]} column(s) {column_names} of", create=False)
+            for row in rows:
+                if row not in part.rows:
+                    raise UnknownRowError(f"partition {partition!r} row {row} column(s) {column_names}: no such row")
+            self._check_schema(partition, part, columns, rows[0])
+            for column in columns:
+                for row in rows:
+                    if column in part.rows[row].ready:
+                        raise FilledCellError(f"partition {partition!r} row {row} column {column!r}: already written")
+            for i, row in enumerate(rows):
+                entry = part.rows[row]
+                for column, column_lengths in lengths.items():
+                    entry.ready[column] = 0 if column_lengths is None else column_lengths[i]
+                if weight_versions is not None and weight_versions[i] is not None:
+                    entry.weight_version = weight_versions[i]
+                if metadata is not None and metadata[i]:
+                    entry.metadata.update(metadata[i])
+            part.schema.update({c: spec for c, spec in columns.items() if c not in part.schema})
+            for column in columns:
+                self._counters[f"produced/{column}"] += len(rows)
+            self._cond.notify_all()
+
+    # ---- consuming -----------------------------------------------------------------------------
+    def try_request(
+        self, partition: str, task: str, columns: Sequence[str], batch_size: int, sampler: Sampler | None = None
+    ) -> BatchMeta | None:
+        """Pick, mark consumed and describe rows for `task`. None: nothing to hand out yet. An empty
+        BatchMeta: the partition is complete and `task` consumed all of it (or, for a registered task,
+        it was cleared because every registered task finished it)."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        sampler = sampler or OldestFirst()
+        with self._cond:
+            part = self._partitions.get(partition)
+            if part is None:
+                if self._cleared.get(partition) == "consumed" and task in self._tasks:
+                    return BatchMeta(partition, task, list(columns))
+                self._check_not_cleared(partition, f"request (task {task!r}) from")
+                return None
+            unknown = [c for c in columns if part.closed_columns and c not in part.schema]
+            if unknown:
+                raise UnknownColumnError(
+                    f"partition {partition!r} column {unknown[0]!r}: requested by task {task!r} but not declared "
+                    f"(columns: {sorted(part.schema)})"
+                )
+            consumed = part.consumed.get(task, set())
+            pending = [i for i in part.rows if i not in consumed]
+            if part.complete and not pending:
+                self._clear_if_finished(partition, part)
+                return BatchMeta(partition, task, list(columns))
+            length_columns = sampler.length_columns or columns
+            candidates = [
+                Candidate(i, row.group_id, row.weight_version, sum(row.ready.get(c, 0) for c in length_columns))
+                for i, row in ((i, part.rows[i]) for i in pending)
+                if all(c in row.ready for c in columns)
+            ]
+            if not candidates:
+                return None
+            drain = part.complete and len(candidates) == len(pending)
+            parts = sampler.select(candidates, batch_size, drain, part.group_size)
+            chosen = [i for p in parts for i in p]
+            if not chosen:
+                if drain:
+                    raise TransferError(
+                        f"partition {partition!r} is complete but {sampler!r} cannot batch the {len(candidates)} rows "
+                        f"task {task!r} has left (rows {[c.index for c in candidates[:8]]})"
+                    )
+                return None
+            allowed = {c.index for c in candidates}
+            if len(set(chosen)) != len(chosen) or not allowed.issuperset(chosen):
+                raise TransferError(f"{sampler!r} returned rows that are not distinct ready candidates: {chosen}")
+            part.consumed.setdefault(task, set()).update(chosen)
+            self._counters[f"consumed/{task}"] += len(chosen)
+            for column in columns:
+                self._counters[f"consumed/{task}/{column}"] += len(chosen)
+            self._cond.notify_all()
+            rows = [part.rows[i] for i in chosen]
+            return BatchMeta(
+                partition, task, list(columns), chosen,
+                units=[i % self.num_storage_units for i in chosen],
+                lengths={c: [row.ready[c] for row in rows] for c in columns},
+                group_ids=[row.group_id for row in rows],
+                weight_versions=[row.weight_version for row in rows],
+                metadata=[dict(row.metadata) for row in rows],
+                parts=[len(p) for p in parts],
+            )  # fmt: skip
+
+    def request(
+        self,
+        partition: str,
+        task: str,
+        columns: Sequence[str],
+        batch_size: int,
+        sampler: Sampler | None = None,
+        timeout: float = 60.0,
+        block: bool = True,
+        ack: Sequence[int] = (),
+    ) -> BatchMeta | None:
+        """`ack` the rows of the previous batch, then `try_request`, waiting up to `timeout` seconds for a
+        batch (or returning None at once if not `block`)."""
+        self.ack(partition, task, ack)
+        start = time.monotonic()
+        try:
+            attempt = lambda: self.try_request(partition, task, columns, batch_size, sampler)  # noqa: E731
+            if not block:
+                return attempt()
+            return self._block(attempt, timeout, lambda: self.explain_request(partition, task, columns, batch_size))
+        finally:
+            self.record_wait(task, time.monotonic() - start)
+
+    # ---- introspection, metrics, checkpoints ----------------------------------------------------
+    def status(self, partition: str) -> dict:
+        with self._cond:
+            part = self._partitions.get(partition)
+            if part is None:
+                return {"exists": False, "cleared": self._cleared.get(partition)}
+            ready = Counter(c for row in part.rows.values() for c in row.ready)
+            return {
+                "exists": True, "rows": len(part.rows), "complete": part.complete, "sealed": part.sealed,
+                "in_flight": len(part.rows) - len(part.retired), "ready": dict(ready),
+                "consumed": {t: len(s) for t, s in part.consumed.items()}, "acked": {t: len(s) for t, s in part.acked.items()},
+            }  # fmt: skip
+
+    def explain_request(self, partition: str, task: str, columns: Sequence[str], batch_size: int) -> str:
+        with self._cond:
+            part = self._partitions.get(partition)
+            if part is None:
+                return f"task {task!r}: partition {partition!r} does not exist"
+            consumed = part.consumed.get(task, set())
+            pending = [row for i, row in part.rows.items() if i not in consumed]
+            ready = sum(all(c in row.ready for c in columns) for row in pending)
+            return (
+                f"task {task!r} wants {batch_size} rows of partition {partition!r} with columns {list(columns)} ready: "
+                f"{ready} of its {len(pending)} unconsumed rows are ready, partition complete={part.complete}"
+            )
+
+    def explain_full(self, partition: str, num: int) -> str:
+        with self._cond:
+            part = self._partitions[partition]
+            return (
+                f"partition {partition!r} is full: cannot append {num} rows, {len(part.rows) - len(part.retired)} "
+                f"in flight of capacity {part.capacity} (registered tasks {self._tasks} must acknowledge rows first)"
+            )
+
+    def record_wait(self, who: str, seconds: float) -> None:
+        with self._cond:
+            self._counters[f"wait_s/{who}"] += seconds
+            self._counters[f"waits/{who}"] += 1
+            self._counters[f"wait_max_s/{who}"] = max(self._counters[f"wait_max_s/{who}"], seconds)
+
+    def metrics(self) -> dict[str, float]:
+        with self._cond:
+            return dict(self._counters)
+
+    def state_dict(self) -> dict:
+        """Plain Python (loadable with `torch.load(weights_only=True)`)."""
+        with self._cond:
+            partitions = {
+                name: {
+                    "num_rows": p.num_rows, "capacity": p.capacity, "group_size": p.group_size,
+                    "closed_columns": p.closed_columns, "sealed": p.sealed,
+                    "schema": {c: spec.to_plain() for c, spec in p.schema.items()},
+                    "rows": {i: [r.group_id, r.weight_version, dict(r.metadata), dict(r.ready)] for i, r in p.rows.items()},
+                    "consumed": {t: sorted(s) for t, s in p.consumed.items()}, "acked": {t: sorted(s) for t, s in p.acked.items()},
+                }
+                for name, p in self._partitions.items()
+            }  # fmt: skip
+            return {
+                "next_index": self._next_index, "tasks": list(self._tasks), "cleared": dict(self._cleared),
+                "partitions": partitions, "counters": dict(self._counters),
+            }  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        with self._cond:
+            self._next_index = state["next_index"]
+            self._tasks = list(state["tasks"])
+            self._cleared = dict(state["cleared"])
+            self._counters = Counter(state["counters"])
+            self._partitions = {}
+            for name, p in state["partitions"].items():
+                part = _Partition(
+                    p["num_rows"], p["capacity"], p["group_size"], p["closed_columns"],
+                    {c: ColumnSpec.from_plain(s) for c, s in p["schema"].items()}, p["sealed"],
+                    {int(i): _Row(g, v, dict(m), dict(r)) for i, (g, v, m, r) in p["rows"].items()},
+                    {t: set(s) for t, s in p["consumed"].items()}, {t: set(s) for t, s in p["acked"].items()},
+                )  # fmt: skip
+                self._recount_retired(part)
+                self._partitions[name] = part
+            self._cond.notify_all()
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _block(self, attempt: Callable[[], T | None], timeout: float, explain: Callable[[], str]) -> T:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                result = attempt()
+                if result is not None:
+                    return result
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransferTimeout(f"timed out after {timeout:.3g}s: {explain()}")
+                self._cond.wait(remaining)
+
+    def _clear(self, partition: str, reason: str) -> None:
+        self._partitions.pop(partition, None)
+        self._cleared[partition] = reason
+        self._counters["partitions_cleared"] += 1
+        if self.on_clear is not None:
+            self.on_clear(partition)
+
+    def _clear_if_finished(self, partition: str, part: _Partition) -> None:
+        if self._tasks and part.complete and len(part.retired) == len(part.rows):
+            self._clear(partition, "consumed")
+            self._cond.notify_all()
+
+    def _check_not_cleared(self, partition: str, action: str) -> None:
+        if partition in self._cleared:
+            raise PartitionClosedError(f"cannot {action} partition {partition!r}: it was cleared")
+
+    def _partition_for_write(self, partition: str, action: str, create: bool = True) -> _Partition:
+        part = self._partitions.get(partition)
+        if part is None:
+            self._check_not_cleared(partition, action)
+            if not create:
+                raise UnknownPartitionError(f"cannot {action} partition {partition!r}: it does not exist")
+            part = self._partitions[partition] = _Partition(None, self.capacity, None, False, {})
+        return part
+
+    def _check_schema(self, partition: str, part: _Partition, columns: dict[str, ColumnSpec], row) -> None:
+        for column, spec in columns.items():
+            known = part.schema.get(column)
+            if known is None and part.closed_columns:
+                raise UnknownColumnError(
+                    f"partition {partition!r} row {row} column {column!r}: not declared (columns: {sorted(part.schema)})"
+                )
+            if known is not None and known != spec:
+                raise ColumnSchemaError(
+                    f"partition {partition!r} row {row} column {column!r}: value is {spec.describe()}, "
+                    f"but the column holds {known.describe()}"
+                )
+
+    def _retire(self, part: _Partition, rows: Sequence[int]) -> None:
+        if self._tasks:
+            part.retired.update(r for r in rows if all(r in part.acked.get(t, ()) for t in self._tasks))
+
+    def _recount_retired(self, part: _Partition) -> None:
+        part.retired = set()
+        self._retire(part, list(part.rows))

@@ -1,0 +1,127 @@
+"""Storage unit: one shard of the TransferQueue's data, columnar, holding the rows with `index % N == rank`.
+
+Owns: cells (partition -> column -> row -> tensor, a view into the packed block the row arrived
+in, so a write costs no extra copy) and byte counters. It knows nothing of readiness or consumers.
+
+Invariants:
+- A cell is written once: `store` checks every cell of a call before storing any of them.
+- `write` stores first and then notifies the controller, so a cell the controller calls ready is
+  always readable; if the controller rejects the write, this call's cells are discarded and the
+  unit is exactly as before.
+- Stored tensors are copies of what producers passed (the client packs into new tensors) and
+  reads return new tensors, so neither side can alter the other's data.
+- The lock covers only dictionary updates and lookups; tensor copies for reads run outside it, so
+  reads and writes proceed concurrently.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Callable, Sequence
+
+import torch
+
+from asyncflow.transfer.schema import ColumnSpec, FilledCellError, Packed, UnknownRowError, spec_of, unpack_rows
+
+
+class StorageUnit:
+    def __init__(self, notify: Callable[..., None] | None = None) -> None:
+        """`notify(partition, rows, specs, lengths, weight_versions, metadata)`: the controller's `mark_ready`."""
+        self._notify = notify
+        self._cells: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+        self._lock = threading.Lock()
+        self._counters: Counter[str] = Counter()
+
+    def store(
+        self, partition: str, rows: Sequence[int], columns: dict[str, Packed]
+    ) -> tuple[dict[str, ColumnSpec], dict[str, list[int] | None]]:
+        """Keep the cells; returns what the controller needs to mark them ready (specs, lengths)."""
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"partition {partition!r}: duplicate rows in one write: {list(rows)}")
+        views = {column: unpack_rows(packed) for column, packed in columns.items()}
+        with self._lock:
+            table = self._cells.setdefault(partition, {})
+            for column in columns:
+                cells = table.get(column, {})
+                for row in rows:
+                    if row in cells:
+                        raise FilledCellError(f"partition {partition!r} row {row} column {column!r}: already written")
+            for column, column_views in views.items():
+                table.setdefault(column, {}).update(zip(rows, column_views))
+            self._counters["bytes_written"] += sum(v.numel() * v.element_size() for v, _ in columns.values())
+            self._counters["cells_written"] += len(rows) * len(columns)
+        return {c: spec_of(p) for c, p in columns.items()}, {c: p[1] for c, p in columns.items()}
+
+    def discard(self, partition: str, rows: Sequence[int], columns: Sequence[str]) -> None:
+        with self._lock:
+            table = self._cells.get(partition, {})
+            for column in columns:
+                for row in rows:
+                    table.get(column, {}).pop(row, None)
+
+    def write(self, partition: str, rows: Sequence[int], columns: dict[str, Packed], weight_versions=None, metadata=None):
+        """Store, then tell the controller which cells became ready (with row-level field updates)."""
+        specs, lengths = self.store(partition, rows, columns)
+        try:
+            if self._notify is not None:
+                self._notify(partition, rows, specs, lengths, weight_versions, metadata)
+        except BaseException:
+            self.discard(partition, rows, list(columns))
+            raise
+
+    def read(self, partition: str, rows: Sequence[int], columns: Sequence[str]) -> dict[str, Packed]:
+        """Packed copies of the cells, rows in the order asked."""
+        gathered: dict[str, list[torch.Tensor]] = {}
+        with self._lock:
+            table = self._cells.get(partition, {})
+            for column in columns:
+                cells = table.get(column, {})
+                missing = [row for row in rows if row not in cells]
+                if missing:
+                    raise UnknownRowError(
+                        f"partition {partition!r} row {missing[0]} column {column!r}: not stored "
+                        "(never written, or the partition was cleared)"
+                    )
+                gathered[column] = [cells[row] for row in rows]
+        out: dict[str, Packed] = {}
+        for column, cells in gathered.items():
+            if cells and cells[0].dim() == 0:
+                out[column] = (torch.stack(cells), None)
+            else:
+                out[column] = (torch.cat(cells), [int(c.shape[0]) for c in cells])
+        with self._lock:
+            self._counters["bytes_read"] += sum(v.numel() * v.element_size() for v, _ in out.values())
+        return out
+
+    def drop(self, partition: str) -> None:
+        with self._lock:
+            self._cells.pop(partition, None)
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._counters)
+
+    def state_dict(self) -> dict:
+        """{partition: {column: [rows, values, lengths]}} with each column packed into one tensor."""
+        with self._lock:
+            snapshot = {p: {c: dict(cells) for c, cells in table.items()} for p, table in self._cells.items()}
+        state: dict = {}
+        for partition, table in snapshot.items():
+            state[partition] = {}
+            for column, cells in table.items():
+                rows = sorted(cells)
+                if not rows:
+                    continue
+                scalar = cells[rows[0]].dim() == 0
+                values = torch.stack([cells[r] for r in rows]) if scalar else torch.cat([cells[r] for r in rows])
+                state[partition][column] = [rows, values, None if scalar else [int(cells[r].shape[0]) for r in rows]]
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        cells = {
+            partition: {column: dict(zip(rows, unpack_rows((values, lengths)))) for column, (rows, values, lengths) in table.items()}
+            for partition, table in state.items()
+        }
+        with self._lock:
+            self._cells = cells

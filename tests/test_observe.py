@@ -1,0 +1,271 @@
+"""Tests for asyncflow.observe: metrics log, plots, worker timeline and progress reporting."""
+
+import io
+import json
+import logging
+import math
+import pickle
+import threading
+import time
+
+import pytest
+from rich.console import Console
+
+from asyncflow.observe import (
+    MetricsLogger,
+    Timeline,
+    TrainProgress,
+    format_metrics,
+    plot_curves,
+    plot_metrics,
+    read_metrics,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+# ---------------------------------------------------------------- metrics
+
+
+def _scalars(run_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(run_dir / "tensorboard"))
+    accumulator.Reload()
+    return [(event.step, event.value) for event in accumulator.Scalars(tag)]
+
+
+def test_metrics_jsonl_format_and_roundtrip(tmp_path):
+    with MetricsLogger(tmp_path) as logger:
+        logger.log(0, {"reward/mean": 0.5, "loss": 2, "kl": float("nan")})
+        logger.log(1, {"loss": float("inf"), "reward/mean": 0.75})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert lines[0] == '{"step": 0, "kl": null, "loss": 2.0, "reward/mean": 0.5}'
+    assert lines[1] == '{"step": 1, "loss": null, "reward/mean": 0.75}'
+    rows = read_metrics(tmp_path)
+    assert rows[0]["step"] == 0 and rows[0]["loss"] == 2.0 and math.isnan(rows[0]["kl"])
+    assert rows[1]["reward/mean"] == 0.75
+    assert _scalars(tmp_path, "reward/mean") == [(0, 0.5), (1, 0.75)]
+
+
+def test_metrics_accept_numpy_and_tensor_scalars(tmp_path):
+    import numpy as np
+    import torch
+
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        logger.log(3, {"a": np.float32(1.5), "b": torch.tensor(2.0), "c": np.int64(4)})
+    assert read_metrics(tmp_path) == [{"step": 3, "a": 1.5, "b": 2.0, "c": 4.0}]
+    assert not (tmp_path / "tensorboard").exists()
+
+
+def test_metrics_resume_truncates_later_steps(tmp_path):
+    with MetricsLogger(tmp_path) as logger:
+        for step in range(5):
+            logger.log(step, {"x": step})
+    with MetricsLogger(tmp_path, resume_from_step=2) as logger:
+        assert [row["step"] for row in read_metrics(tmp_path)] == [0, 1, 2]
+        logger.log(3, {"x": 30})
+    assert [(row["step"], row["x"]) for row in read_metrics(tmp_path)] == [(0, 0), (1, 1), (2, 2), (3, 30)]
+    # TensorBoard discards the abandoned steps 3 and 4 of the first attempt
+    assert _scalars(tmp_path, "x") == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+def test_metrics_bad_input_errors(tmp_path):
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        with pytest.raises(ValueError, match="step must be a non-negative int"):
+            logger.log(-1, {"x": 1})
+        with pytest.raises(ValueError, match="step must be a non-negative int"):
+            logger.log(1.0, {"x": 1})
+        with pytest.raises(TypeError, match="metric 'x' must be a number, got str"):
+            logger.log(1, {"x": "0.5"})
+        with pytest.raises(ValueError, match="other than 'step'"):
+            logger.log(1, {"step": 3})
+    with pytest.raises(RuntimeError, match="is closed"):
+        logger.log(2, {"x": 1})
+    assert read_metrics(tmp_path) == []
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "x": 1}\n{"step": 1, "x"\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not valid JSON"):
+        read_metrics(tmp_path)
+
+
+# ---------------------------------------------------------------- plots
+
+
+def _is_png(path):
+    return path.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_plot_metrics_from_run_dir_skips_absent_keys(tmp_path):
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        for step in range(6):
+            logger.log(step, {"reward/mean": step / 5, "loss": 1.0 / (step + 1)})
+    out = plot_metrics(tmp_path, keys=("reward/mean", "eval/accuracy", "loss"))
+    assert out == tmp_path / "metrics.png" and _is_png(out)
+    assert plot_metrics(tmp_path, keys=("eval/accuracy",), out_png=tmp_path / "none.png") is None
+    assert not (tmp_path / "none.png").exists()
+
+
+def test_plot_metrics_from_rows_needs_out_png(tmp_path):
+    rows = [{"step": 0, "eval/accuracy": 0.1}, {"step": 1, "eval/accuracy": math.nan}, {"step": 2}]
+    assert _is_png(plot_metrics(rows, out_png=tmp_path / "sub" / "p.png"))
+    with pytest.raises(ValueError, match="out_png is required"):
+        plot_metrics(rows)
+
+
+def test_plot_curves_compares_runs_and_rejects_unknown_keys(tmp_path):
+    runs = {
+        "sync": [{"samples": 64 * i, "reward/mean": i / 10} for i in range(5)],
+        "async": [{"samples": 64 * i, "reward/mean": i / 8} for i in range(5)],
+        "empty": [],
+    }
+    assert _is_png(plot_curves(runs, "samples", "reward/mean", tmp_path / "cmp.png", title="reward vs samples"))
+    with pytest.raises(ValueError, match=r"no run has both 'time/wall_s' and 'reward/mean'; keys present: \["):
+        plot_curves(runs, "time/wall_s", "reward/mean", tmp_path / "x.png")
+
+
+# ---------------------------------------------------------------- timeline
+
+
+def test_span_measures_block_and_records_on_error():
+    timeline = Timeline()
+    with timeline.span("rollout/0", "generate", batch=4):
+        time.sleep(0.02)
+    with pytest.raises(KeyError), timeline.span("trainer", "step"):
+        raise KeyError("boom")
+    timeline.instant("trainer", "weights_published", version=1)
+    generate, step, instant = timeline.events
+    assert generate["worker"] == "rollout/0" and generate["args"] == {"batch": 4}
+    assert 0.015 <= generate["end_s"] - generate["start_s"] < 1.0
+    assert abs(generate["start_s"] - time.time()) < 5  # wall-clock seconds
+    assert step["name"] == "step" and step["end_s"] >= step["start_s"]
+    assert instant["kind"] == "instant" and instant["start_s"] == instant["end_s"]
+
+
+def test_recording_is_thread_safe():
+    timeline = Timeline()
+
+    def record(worker):
+        for index in range(200):
+            timeline.add_span(worker, "work", index, index + 0.5)
+
+    threads = [threading.Thread(target=record, args=(f"w{n}",)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(timeline.events) == 800
+    assert sorted(timeline.workers()) == ["w0", "w1", "w2", "w3"]
+
+
+def test_events_ship_between_processes_and_merge():
+    remote = Timeline()
+    remote.add_span("reward", "score", 10.0, 11.0, rows=8)
+    shipped = pickle.loads(pickle.dumps(remote.events))
+    shipped = json.loads(json.dumps(shipped))
+    local = Timeline()
+    local.add_span("trainer", "step", 10.5, 12.0)
+    local.merge(shipped)
+    local.merge(Timeline([{"kind": "span", "worker": "ref", "name": "logp", "start_s": 1, "end_s": 2}]))
+    assert [(e["worker"], e["name"]) for e in local.events] == [("trainer", "step"), ("reward", "score"),
+                                                               ("ref", "logp")]
+    assert local.events[1]["args"] == {"rows": 8}
+
+
+def test_bad_events_are_rejected():
+    timeline = Timeline()
+    with pytest.raises(ValueError, match="ends .* before it starts"):
+        timeline.add_span("w", "x", 2.0, 1.0)
+    with pytest.raises(ValueError, match="worker must be a non-empty string"):
+        timeline.add_span("", "x", 1.0, 2.0)
+    with pytest.raises(ValueError, match=r"timeline event 1 must be a dict with keys"):
+        timeline.merge([{"kind": "span", "worker": "w", "name": "a", "start_s": 0, "end_s": 1}, {"worker": "w"}])
+    with pytest.raises(ValueError, match="timeline event 0: kind must be 'span' or 'instant'"):
+        timeline.merge([{"kind": "flow", "worker": "w", "name": "a", "start_s": 0, "end_s": 1}])
+    assert timeline.events == []
+
+
+def test_chrome_trace_layout(tmp_path):
+    timeline = Timeline()
+    timeline.add_span("rollout", "generate", 100.0, 100.5, version=3)
+    timeline.add_span("trainer", "step", 100.25, 101.0)
+    timeline.instant("trainer", "publish")
+    path = timeline.to_chrome_trace(tmp_path / "timeline.json")
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"]
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names == {(1, 1): "rollout", (2, 2): "trainer"}
+    spans = {e["name"]: e for e in events if e["ph"] == "X"}
+    assert spans["generate"]["ts"] == 0 and spans["generate"]["dur"] == pytest.approx(500_000)
+    assert spans["step"]["ts"] == pytest.approx(250_000) and (spans["step"]["pid"], spans["step"]["tid"]) == (2, 2)
+    assert spans["generate"]["args"] == {"version": 3}
+    assert [e["name"] for e in events if e["ph"] == "i"] == ["publish"]
+    assert trace["otherData"]["origin_unix_s"] == 100.0
+
+
+def test_idle_fractions_union_wait_and_window():
+    timeline = Timeline()
+    timeline.add_span("rollout", "generate", 0.0, 6.0)
+    timeline.add_span("rollout", "generate", 4.0, 8.0)  # overlaps: busy 0..8, not 10 s
+    timeline.add_span("trainer", "wait_batch", 0.0, 4.0)  # waiting is idle
+    timeline.add_span("trainer", "step", 4.0, 9.0)
+    timeline.add_span("ref", "wait_weights", 2.0, 10.0)
+    timeline.instant("logger", "tick")
+    idle = timeline.idle_fractions()  # window 0..10
+    assert idle == pytest.approx({"rollout": 0.2, "trainer": 0.5, "ref": 1.0})
+    assert timeline.idle_fractions(window=(4.0, 8.0)) == pytest.approx({"rollout": 0.0, "trainer": 0.0, "ref": 1.0})
+    with pytest.raises(ValueError, match="has no length"):
+        timeline.idle_fractions(window=(5.0, 5.0))
+    assert Timeline().idle_fractions() == {}
+
+
+def test_gantt_png(tmp_path):
+    timeline = Timeline()
+    for index in range(3):
+        timeline.add_span("rollout", "generate", index, index + 0.8)
+        timeline.add_span("trainer", "wait_batch", index, index + 0.5)
+        timeline.add_span("trainer", "step", index + 0.5, index + 1.0)
+    assert _is_png(timeline.gantt_png(tmp_path / "gantt.png"))
+    assert _is_png(Timeline().gantt_png(tmp_path / "empty.png"))
+
+
+# ---------------------------------------------------------------- progress
+
+
+def test_format_metrics():
+    metrics = {"reward/mean": 0.4213, "eval/accuracy": 0.3, "loss": 12345.6}
+    assert format_metrics(metrics, {"reward": "reward/mean", "acc": "eval/accuracy", "kl": "kl"}) == \
+        "reward 0.421  acc 0.3"
+    assert format_metrics(metrics) == "eval/accuracy 0.3  loss 1.235e+04  reward/mean 0.421"
+
+
+def test_progress_logs_every_n_steps_without_a_terminal(caplog):
+    console = Console(file=io.StringIO(), force_terminal=False)
+    with caplog.at_level(logging.INFO, logger="asyncflow.progress"):
+        with TrainProgress(25, initial=5, log_every=10, console=console, show={"reward": "reward/mean"}) as bar:
+            assert not bar.live
+            for step in range(6, 26):
+                bar.update(step, {"reward/mean": step / 100})
+    lines = [record.getMessage() for record in caplog.records]
+    assert [line.split("  ")[0] for line in lines] == ["train step 15/25", "train step 25/25"]
+    assert "reward 0.15" in lines[0] and "step/s" in lines[0]
+    assert console.file.getvalue() == ""
+
+
+def test_progress_draws_bar_with_metrics_on_a_terminal():
+    console = Console(file=io.StringIO(), force_terminal=True, width=160)
+    with TrainProgress(10, console=console) as bar:
+        assert bar.live
+        bar.update(1, {"eval/accuracy": 0.31})
+        bar.update(2, {"reward/mean": 0.42})  # accuracy stays shown from the earlier step
+    output = console.file.getvalue()
+    assert "2/10" in output and "reward/mean 0.42" in output and "eval/accuracy 0.31" in output
+
+
+def test_progress_disabled_on_a_terminal_and_bad_arguments():
+    console = Console(file=io.StringIO(), force_terminal=True)
+    with TrainProgress(3, enabled=False, console=console) as bar:
+        bar.update(3)
+    assert not bar.live and console.file.getvalue() == ""
+    with pytest.raises(ValueError, match="need 0 <= initial <= total_steps"):
+        TrainProgress(3, initial=4)
+    with pytest.raises(ValueError, match="log_every must be >= 1"):
+        TrainProgress(3, log_every=0)

@@ -1,0 +1,169 @@
+"""Controller invariants under random interleavings of appends, writes, requests and resets (hypothesis),
+and the samplers' contracts."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
+
+from asyncflow.transfer import (
+    ColumnSpec,
+    Controller,
+    FilledCellError,
+    GroupSampler,
+    OldestFirst,
+    SimilarLength,
+    TokenBalanced,
+    TransferError,
+    karmarkar_karp,
+)
+
+SPEC = ColumnSpec(torch.int64)
+TASKS = ("rollout", "trainer")
+COLUMN_SETS = (("prompt",), ("prompt", "response"), ("response",))
+
+
+class ControllerMachine(RuleBasedStateMachine):
+    """A model of which cells are ready and which rows each task received, checked on every request."""
+
+    def __init__(self):
+        super().__init__()
+        self.ctrl = Controller(num_storage_units=3, tasks=TASKS)
+        self.ready: dict[int, set[str]] = {}
+        self.delivered: dict[str, set[int]] = {t: set() for t in TASKS}
+
+    def _mark(self, rows, column):
+        self.ctrl.mark_ready("p", rows, {column: SPEC}, {column: [r % 7 + 1 for r in rows]})
+        for r in rows:
+            self.ready[r].add(column)
+
+    @rule(num=st.integers(1, 4), with_response=st.booleans())
+    def append(self, num, with_response):
+        columns = ["prompt"] + (["response"] if with_response else [])
+        rows = self.ctrl.try_allocate("p", num, {c: SPEC for c in columns}, [None] * num, [None] * num, [{}] * num)
+        assert len(set(rows) | set(self.ready)) == len(rows) + len(self.ready), "indices must be fresh"
+        self.ready.update({r: set() for r in rows})
+        for column in columns:
+            self._mark(rows, column)
+
+    @precondition(lambda self: any("response" not in c for c in self.ready.values()))
+    @rule(data=st.data())
+    def write_response(self, data):
+        missing = sorted(r for r, c in self.ready.items() if "response" not in c)
+        self._mark(data.draw(st.lists(st.sampled_from(missing), min_size=1, max_size=3, unique=True)), "response")
+
+    @precondition(lambda self: self.ready)
+    @rule(data=st.data())
+    def second_write_is_rejected_and_changes_nothing(self, data):
+        row = data.draw(st.sampled_from(sorted(self.ready)))
+        column = data.draw(st.sampled_from(sorted(self.ready[row])))
+        fresh = [r for r, c in self.ready.items() if column not in c][:1]  # a valid cell in the same call
+        before = self.ctrl.state_dict()
+        with pytest.raises(FilledCellError, match=f"partition 'p' row {row} column '{column}'"):
+            self.ctrl.mark_ready("p", fresh + [row], {column: SPEC}, {column: [1] * (len(fresh) + 1)})
+        assert self.ctrl.state_dict() == before
+
+    @rule(task=st.sampled_from(TASKS), columns=st.sampled_from(COLUMN_SETS), batch_size=st.integers(1, 5))
+    def request(self, task, columns, batch_size):
+        meta = self.ctrl.try_request("p", task, list(columns), batch_size)
+        deliverable = [r for r, c in self.ready.items() if set(columns) <= c and r not in self.delivered[task]]
+        if meta is None:
+            assert len(deliverable) < batch_size
+            return
+        assert len(meta) == batch_size
+        for row, unit, length in zip(meta.indices, meta.units, meta.lengths[columns[0]]):
+            assert set(columns) <= self.ready[row], "delivered before its columns were ready"
+            assert row not in self.delivered[task], "delivered twice"
+            assert unit == row % 3 and length == row % 7 + 1
+            self.delivered[task].add(row)
+
+    @precondition(lambda self: any(self.delivered.values()))
+    @rule(task=st.sampled_from(TASKS), data=st.data())
+    def reset_some(self, task, data):
+        if not self.delivered[task]:
+            return
+        rows = data.draw(st.lists(st.sampled_from(sorted(self.delivered[task])), max_size=3, unique=True))
+        self.ctrl.reset("p", task, rows)
+        self.delivered[task] -= set(rows)
+
+    def teardown(self):
+        """Complete the partition and drain it with acknowledgements: every row not yet delivered reaches each
+        task exactly once, and the partition clears right after the last acknowledgement."""
+        missing = [r for r, c in self.ready.items() if "response" not in c]
+        if missing:
+            self._mark(missing, "response")
+        self.ctrl.seal("p")
+        for task in TASKS:
+            self.ctrl.ack("p", task, sorted(self.delivered[task]))
+            got, last = [], []
+            while meta := self.ctrl.request("p", task, ["prompt", "response"], 3, timeout=0, ack=last):
+                got += meta.indices
+                last = meta.indices
+            self.ctrl.ack("p", task, last)
+            assert sorted(got) == sorted(set(self.ready) - self.delivered[task]), "rows lost or duplicated"
+        assert self.ctrl.status("p") == {"exists": False, "cleared": "consumed"}
+
+
+TestControllerMachine = ControllerMachine.TestCase
+TestControllerMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(0, 1000), max_size=30), k=st.integers(1, 6))
+def test_karmarkar_karp_partitions_everything_with_spread_at_most_the_largest_item(lengths, k):
+    parts = karmarkar_karp(lengths, k)
+    assert len(parts) == k
+    assert sorted(p for part in parts for p in part) == list(range(len(lengths)))
+    sums = [sum(lengths[p] for p in part) for part in parts]
+    assert max(sums) - min(sums) <= max(lengths, default=0)
+
+
+def _controller_with_rows(lengths, group_ids=None, versions=None):
+    ctrl = Controller()
+    n = len(lengths)
+    rows = ctrl.try_allocate("p", n, {"x": SPEC}, group_ids or [None] * n, versions or [None] * n, [{}] * n)
+    ctrl.mark_ready("p", rows, {"x": SPEC}, {"x": lengths})
+    return ctrl, rows
+
+
+def test_token_balanced_splits_a_batch_into_balanced_rank_parts():
+    lengths = [900, 850, 100, 120, 90, 400, 30, 500]
+    ctrl, rows = _controller_with_rows(lengths)
+    meta = ctrl.try_request("p", "trainer", ["x"], 8, TokenBalanced(dp_size=2))
+    per_rank = meta.split()
+    assert len(per_rank) == 2 and sorted(i for m in per_rank for i in m.indices) == rows
+    sums = [sum(m.lengths["x"]) for m in per_rank]
+    naive = [sum(lengths[:4]), sum(lengths[4:])]
+    assert abs(sums[0] - sums[1]) < abs(naive[0] - naive[1])
+    assert abs(sums[0] - sums[1]) <= max(lengths)
+
+
+def test_group_sampler_hands_out_only_complete_groups_oldest_first():
+    ctrl = Controller()
+    spec = {"x": SPEC}
+    first = ctrl.try_allocate("p", 3, spec, [0, 0, 1], [0, 0, 1], [{}] * 3)  # group 0 of 2 done, group 1 half
+    ctrl.mark_ready("p", first, spec, {"x": [1, 1, 1]})
+    sampler = GroupSampler(group_size=2)
+    assert ctrl.try_request("p", "t", ["x"], 4, sampler) is None  # only one complete group, need two
+    meta = ctrl.try_request("p", "t", ["x"], 2, sampler)
+    assert meta.indices == first[:2] and meta.group_ids == [0, 0]
+    assert ctrl.try_request("p", "t", ["x"], 2, sampler) is None  # group 1 incomplete
+    ctrl.seal("p")
+    with pytest.raises(TransferError, match="cannot batch"):
+        ctrl.try_request("p", "t", ["x"], 2, sampler)  # group 1 can never complete: a clear error, not a hang
+
+
+def test_group_sampler_takes_group_size_from_the_partition():
+    ctrl = Controller()
+    ctrl.create_partition("p", group_size=3)
+    rows = ctrl.try_allocate("p", 3, {"x": SPEC}, [5, 5, 5], [None] * 3, [{}] * 3)
+    ctrl.mark_ready("p", rows, {"x": SPEC}, {"x": [1, 2, 3]})
+    assert ctrl.try_request("p", "t", ["x"], 3, GroupSampler()).indices == rows
+
+
+def test_oldest_first_prefers_lower_weight_versions_and_similar_length_the_narrowest_window():
+    ctrl, rows = _controller_with_rows([5, 5, 5, 5], versions=[3, 1, 2, 1])
+    assert ctrl.try_request("p", "t", ["x"], 3, OldestFirst()).indices == [rows[1], rows[3], rows[2]]
+    ctrl, rows = _controller_with_rows([10, 300, 12, 11, 200, 14])
+    assert sorted(ctrl.try_request("p", "t", ["x"], 3, SimilarLength()).indices) == [rows[0], rows[2], rows[3]]
