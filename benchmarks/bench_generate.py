@@ -5,13 +5,14 @@ one process (so machine noise hits both alike), best of `--reps` runs (the least
 
 - equal lengths: a batch of B prompts of one length, exactly `--new-tokens` sampled tokens each
   (no stop tokens for either engine), T = 1, no top-k/top-p. Plain throughput, tokens/s.
-- long tail: `4 * B` prompts of mixed lengths, stop tokens that end a sample with probability of
+- long tail: `--tail-requests` prompts of mixed lengths, stop tokens that end a sample with probability of
   roughly 2-3% per token (lengths spread from a few to `--tail-max` tokens). `generate` runs
-  static batches of B (left-padded; a batch lasts as long as its longest sample), the engine
+  static batches of B = 16 (left-padded; a batch lasts as long as its longest sample), the engine
   keeps B slots busy (continuous batching). Useful tokens (up to and including the stop) per second.
 
     PYTHONPATH=src python benchmarks/bench_generate.py            # full (a few minutes on 2 cores)
     PYTHONPATH=src python benchmarks/bench_generate.py --quick    # < 60 s
+    PYTHONPATH=src python benchmarks/bench_generate.py --clock cpu --reps 5   # steadier on a busy machine
 """
 
 from __future__ import annotations
@@ -62,10 +63,13 @@ def ours_generate(engine, prompts: list[list[int]], max_new: int, stop: tuple[in
     return sum(len(c.response_ids) for c in engine.generate(requests, params))
 
 
+CLOCK = time.perf_counter
+
+
 def timed(fn) -> tuple[float, int]:
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     tokens = fn()
-    return time.perf_counter() - t0, tokens
+    return CLOCK() - t0, tokens
 
 
 def compare(label: str, hf_fn, ours_fn, max_new: int, reps: int) -> None:
@@ -88,16 +92,28 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--tail-max", type=int, default=256)
+    parser.add_argument("--tail-requests", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="torch intra-op threads (0 = torch default). 1 keeps numbers stable on a shared machine, where a "
+        "preempted OpenMP worker stalls every op; these tiny models gain little from more.",
+    )
+    parser.add_argument(
+        "--clock", choices=["wall", "cpu"], default="wall",
+        help="wall time, or this process's CPU time (steadier on a busy shared machine; with --threads 1 it "
+        "leaves out the time the process waited for a core)",
+    )
     args = parser.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.quick:
-        args.new_tokens, args.tail_max, args.reps = 64, 128, 2
-    if args.threads:
+        args.new_tokens, args.tail_max, args.tail_requests, args.reps = 48, 128, 32, 2
+    if args.threads > 0:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; sampling T=1, prompt {args.prompt_len}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock; sampling T=1, prompt {args.prompt_len}")
     print(f"{'workload':<34} {'hf tok':>7} {'hf tok/s':>9} {'our tok':>7} {'our tok/s':>9} {'ratio':>7}")
     with tempfile.TemporaryDirectory() as cache_dir:
         for preset in args.presets.split(","):
@@ -117,7 +133,7 @@ def main() -> None:
             if preset == args.presets.split(",")[0]:
                 batch_size = 16
                 engine = TorchInferenceEngine(model, max_batch_size=batch_size)
-                prompts = random_prompts(4 * batch_size, [8, 16, 32, 64], vocab, seed=1)
+                prompts = random_prompts(args.tail_requests, [8, 16, 32, 64], vocab, seed=1)
                 compare(
                     f"{preset} B={batch_size} long tail <={args.tail_max}",
                     lambda n: hf_generate(model, prompts, batch_size, n, STOP_TOKENS),

@@ -35,7 +35,8 @@ def make_samples(prompt_len: int, response_len: int, group_size: int, groups: in
     samples = []
     for g in range(groups):
         prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
-        samples += [TrainSample(prompt, [rng.randrange(3, vocab) for _ in range(response_len)], g) for _ in range(group_size)]
+        for _ in range(group_size):
+            samples.append(TrainSample(prompt, [rng.randrange(3, vocab) for _ in range(response_len)], g))
     return samples
 
 

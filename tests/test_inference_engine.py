@@ -13,6 +13,16 @@ from asyncflow.models.logprobs import TrainSample, response_logprobs
 STOP_MANY = tuple(range(40, 70))  # ~30% of the vocabulary: samples stop after a few tokens, at varied lengths
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy shared machine every op would wait for a
+    preempted OpenMP worker (a 128-wide linear then takes milliseconds)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def llama(tiny_llama_path):
     return load_model(tiny_llama_path).eval()

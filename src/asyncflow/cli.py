@@ -49,7 +49,7 @@ def cmd_train(args) -> int:
             run_sft(config, out)
         config = config.model_copy(update={"model": config.model.model_copy(update={"path": str(out)})})
     run = RLRun(config, resume=args.resume)
-    history = run.train(make_workflow(config))
+    history = run.train(make_workflow(config, run))
     final = {k: v for k, v in history[-1].items() if k.startswith(("eval/", "reward/mean"))}
     print(json.dumps({"run_dir": str(run.run_dir), "step": run.step, **final}))
     return 0

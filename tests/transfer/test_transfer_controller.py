@@ -30,6 +30,7 @@ class ControllerMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.ctrl = Controller(num_storage_units=3, tasks=TASKS)
+        self.next_index = 0
         self.ready: dict[int, set[str]] = {}
         self.delivered: dict[str, set[int]] = {t: set() for t in TASKS}
 
@@ -40,12 +41,14 @@ class ControllerMachine(RuleBasedStateMachine):
 
     @rule(num=st.integers(1, 4), with_response=st.booleans())
     def append(self, num, with_response):
-        columns = ["prompt"] + (["response"] if with_response else [])
-        rows = self.ctrl.try_allocate("p", num, {c: SPEC for c in columns}, [None] * num, [None] * num, [{}] * num)
-        assert len(set(rows) | set(self.ready)) == len(rows) + len(self.ready), "indices must be fresh"
-        self.ready.update({r: set() for r in rows})
-        for column in columns:
-            self._mark(rows, column)
+        rows = list(range(self.next_index, self.next_index + num))
+        self.next_index += num
+        with_prompt = {"prompt": SPEC}
+        lengths = {"prompt": [r % 7 + 1 for r in rows]}
+        self.ctrl.try_add_rows("p", rows, with_prompt, lengths, [None] * num, [None] * num, [{}] * num)
+        self.ready.update({r: {"prompt"} for r in rows})
+        if with_response:
+            self._mark(rows, "response")
 
     @precondition(lambda self: any("response" not in c for c in self.ready.values()))
     @rule(data=st.data())
@@ -100,6 +103,7 @@ class ControllerMachine(RuleBasedStateMachine):
             while meta := self.ctrl.request("p", task, ["prompt", "response"], 3, timeout=0, ack=last):
                 got += meta.indices
                 last = meta.indices
+                assert len(got) <= len(self.ready), "rows delivered more than once"
             self.ctrl.ack("p", task, last)
             assert sorted(got) == sorted(set(self.ready) - self.delivered[task]), "rows lost or duplicated"
         assert self.ctrl.status("p") == {"exists": False, "cleared": "consumed"}
@@ -119,11 +123,11 @@ def test_karmarkar_karp_partitions_everything_with_spread_at_most_the_largest_it
     assert max(sums) - min(sums) <= max(lengths, default=0)
 
 
-def _controller_with_rows(lengths, group_ids=None, versions=None):
-    ctrl = Controller()
+def _controller_with_rows(lengths, group_ids=None, versions=None, ctrl=None):
+    ctrl = ctrl or Controller()
     n = len(lengths)
-    rows = ctrl.try_allocate("p", n, {"x": SPEC}, group_ids or [None] * n, versions or [None] * n, [{}] * n)
-    ctrl.mark_ready("p", rows, {"x": SPEC}, {"x": lengths})
+    rows = list(range(100, 100 + n))
+    ctrl.try_add_rows("p", rows, {"x": SPEC}, {"x": lengths}, group_ids or [None] * n, versions or [None] * n, [{}] * n)
     return ctrl, rows
 
 
@@ -140,10 +144,7 @@ def test_token_balanced_splits_a_batch_into_balanced_rank_parts():
 
 
 def test_group_sampler_hands_out_only_complete_groups_oldest_first():
-    ctrl = Controller()
-    spec = {"x": SPEC}
-    first = ctrl.try_allocate("p", 3, spec, [0, 0, 1], [0, 0, 1], [{}] * 3)  # group 0 of 2 done, group 1 half
-    ctrl.mark_ready("p", first, spec, {"x": [1, 1, 1]})
+    ctrl, first = _controller_with_rows([1, 1, 1], [0, 0, 1], [0, 0, 1])  # group 0 of 2 done, group 1 half
     sampler = GroupSampler(group_size=2)
     assert ctrl.try_request("p", "t", ["x"], 4, sampler) is None  # only one complete group, need two
     meta = ctrl.try_request("p", "t", ["x"], 2, sampler)
@@ -157,8 +158,7 @@ def test_group_sampler_hands_out_only_complete_groups_oldest_first():
 def test_group_sampler_takes_group_size_from_the_partition():
     ctrl = Controller()
     ctrl.create_partition("p", group_size=3)
-    rows = ctrl.try_allocate("p", 3, {"x": SPEC}, [5, 5, 5], [None] * 3, [{}] * 3)
-    ctrl.mark_ready("p", rows, {"x": SPEC}, {"x": [1, 2, 3]})
+    ctrl, rows = _controller_with_rows([1, 2, 3], [5, 5, 5], ctrl=ctrl)
     assert ctrl.try_request("p", "t", ["x"], 3, GroupSampler()).indices == rows
 
 

@@ -69,8 +69,8 @@ def test_group_loader_streams_groups_in_completion_order():
 
 
 def test_threaded_pipeline_delivers_every_row_once_per_task_intact():
-    """4 producers, 2 rollout threads (read prompt, write response), 2 trainer threads; capacity forces
-    producers to wait for the trainers. Responses are a function of the prompt, so corruption shows."""
+    """4 producers, 2 rollout threads (read prompt, write response), 2 trainer threads; capacity
+    forces producers to wait for the trainers. Responses are a function of the prompt, so corruption shows."""
     q = local_queue()
     producers, rows_each, capacity = 4, 30, 16
     q.create_partition("step", num_rows=producers * rows_each, capacity=capacity)
@@ -95,15 +95,15 @@ def test_threaded_pipeline_delivers_every_row_once_per_task_intact():
             rows = batch.rows("prompt")
             with lock:
                 received["rollout"] += batch.meta.indices
-            q.write("step", batch.meta.indices, {"response": [r * 2 + 1 for r in rows], "logprob": [r.float() / 7 for r in rows]}, weight_version=1)  # fmt: skip
+            outputs = {"response": [r * 2 + 1 for r in rows], "logprob": [r.float() / 7 for r in rows]}
+            q.write("step", batch.meta.indices, outputs, weight_version=1)
 
     def train():
         for batch in q.loader("step", "trainer", ["prompt", "response", "logprob"], 4, timeout=20):
             assert batch.meta.weight_versions == [1] * len(batch)
             with lock:
-                received["trainer"] += [
-                    (i, p, r, lp) for i, p, r, lp in zip(batch.meta.indices, batch.rows("prompt"), batch.rows("response"), batch.rows("logprob"))
-                ]  # fmt: skip
+                columns = [batch.rows(c) for c in ("prompt", "response", "logprob")]
+                received["trainer"] += zip(batch.meta.indices, *columns)
 
     threads = [threading.Thread(target=guarded, args=(produce, s)) for s in range(producers)]
     threads += [threading.Thread(target=guarded, args=(fn,)) for fn in (rollout, rollout, train, train)]

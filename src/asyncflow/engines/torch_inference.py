@@ -59,6 +59,7 @@ class SlotKVCache(Cache):
         self.values: list[torch.Tensor] = []
         self._start = 0
         self._positions: torch.Tensor | None = None
+        self._index: torch.Tensor | None = None  # positions expanded to a key update's shape, shared by layers
         self._kv_len = 0
 
     def reserve(self, capacity: int) -> None:
@@ -76,7 +77,7 @@ class SlotKVCache(Cache):
         self._start, self._positions = start, None
 
     def decode_at(self, positions: torch.Tensor, kv_len: int) -> None:
-        self._positions, self._kv_len = positions, kv_len
+        self._positions, self._kv_len, self._index = positions, kv_len, None
 
     @torch.inference_mode()  # the cache tensors are inference tensors: written in inference mode only
     def move_rows(self, src: list[int], dst: list[int], length: int) -> None:
@@ -94,11 +95,19 @@ class SlotKVCache(Cache):
             keys[self._start : end, :, :q] = key_states
             values[self._start : end, :, :q] = value_states
             return key_states, value_states
-        n = key_states.shape[0]
-        at = self._positions.view(n, 1, 1, 1)
-        keys[:n].scatter_(2, at.expand(-1, key_states.shape[1], 1, key_states.shape[3]), key_states)
-        values[:n].scatter_(2, at.expand(-1, value_states.shape[1], 1, value_states.shape[3]), value_states)
-        return keys[:n, :, : self._kv_len], values[:n, :, : self._kv_len]
+        # Decode: scatter_ writes rows 0..n-1 of the full tensors (the index covers only those rows) and one
+        # as_strided makes each [n, heads, kv_len, dim] window. A small model's decode step on CPU costs
+        # about its number of ops, so the cache adds as few per layer as it can.
+        keys.scatter_(2, self._index_for(key_states.shape), key_states)
+        values.scatter_(2, self._index_for(value_states.shape), value_states)
+        window = lambda t: t.as_strided((key_states.shape[0], t.shape[1], self._kv_len, t.shape[3]), t.stride())
+        return window(keys), window(values)
+
+    def _index_for(self, shape: torch.Size) -> torch.Tensor:
+        """Write positions expanded to an update's shape `[n, heads, 1, dim]`; built once per step, shared by layers."""
+        if self._index is None or self._index.shape != shape:
+            self._index = self._positions.view(-1, 1, 1, 1).expand(shape)
+        return self._index
 
 
 def check_sampling_params(params: SamplingParams) -> None:

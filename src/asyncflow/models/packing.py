@@ -15,8 +15,9 @@ Attention never materialises a T x T mask. Per layer it runs two batched calls o
 keys/values ("index gather"): prompts attend causally to themselves (`[groups, Pmax]`), and each
 response's queries attend to `[its prompt ; itself]` (`[N, Pmax + Rmax]` keys) with the causal
 part bottom-right aligned. This costs `G*R*(P+R)` per group instead of `(P+G*R)^2` for a dense
-block mask (measured on 2 CPU cores, small-llama, 2 groups of G=8, fwd+bwd: at prompt 64 /
-response 256 the dense block mask was 1.5x slower than unpacked, the gather path 1.2x faster).
+block mask (benchmarks/bench_packing.py --dense, small-llama, 2 groups of G=8, fwd+bwd, 1 thread:
+at prompt 64 / response 256 unpacked 5.95 s, gather 4.78 s, dense block mask 11.48 s; at prompt
+512 / response 64 unpacked 10.43 s, gather 2.55 s, dense 3.34 s).
 On CUDA with `flash_attn` installed and half precision, one `flash_attn_varlen_func` call does
 the same without padding (cu_seqlens over query segments, causal bottom-right); otherwise SDPA.
 
@@ -66,7 +67,7 @@ def group_runs(samples: list[TrainSample]) -> list[tuple[int, int]]:
     runs: list[tuple[int, int]] = []
     for i, sample in enumerate(samples):
         if not sample.prompt_ids:
-            raise PackingError(f"sample {i} has an empty prompt; the last prompt token predicts the first response token")
+            raise PackingError(f"sample {i} has an empty prompt; its last token must predict the first response token")
         if not sample.response_ids:
             raise PackingError(f"sample {i} has an empty response")
         seen = prompt_of_group.setdefault(sample.group_id, sample.prompt_ids)
@@ -92,13 +93,9 @@ class SharedPromptLayout:
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
     prompt_index: torch.Tensor  # [groups, Pmax] token index of each prompt slot (right-padded)
-    # Response attention, one of two forms (see `plan_shared_prompt`):
-    #   rectangle: queries [N, Rmax] = its slots; keys [N, Pmax + Rmax] = prompt slots, then its slots;
-    #              mask [N, 1, Rmax, Pmax + Rmax] bool (whole prompt + causal self)
-    #   causal rows: queries = keys = [N, Tmax] its prompt's slots, then its slots; mask None (causal)
-    response_query_index: torch.Tensor
-    response_key_index: torch.Tensor
-    response_mask: torch.Tensor | None
+    response_query_index: torch.Tensor  # [N, Rmax] token index of each response slot
+    response_key_index: torch.Tensor  # [N, Pmax + Rmax] its group's prompt slots, then its own slots
+    response_mask: torch.Tensor  # [N, 1, Rmax, Pmax + Rmax] bool: whole prompt + causal self
     output_index: torch.Tensor  # [T] row of token t in cat(prompt outputs, response outputs) flattened
     predictor_index: torch.Tensor  # [N, L] token whose logits predict response token j
     targets: torch.Tensor  # [N, L] response token ids (0 where padded)
@@ -116,26 +113,17 @@ class SharedPromptLayout:
 
 
 def plan_shared_prompt(samples: list[TrainSample], device: torch.device | str = "cpu") -> SharedPromptLayout:
-    """Build the packed token row and every index the attention and logit gathers need.
-
-    Response attention takes the form with fewer attention scores: the rectangle (`Rmax x (Pmax+Rmax)`
-    per response, masked, so nothing is skipped) or causal rows (`Tmax^2 / 2` with SDPA's causal
-    block skipping; the prompt rows are computed and dropped). Long prompts favour the rectangle,
-    long responses the causal rows (at P=64, R=256 they cut the packed step time by about 10%).
-    """
+    """Build the packed token row and every index the attention and logit gathers need."""
     runs = group_runs(samples)
     prompt_lens = [len(samples[start].prompt_ids) for start, _ in runs]
     response_lens = [len(s.response_ids) for s in samples]
     p_max, r_max, n = max(prompt_lens), max(response_lens), len(samples)
-    t_max = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    causal_rows = t_max * t_max / 2 < r_max * (p_max + r_max)
-    row_width = t_max if causal_rows else r_max
 
     tokens: list[int] = []
     positions: list[int] = []
     prompt_index = torch.zeros(len(runs), p_max, dtype=torch.long)
-    response_query_index = torch.zeros(n, row_width, dtype=torch.long)
-    response_key_index = torch.zeros(n, t_max if causal_rows else p_max + r_max, dtype=torch.long)
+    response_query_index = torch.zeros(n, r_max, dtype=torch.long)
+    response_key_index = torch.zeros(n, p_max + r_max, dtype=torch.long)
     output_parts, varlen_keys, q_lens, k_lens = [], [], [], []
     predictor_index = torch.zeros(n, r_max, dtype=torch.long)
     targets = torch.zeros(n, r_max, dtype=torch.long)
@@ -156,33 +144,27 @@ def plan_shared_prompt(samples: list[TrainSample], device: torch.device | str = 
             response = samples[i].response_ids
             r = len(response)
             response_slots = torch.arange(len(tokens), len(tokens) + r)
+            response_query_index[i, :r] = response_slots
             response_key_index[i, :p] = prompt_slots
-            if causal_rows:
-                response_key_index[i, p : p + r] = response_slots
-            else:
-                response_query_index[i, :r] = response_slots
-                response_key_index[i, p_max : p_max + r] = response_slots
+            response_key_index[i, p_max : p_max + r] = response_slots
             predictor_index[i, 0] = prompt_start + p - 1
             predictor_index[i, 1:r] = response_slots[:-1]
             targets[i, :r] = torch.tensor(response)
             tokens += response
             positions += range(p, p + r)
-            output_parts.append(response_base + i * row_width + (p if causal_rows else 0) + torch.arange(r))
+            output_parts.append(response_base + i * r_max + torch.arange(r))
             varlen_keys += [prompt_slots, response_slots]
             q_lens.append(r)
             k_lens.append(p + r)
     output_index = torch.cat(output_parts)
 
-    if causal_rows:
-        response_query_index, response_mask = response_key_index, None
-    else:
-        prompt_len_t = torch.tensor(prompt_lens)
-        group_of_sample = torch.cat([torch.full((end - start,), g) for g, (start, end) in enumerate(runs)])
-        key_pos = torch.arange(p_max + r_max)
-        r_pos = torch.arange(r_max)
-        sees_prompt = key_pos[None, None, :] < prompt_len_t[group_of_sample][:, None, None]  # [N, 1, K]
-        sees_self = (key_pos[None, :] >= p_max) & (key_pos[None, :] - p_max <= r_pos[:, None])  # [Rmax, K]
-        response_mask = (sees_prompt | sees_self[None])[:, None]
+    prompt_len_t = torch.tensor(prompt_lens)
+    group_of_sample = torch.cat([torch.full((end - start,), g) for g, (start, end) in enumerate(runs)])
+    key_pos = torch.arange(p_max + r_max)
+    r_pos = torch.arange(r_max)
+    sees_prompt = key_pos[None, None, :] < prompt_len_t[group_of_sample][:, None, None]  # [N, 1, K]
+    sees_self = (key_pos[None, :] >= p_max) & (key_pos[None, :] - p_max <= r_pos[:, None])  # [Rmax, K]
+    response_mask = (sees_prompt | sees_self[None])[:, None]
     mask = torch.arange(r_max)[None, :] < torch.tensor(response_lens)[:, None]
 
     def cu(lengths: list[int]) -> torch.Tensor:
@@ -195,7 +177,7 @@ def plan_shared_prompt(samples: list[TrainSample], device: torch.device | str = 
         prompt_index=prompt_index.to(**to),
         response_query_index=response_query_index.to(**to),
         response_key_index=response_key_index.to(**to),
-        response_mask=None if response_mask is None else response_mask.to(**to),
+        response_mask=response_mask.to(**to),
         output_index=output_index.to(**to),
         predictor_index=predictor_index.to(**to),
         targets=targets.to(**to),
@@ -252,8 +234,9 @@ def shared_prompt_attention(
     if flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         keys = layout.varlen_key_index
         out = flash_attn_varlen_func(
-            q, k[keys], v[keys], layout.cu_seqlens_q, layout.cu_seqlens_k, layout.max_seqlen_q,
-            layout.max_seqlen_k, dropout_p=dropout, softmax_scale=scaling, causal=True,
+            q, k.index_select(0, keys), v.index_select(0, keys),
+            layout.cu_seqlens_q, layout.cu_seqlens_k, layout.max_seqlen_q, layout.max_seqlen_k,
+            dropout_p=dropout, softmax_scale=scaling, causal=True,
         )  # causal is bottom-right aligned when a segment has more keys than queries
         return out[None], None
     prompt_out = _gathered_sdpa(q, k, v, layout.prompt_index, layout.prompt_index, None, scaling, dropout)

@@ -14,15 +14,18 @@ Packing rule (`should_pack`, measured): pack when shared-prompt packing removes 
 `1 - sum_groups(P + sum R) / (N * max_i(P_i + R_i)) >= 0.10` (the unpacked count includes its
 right padding, so mixed response lengths count too). Below that, the index gathers and the second
 attention call per layer cost more than the tokens saved. Measured on this 2-core CPU, small-llama,
-one thread, fwd+bwd, median speed-up (unpacked time / packed time) of 5 interleaved runs:
+one thread, fwd+bwd, median speed-up (unpacked / packed process CPU time) of 5 interleaved runs:
 
-    tokens saved   shape (P, R, G, groups)          speed-up
-    0.00           (512, 64, 1, 2), (64, 64, 1, 2)  0.92, 0.95
-    0.05           (8, 128, 8, 2), (16, 256, 8, 2)  0.96, 0.94
-    0.10-0.12      (16, 64, 2, 2), (24, 128, 4, 2)  1.07, 1.08
-    0.14-0.18      (32, 128, 4, 2), (64, 256, 8, 2), G=2 P=32 R~100-128 x4   1.16, 1.16, 1.14
-    0.20-0.38      ragged responses (G=1 x8, G=4, G=8)  1.22-1.44
-    0.78           (512, 64, 8, 2)                   4.25
+    tokens saved   shape (P, R, G) x groups, or ragged batch        speed-up
+    0.00           (512, 64, 1) x2, (64, 64, 1) x2                 0.92, 0.95
+    0.05           (8, 128, 8) x2, (16, 256, 8) x2, (16, 128, 2) x2 0.96, 0.94, 1.02
+    0.10-0.12      (16, 64, 2) x2, (24, 128, 4) x2                 1.07, 1.08
+    0.14-0.18      (32, 128, 4) x2, (64, 256, 8) x2, (64, 128, 2) x2, G=2 P=32 R=100-128 x4
+                                                                    1.16, 1.16, 1.02, 1.14
+    0.20-0.38      ragged responses: G=8 R=200-256, G=1 R=16-256, G=4  1.22, 1.25, 1.44
+    0.78           (512, 64, 8) x2                                 4.25
+
+Timings are noisy (the CPU is shared); the threshold sits where the median turns above 1.
 """
 
 from __future__ import annotations
@@ -134,7 +137,9 @@ class TriModel:
         self.old_policy = old_policy
         self.packing = packing
 
-    def __call__(self, samples: list[TrainSample], *, temperature: float = 1.0, with_entropy: bool = False) -> TriLogProbs:
+    def __call__(
+        self, samples: list[TrainSample], *, temperature: float = 1.0, with_entropy: bool = False
+    ) -> TriLogProbs:
         return tri_model_logprobs(
             self.policy,
             samples,

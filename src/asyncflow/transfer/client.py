@@ -6,10 +6,14 @@ metrics) and the in-process deployment (`TransferQueue.local`, threads sharing o
 N storage units). `asyncflow.transfer.ray_queue` builds the same client over Ray actors.
 
 Invariants:
-- The client keeps no state of its own: the controller decides, the storage units hold the bytes.
-  A client over Ray actors therefore pickles (as actor handles) and works from any actor.
+- The client keeps no state of its own (bar a round-robin counter): the controller decides, the
+  storage units hold the bytes. A client over Ray actors therefore pickles (as actor handles) and
+  works from any actor.
 - Input is checked (row counts, tensor types, one dtype and trailing shape per column) before
-  anything is sent; the controller checks it against the partition's schema before any row exists.
+  anything is sent; the controller checks it against the partition's schema, and a rejected append
+  or write leaves nothing stored. One append goes to one storage unit (round robin), which numbers
+  the rows itself, so it is all-or-nothing; a write spanning several units first `reserve`s its
+  cells at the controller, so it is all-or-nothing too.
 - Row `i` lives on storage unit `i % num_storage_units`; reads go to those units directly.
 - Every call that can block takes a timeout (default `self.timeout`) and ends in `TransferTimeout`.
 """
@@ -54,6 +58,7 @@ class TransferQueue:
         self._units = list(units)
         self._transport = transport
         self.timeout = timeout
+        self._next_unit = 0  # round robin of appends over the storage units
 
     @classmethod
     def local(
@@ -68,7 +73,7 @@ class TransferQueue:
         "block" (producers wait) or "error"; `tasks`: consumers that must acknowledge a partition's rows before
         they stop counting against capacity and before the partition clears."""
         controller = Controller(num_storage_units, capacity, on_full, tasks)
-        units = [StorageUnit(notify=controller.mark_ready) for _ in range(num_storage_units)]
+        units = [StorageUnit(rank, num_storage_units, controller) for rank in range(num_storage_units)]
         controller.on_clear = lambda partition: [unit.drop(partition) for unit in units]
         return cls(controller, units, LocalTransport(), timeout)
 
@@ -130,7 +135,7 @@ class TransferQueue:
         dim 0 indexes rows). Blocks up to `timeout` while the partition is at capacity."""
         rows = {column: column_rows(value) for column, value in columns.items()}
         num = len(next(iter(rows.values()))) if rows else 0
-        names = [f"#{i} (new)" for i in range(num)]
+        names = [f"#{i} of the append" for i in range(num)]
         specs = {column: check_rows(partition, column, r, names) for column, r in rows.items()}
         if not specs:
             raise ValueError(f"partition {partition!r}: append needs at least one column")
@@ -138,9 +143,10 @@ class TransferQueue:
         versions = _per_row(weight_version, num, "weight_version", partition)
         metas = [m or {} for m in _per_row(metadata, num, "metadata", partition)]
         wait = self.timeout if timeout is None else timeout
-        indices = self._control("allocate", partition, num, specs, group_ids, versions, metas, wait, wait=wait)
-        self._write(partition, indices, rows, None, None)
-        return indices
+        unit, self._next_unit = self._next_unit, (self._next_unit + 1) % len(self._units)
+        packed = {column: pack_rows(r) for column, r in rows.items()}
+        call = (self._units[unit], "append", (partition, packed, group_ids, versions, metas, wait), {})
+        return self._transport.call_all([call], wait + self.timeout)[0]
 
     def write(
         self,
@@ -151,20 +157,30 @@ class TransferQueue:
         weight_version: int | Sequence[int | None] | None = None,
         metadata: dict | Sequence[dict | None] | None = None,
     ) -> None:
-        """Write further columns of existing rows, and update their weight version / metadata with them."""
+        """Write further columns of existing rows, and update their weight version / metadata with them
+        (with no columns, only those row fields are updated)."""
         indices = [int(i) for i in indices]
+        if not indices:
+            return
         if len(set(indices)) != len(indices):
             raise ValueError(f"partition {partition!r}: duplicate row indices in one write")
         rows = {column: column_rows(value) for column, value in columns.items()}
-        for column, r in rows.items():
-            check_rows(partition, column, r, indices)
+        specs = {column: check_rows(partition, column, r, indices) for column, r in rows.items()}
         versions = _per_row(weight_version, len(indices), "weight_version", partition)
         metas = _per_row(metadata, len(indices), "metadata", partition)
-        self._write(partition, indices, rows, versions, metas)
+        by_unit = self._by_unit(indices)
+        if len(by_unit) > 1:
+            self._control("reserve", partition, indices, specs)
+        try:
+            self._write(partition, indices, rows, versions, metas, by_unit)
+        except BaseException:
+            if len(by_unit) > 1:
+                self._control("unreserve", partition, indices, list(specs))
+            raise
 
-    def _write(self, partition, indices, rows, versions, metas) -> None:
+    def _write(self, partition, indices, rows, versions, metas, by_unit) -> None:
         calls = []
-        for unit, positions in self._by_unit(indices).items():
+        for unit, positions in by_unit.items():
             packed = {column: pack_rows([r[p] for p in positions]) for column, r in rows.items()}
             pick = (lambda values: None if values is None else [values[p] for p in positions])  # noqa: E731
             args = (partition, [indices[p] for p in positions], packed, pick(versions), pick(metas))
@@ -204,7 +220,10 @@ class TransferQueue:
         if not meta or not columns:
             return Batch(meta, {}, {}, padded)
         groups = self._by_unit(meta.indices)
-        calls = [(self._units[u], "read", (meta.partition, [meta.indices[p] for p in pos], columns), {}) for u, pos in groups.items()]
+        calls = [
+            (self._units[u], "read", (meta.partition, [meta.indices[p] for p in pos], columns), {})
+            for u, pos in groups.items()
+        ]
         results = self._transport.call_all(calls, self.timeout)
         data, lengths = {}, {}
         for column in columns:
@@ -235,13 +254,10 @@ class TransferQueue:
         timeout: float | None = None,
     ) -> Iterator[Batch]:
         """Yield micro-batches of `partition` for `task` as soon as they are ready; stop once it is complete
-        and exhausted for `task`. A batch is acknowledged when the next one is asked for, so whatever the
+        and exhausted for `task`. A batch is acknowledged with the request for the next one, so whatever the
         consumer writes back for it happens first. Each wait is bounded by `timeout`."""
         done: list[int] = []
-        while True:
-            meta = self.request(partition, task, columns, batch_size, sampler=sampler, timeout=timeout, ack=done)
-            if not meta:
-                return
+        while meta := self.request(partition, task, columns, batch_size, sampler=sampler, timeout=timeout, ack=done):
             yield self.get(meta, padded=padded)
             done = meta.indices
 

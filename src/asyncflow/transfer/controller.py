@@ -9,8 +9,10 @@ Invariants (every public method runs under one lock, so each is atomic):
 - `try_request` returns only rows whose requested columns are all ready and that the task has not
   consumed, and marks them consumed in the same step: a row reaches a task at most once until
   `reset` re-arms it.
-- A cell becomes ready once; a second `mark_ready` for it raises `FilledCellError` and changes
-  nothing. A call is validated completely before anything is applied.
+- A cell becomes ready once; a second write of it raises `FilledCellError` and changes nothing.
+  Writes to existing rows `reserve` their cells first, so a bad write fails before any data moves
+  and a write spread over several storage units is all-or-nothing. A call is validated completely
+  before anything is applied.
 - A column's schema is fixed by its declaration or its first write and checked on every write.
 - A row is consumed when handed out and acknowledged when its reader is done with it (the loader
   acknowledges a batch with its next request). Rows in flight (appended, not yet acknowledged by
@@ -18,7 +20,7 @@ Invariants (every public method runs under one lock, so each is atomic):
   and every registered task acknowledged every row, so no reader loses data it still reads.
 - Names of cleared partitions are remembered: a late write fails loudly; a registered task asking
   for a partition cleared because everyone finished it sees it exhausted.
-Blocking (`allocate`, `request`) waits on a condition variable here; the Ray controller actor
+Blocking (`add_rows`, `request`) waits on a condition variable here; the Ray controller actor
 wraps the same non-blocking `try_*` cores with asyncio instead.
 """
 
@@ -50,10 +52,19 @@ T = TypeVar("T")
 
 @dataclass
 class _Row:
+    index: int
     group_id: int | None
     weight_version: int | None
     metadata: dict
     ready: dict[str, int] = field(default_factory=dict)  # column -> dim-0 length (0 for scalars)
+    candidate: Candidate = None  # type: ignore[assignment]  # without length; rebuilt when the version changes
+
+    def __post_init__(self) -> None:
+        self.set_version(self.weight_version)
+
+    def set_version(self, version: int | None) -> None:
+        self.weight_version = version
+        self.candidate = Candidate(self.index, self.group_id, version, 0)
 
 
 @dataclass
@@ -66,8 +77,17 @@ class _Partition:
     sealed: bool = False
     rows: dict[int, _Row] = field(default_factory=dict)  # insertion order = append order
     consumed: dict[str, set[int]] = field(default_factory=dict)
+    pending: dict[str, dict[int, None]] = field(default_factory=dict)  # per task: not consumed, append order
     acked: dict[str, set[int]] = field(default_factory=dict)
     retired: set[int] = field(default_factory=set)  # acknowledged by every registered task
+    reserved: set[tuple[int, str]] = field(default_factory=set)  # (row, column) cells being written
+
+    def pending_for(self, task: str) -> dict[int, None]:
+        """Rows `task` has not consumed, kept incrementally so a request scans only those."""
+        if task not in self.pending:
+            consumed = self.consumed.get(task, set())
+            self.pending[task] = dict.fromkeys(i for i in self.rows if i not in consumed)
+        return self.pending[task]
 
     @property
     def complete(self) -> bool:
@@ -83,12 +103,13 @@ class Controller:
         self.num_storage_units = num_storage_units
         self.capacity = capacity
         self.on_full = on_full
-        self._cond = threading.Condition(threading.RLock())
+        self._lock = threading.RLock()
+        self._conditions: dict[str, threading.Condition] = {}  # per partition, so waiters wake for their own
+        self.on_change: Callable[[str | None], None] | None = None  # the Ray actor's wake-up hook
         self._partitions: dict[str, _Partition] = {}
         self._cleared: dict[str, str] = {}  # name -> "consumed" (finished by every registered task) or "cleared"
         self.on_clear: Callable[[str], None] | None = None  # drops the partition's data from the storage units
         self._tasks: list[str] = list(dict.fromkeys(tasks))
-        self._next_index = 0
         self._counters: Counter[str] = Counter()
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -101,7 +122,7 @@ class Controller:
         group_size: int | None = None,
     ) -> None:
         """Declare a partition. `columns` closes its column set; `capacity` overrides the queue default."""
-        with self._cond:
+        with self._lock:
             if partition in self._partitions:
                 raise ValueError(f"partition {partition!r} already exists")
             self._check_not_cleared(partition, "create")
@@ -109,69 +130,76 @@ class Controller:
                 num_rows, capacity if capacity is not None else self.capacity, group_size,
                 columns is not None, dict(columns or {}),
             )  # fmt: skip
-            self._cond.notify_all()
+            self._wake(partition)
 
     def register_task(self, task: str) -> None:
         """A task whose consumption gates capacity and clearing, in every partition."""
-        with self._cond:
+        with self._lock:
             if task not in self._tasks:
                 self._tasks.append(task)
                 for part in self._partitions.values():
                     self._recount_retired(part)
-                self._cond.notify_all()
+                self._wake()
 
     def seal(self, partition: str) -> None:
         """No more rows will be appended: consumers drain the rest and then see the partition exhausted."""
-        with self._cond:
+        with self._lock:
             part = self._partition_for_write(partition, "seal")
             part.sealed = True
             self._clear_if_finished(partition, part)
-            self._cond.notify_all()
+            self._wake(partition)
 
     def ack(self, partition: str, task: str, indices: Sequence[int]) -> None:
         """`task` is done with these rows it was handed. Clears the partition once it is complete and every
         registered task acknowledged every row."""
-        with self._cond:
+        with self._lock:
             if not indices or self._cleared.get(partition) == "consumed":
                 return
-            part = self._partition_for_write(partition, f"acknowledge row {indices[0]} (task {task!r}) of", create=False)
+            action = f"acknowledge row {indices[0]} (task {task!r}) of"
+            part = self._partition_for_write(partition, action, create=False)
             consumed = part.consumed.get(task, set())
             stray = [i for i in indices if i not in consumed]
             if stray:
-                raise UnknownRowError(f"partition {partition!r} row {stray[0]}: task {task!r} acknowledged a row it was not handed")
+                raise UnknownRowError(
+                    f"partition {partition!r} row {stray[0]}: task {task!r} acknowledged a row it was not handed"
+                )
             part.acked.setdefault(task, set()).update(indices)
             self._retire(part, indices)
             self._clear_if_finished(partition, part)
-            self._cond.notify_all()
+            self._wake(partition)
 
     def clear(self, partition: str) -> None:
         """Drop the partition now, whoever still wanted it; later writes and requests fail."""
-        with self._cond:
+        with self._lock:
             self._clear(partition, "cleared")
-            self._cond.notify_all()
+            self._wake(partition)
 
     def reset(self, partition: str, task: str | None = None, indices: Sequence[int] | None = None) -> None:
         """Forget consumption (of `indices`, or all rows) by `task` (or every task), e.g. to retry."""
-        with self._cond:
+        with self._lock:
             part = self._partition_for_write(partition, "reset", create=False)
             for name in [task] if task is not None else list(part.consumed):
                 for bits in (part.consumed.setdefault(name, set()), part.acked.setdefault(name, set())):
                     bits.clear() if indices is None else bits.difference_update(indices)
+                part.pending.pop(name, None)
             self._recount_retired(part)
-            self._cond.notify_all()
+            self._wake(partition)
 
     # ---- producing -----------------------------------------------------------------------------
-    def try_allocate(
+    def try_add_rows(
         self,
         partition: str,
-        num: int,
+        indices: Sequence[int],
         columns: dict[str, ColumnSpec],
+        lengths: dict[str, list[int] | None],
         group_ids: Sequence[int | None],
         weight_versions: Sequence[int | None],
         metadata: Sequence[dict],
     ) -> list[int] | None:
-        """New global row indices for `num` rows about to be written with `columns`; None while full."""
-        with self._cond:
+        """Called by the storage unit that just stored new rows (`indices` are its own, unique): they join the
+        partition with their `columns` ready, all at once. None while the partition is full."""
+        with self._lock:
+            num = len(indices)
             part = self._partition_for_write(partition, "append to")
             if part.sealed:
                 raise PartitionClosedError(f"partition {partition!r} is sealed: cannot append {num} rows")
@@ -180,31 +208,53 @@ class Controller:
                     f"partition {partition!r} holds {len(part.rows)} of its num_rows={part.num_rows}: "
                     f"cannot append {num} more"
                 )
-            self._check_schema(partition, part, columns, f"{self._next_index} (new)")
+            taken = [i for i in indices if i in part.rows]
+            if taken:
+                raise ValueError(f"partition {partition!r} row {taken[0]}: index already in use")
+            self._check_schema(partition, part, columns, indices[0])
             in_flight = len(part.rows) - len(part.retired)
             if part.capacity is not None and in_flight + num > part.capacity:
                 if num > part.capacity or self.on_full == "error":
                     raise CapacityError(self.explain_full(partition, num))
                 return None
-            indices = list(range(self._next_index, self._next_index + num))
-            self._next_index += num
-            for index, group_id, version, meta in zip(indices, group_ids, weight_versions, metadata):
-                part.rows[index] = _Row(group_id, version, dict(meta))
+            for i, (index, group_id, version, meta) in enumerate(zip(indices, group_ids, weight_versions, metadata)):
+                ready = {c: 0 if n is None else n[i] for c, n in lengths.items()}
+                part.rows[index] = _Row(index, group_id, version, dict(meta), ready)
+            for pending in part.pending.values():
+                pending.update(dict.fromkeys(indices))
             part.schema.update({c: spec for c, spec in columns.items() if c not in part.schema})
             self._counters["rows_appended"] += num
-            self._cond.notify_all()
-            return indices
+            for column in columns:
+                self._counters[f"produced/{column}"] += num
+            self._wake(partition)
+            return list(indices)
 
-    def allocate(self, partition: str, num: int, columns, group_ids, weight_versions, metadata, timeout: float):
-        """`try_allocate`, blocking up to `timeout` seconds while the partition is full (backpressure)."""
+    def add_rows(self, partition, indices, columns, lengths, group_ids, weight_versions, metadata, timeout: float):
+        """`try_add_rows`, blocking up to `timeout` seconds while the partition is full (backpressure)."""
         start = time.monotonic()
         try:
             return self._block(
-                lambda: self.try_allocate(partition, num, columns, group_ids, weight_versions, metadata),
-                timeout, lambda: self.explain_full(partition, num),
+                partition,
+                lambda: self.try_add_rows(partition, indices, columns, lengths, group_ids, weight_versions, metadata),
+                timeout, lambda: self.explain_full(partition, len(indices)),
             )  # fmt: skip
         finally:
             self.record_wait("backpressure", time.monotonic() - start)
+
+    def reserve(self, partition: str, rows: Sequence[int], columns: dict[str, ColumnSpec]) -> None:
+        """Claim the cells a write to existing rows is about to fill, after checking all of them (partition
+        open, rows exist, schema, cells empty and unclaimed), so a bad write fails before any data moves."""
+        with self._lock:
+            part = self._cells_for_write(partition, rows, columns, allow_reserved=False)
+            part.reserved.update((row, column) for row in rows for column in columns)
+            part.schema.update({c: spec for c, spec in columns.items() if c not in part.schema})
+
+    def unreserve(self, partition: str, rows: Sequence[int], columns: Sequence[str]) -> None:
+        """Give back claimed cells of a write that failed in transit."""
+        with self._lock:
+            part = self._partitions.get(partition)
+            if part is not None:
+                part.reserved.difference_update((row, column) for row in rows for column in columns)
 
     def mark_ready(
         self,
@@ -216,29 +266,21 @@ class Controller:
         metadata: Sequence[dict | None] | None = None,
     ) -> None:
         """Called by a storage unit after storing cells: they become ready, with their row-level fields."""
-        with self._cond:
-            column_names = ", ".join(columns)
-            part = self._partition_for_write(partition, f"write row {rows[0]} column(s) {column_names} of", create=False)
-            for row in rows:
-                if row not in part.rows:
-                    raise UnknownRowError(f"partition {partition!r} row {row} column(s) {column_names}: no such row")
-            self._check_schema(partition, part, columns, rows[0])
-            for column in columns:
-                for row in rows:
-                    if column in part.rows[row].ready:
-                        raise FilledCellError(f"partition {partition!r} row {row} column {column!r}: already written")
+        with self._lock:
+            part = self._cells_for_write(partition, rows, columns, allow_reserved=True)
             for i, row in enumerate(rows):
                 entry = part.rows[row]
                 for column, column_lengths in lengths.items():
                     entry.ready[column] = 0 if column_lengths is None else column_lengths[i]
+                    part.reserved.discard((row, column))
                 if weight_versions is not None and weight_versions[i] is not None:
-                    entry.weight_version = weight_versions[i]
+                    entry.set_version(weight_versions[i])
                 if metadata is not None and metadata[i]:
                     entry.metadata.update(metadata[i])
             part.schema.update({c: spec for c, spec in columns.items() if c not in part.schema})
             for column in columns:
                 self._counters[f"produced/{column}"] += len(rows)
-            self._cond.notify_all()
+            self._wake(partition)
 
     # ---- consuming -----------------------------------------------------------------------------
     def try_request(
@@ -250,7 +292,7 @@ class Controller:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         sampler = sampler or OldestFirst()
-        with self._cond:
+        with self._lock:
             part = self._partitions.get(partition)
             if part is None:
                 if self._cleared.get(partition) == "consumed" and task in self._tasks:
@@ -263,17 +305,18 @@ class Controller:
                     f"partition {partition!r} column {unknown[0]!r}: requested by task {task!r} but not declared "
                     f"(columns: {sorted(part.schema)})"
                 )
-            consumed = part.consumed.get(task, set())
-            pending = [i for i in part.rows if i not in consumed]
+            pending = part.pending_for(task)
             if part.complete and not pending:
                 self._clear_if_finished(partition, part)
                 return BatchMeta(partition, task, list(columns))
-            length_columns = sampler.length_columns or columns
-            candidates = [
-                Candidate(i, row.group_id, row.weight_version, sum(row.ready.get(c, 0) for c in length_columns))
-                for i, row in ((i, part.rows[i]) for i in pending)
-                if all(c in row.ready for c in columns)
-            ]
+            needed = set(columns)
+            ready = [row for row in map(part.rows.__getitem__, pending) if row.ready.keys() >= needed]
+            length_columns = columns if sampler.length_columns is None else sampler.length_columns
+            if length_columns:
+                lengths = [sum([row.ready.get(c, 0) for c in length_columns]) for row in ready]
+                candidates = [row.candidate._replace(length=n) for row, n in zip(ready, lengths)]
+            else:
+                candidates = [row.candidate for row in ready]
             if not candidates:
                 return None
             drain = part.complete and len(candidates) == len(pending)
@@ -290,10 +333,12 @@ class Controller:
             if len(set(chosen)) != len(chosen) or not allowed.issuperset(chosen):
                 raise TransferError(f"{sampler!r} returned rows that are not distinct ready candidates: {chosen}")
             part.consumed.setdefault(task, set()).update(chosen)
+            for i in chosen:
+                del pending[i]
             self._counters[f"consumed/{task}"] += len(chosen)
             for column in columns:
                 self._counters[f"consumed/{task}/{column}"] += len(chosen)
-            self._cond.notify_all()
+            self._wake(partition)
             rows = [part.rows[i] for i in chosen]
             return BatchMeta(
                 partition, task, list(columns), chosen,
@@ -324,13 +369,14 @@ class Controller:
             attempt = lambda: self.try_request(partition, task, columns, batch_size, sampler)  # noqa: E731
             if not block:
                 return attempt()
-            return self._block(attempt, timeout, lambda: self.explain_request(partition, task, columns, batch_size))
+            explain = lambda: self.explain_request(partition, task, columns, batch_size)  # noqa: E731
+            return self._block(partition, attempt, timeout, explain)
         finally:
             self.record_wait(task, time.monotonic() - start)
 
     # ---- introspection, metrics, checkpoints ----------------------------------------------------
     def status(self, partition: str) -> dict:
-        with self._cond:
+        with self._lock:
             part = self._partitions.get(partition)
             if part is None:
                 return {"exists": False, "cleared": self._cleared.get(partition)}
@@ -338,16 +384,16 @@ class Controller:
             return {
                 "exists": True, "rows": len(part.rows), "complete": part.complete, "sealed": part.sealed,
                 "in_flight": len(part.rows) - len(part.retired), "ready": dict(ready),
-                "consumed": {t: len(s) for t, s in part.consumed.items()}, "acked": {t: len(s) for t, s in part.acked.items()},
+                "consumed": {t: len(s) for t, s in part.consumed.items()},
+                "acked": {t: len(s) for t, s in part.acked.items()},
             }  # fmt: skip
 
     def explain_request(self, partition: str, task: str, columns: Sequence[str], batch_size: int) -> str:
-        with self._cond:
+        with self._lock:
             part = self._partitions.get(partition)
             if part is None:
                 return f"task {task!r}: partition {partition!r} does not exist"
-            consumed = part.consumed.get(task, set())
-            pending = [row for i, row in part.rows.items() if i not in consumed]
+            pending = [part.rows[i] for i in part.pending_for(task)]
             ready = sum(all(c in row.ready for c in columns) for row in pending)
             return (
                 f"task {task!r} wants {batch_size} rows of partition {partition!r} with columns {list(columns)} ready: "
@@ -355,44 +401,47 @@ class Controller:
             )
 
     def explain_full(self, partition: str, num: int) -> str:
-        with self._cond:
-            part = self._partitions[partition]
+        with self._lock:
+            part = self._partitions.get(partition)
+            if part is None:
+                return f"partition {partition!r} is gone: cannot append {num} rows"
             return (
                 f"partition {partition!r} is full: cannot append {num} rows, {len(part.rows) - len(part.retired)} "
                 f"in flight of capacity {part.capacity} (registered tasks {self._tasks} must acknowledge rows first)"
             )
 
     def record_wait(self, who: str, seconds: float) -> None:
-        with self._cond:
+        with self._lock:
             self._counters[f"wait_s/{who}"] += seconds
             self._counters[f"waits/{who}"] += 1
             self._counters[f"wait_max_s/{who}"] = max(self._counters[f"wait_max_s/{who}"], seconds)
 
     def metrics(self) -> dict[str, float]:
-        with self._cond:
+        with self._lock:
             return dict(self._counters)
 
     def state_dict(self) -> dict:
         """Plain Python (loadable with `torch.load(weights_only=True)`)."""
-        with self._cond:
+        with self._lock:
             partitions = {
                 name: {
                     "num_rows": p.num_rows, "capacity": p.capacity, "group_size": p.group_size,
                     "closed_columns": p.closed_columns, "sealed": p.sealed,
                     "schema": {c: spec.to_plain() for c, spec in p.schema.items()},
-                    "rows": {i: [r.group_id, r.weight_version, dict(r.metadata), dict(r.ready)] for i, r in p.rows.items()},
-                    "consumed": {t: sorted(s) for t, s in p.consumed.items()}, "acked": {t: sorted(s) for t, s in p.acked.items()},
+                    "rows": {i: [r.group_id, r.weight_version, dict(r.metadata), dict(r.ready)]
+                             for i, r in p.rows.items()},
+                    "consumed": {t: sorted(s) for t, s in p.consumed.items()},
+                    "acked": {t: sorted(s) for t, s in p.acked.items()},
                 }
                 for name, p in self._partitions.items()
             }  # fmt: skip
             return {
-                "next_index": self._next_index, "tasks": list(self._tasks), "cleared": dict(self._cleared),
+                "tasks": list(self._tasks), "cleared": dict(self._cleared),
                 "partitions": partitions, "counters": dict(self._counters),
             }  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
-        with self._cond:
-            self._next_index = state["next_index"]
+        with self._lock:
             self._tasks = list(state["tasks"])
             self._cleared = dict(state["cleared"])
             self._counters = Counter(state["counters"])
@@ -400,18 +449,28 @@ class Controller:
             for name, p in state["partitions"].items():
                 part = _Partition(
                     p["num_rows"], p["capacity"], p["group_size"], p["closed_columns"],
-                    {c: ColumnSpec.from_plain(s) for c, s in p["schema"].items()}, p["sealed"],
-                    {int(i): _Row(g, v, dict(m), dict(r)) for i, (g, v, m, r) in p["rows"].items()},
-                    {t: set(s) for t, s in p["consumed"].items()}, {t: set(s) for t, s in p["acked"].items()},
+                    schema={c: ColumnSpec.from_plain(s) for c, s in p["schema"].items()}, sealed=p["sealed"],
+                    rows={int(i): _Row(int(i), g, v, dict(m), dict(r)) for i, (g, v, m, r) in p["rows"].items()},
+                    consumed={t: set(s) for t, s in p["consumed"].items()},
+                    acked={t: set(s) for t, s in p["acked"].items()},
                 )  # fmt: skip
                 self._recount_retired(part)
                 self._partitions[name] = part
-            self._cond.notify_all()
+            self._wake()
 
     # ---- internals -------------------------------------------------------------------------------
-    def _block(self, attempt: Callable[[], T | None], timeout: float, explain: Callable[[], str]) -> T:
+    def _wake(self, partition: str | None = None) -> None:
+        """Wake the waiters of `partition` (None: all)."""
+        for name, condition in self._conditions.items():
+            if partition is None or name == partition:
+                condition.notify_all()
+        if self.on_change is not None:
+            self.on_change(partition)
+
+    def _block(self, partition: str, attempt: Callable[[], T | None], timeout: float, explain: Callable[[], str]) -> T:
         deadline = time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
+            condition = self._conditions.setdefault(partition, threading.Condition(self._lock))
             while True:
                 result = attempt()
                 if result is not None:
@@ -419,9 +478,11 @@ class Controller:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TransferTimeout(f"timed out after {timeout:.3g}s: {explain()}")
-                self._cond.wait(remaining)
+                condition.wait(remaining)
 
     def _clear(self, partition: str, reason: str) -> None:
+        self._wake(partition)
+        self._conditions.pop(partition, None)
         self._partitions.pop(partition, None)
         self._cleared[partition] = reason
         self._counters["partitions_cleared"] += 1
@@ -431,7 +492,7 @@ class Controller:
     def _clear_if_finished(self, partition: str, part: _Partition) -> None:
         if self._tasks and part.complete and len(part.retired) == len(part.rows):
             self._clear(partition, "consumed")
-            self._cond.notify_all()
+            self._wake(partition)
 
     def _check_not_cleared(self, partition: str, action: str) -> None:
         if partition in self._cleared:
@@ -446,12 +507,28 @@ class Controller:
             part = self._partitions[partition] = _Partition(None, self.capacity, None, False, {})
         return part
 
+    def _cells_for_write(self, partition: str, rows: Sequence[int], columns: dict, allow_reserved: bool) -> _Partition:
+        names = ", ".join(columns)
+        part = self._partition_for_write(partition, f"write row {rows[0]} column(s) {names} of", create=False)
+        for row in rows:
+            if row not in part.rows:
+                raise UnknownRowError(f"partition {partition!r} row {row} column(s) {names}: no such row")
+        self._check_schema(partition, part, columns, rows[0])
+        for column in columns:
+            for row in rows:
+                if column in part.rows[row].ready:
+                    raise FilledCellError(f"partition {partition!r} row {row} column {column!r}: already written")
+                if not allow_reserved and (row, column) in part.reserved:
+                    raise FilledCellError(f"partition {partition!r} row {row} column {column!r}: already being written")
+        return part
+
     def _check_schema(self, partition: str, part: _Partition, columns: dict[str, ColumnSpec], row) -> None:
         for column, spec in columns.items():
             known = part.schema.get(column)
             if known is None and part.closed_columns:
                 raise UnknownColumnError(
-                    f"partition {partition!r} row {row} column {column!r}: not declared (columns: {sorted(part.schema)})"
+                    f"partition {partition!r} row {row} column {column!r}: not declared "
+                    f"(columns: {sorted(part.schema)})"
                 )
             if known is not None and known != spec:
                 raise ColumnSchemaError(

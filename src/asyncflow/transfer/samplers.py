@@ -16,26 +16,27 @@ from __future__ import annotations
 import heapq
 import itertools
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class Candidate:
+class Candidate(NamedTuple):
     """A row that is ready for the request's columns and not yet consumed by the task."""
 
     index: int
     group_id: int | None
     weight_version: int | None
-    length: int  # summed dim-0 lengths of the sampler's `length_columns` (default: the requested columns)
+    length: int  # summed dim-0 lengths of the sampler's `length_columns` (0 when it needs none)
 
 
 def oldest_first(candidates: list[Candidate]) -> list[Candidate]:
-    """Lowest weight version first (rows without one count as oldest), then append order."""
-    return sorted(candidates, key=lambda c: (-1 if c.weight_version is None else c.weight_version, c.index))
+    """Lowest weight version first (rows without one count as oldest), then the order given (append order)."""
+    return sorted(candidates, key=lambda c: -1 if c.weight_version is None else c.weight_version)
 
 
 class Sampler(ABC):
-    """Base policy. `select` returns parts (lists of row indices; one part unless split across ranks)."""
+    """Base policy. `select` returns parts (lists of row indices; one part unless split across ranks).
+    `length_columns`: the columns whose lengths `Candidate.length` sums; None means the requested
+    columns, () means the sampler ignores lengths (the controller then skips computing them)."""
 
     length_columns: tuple[str, ...] | None = None
 
@@ -43,7 +44,8 @@ class Sampler(ABC):
     def select(
         self, candidates: list[Candidate], batch_size: int, drain: bool, group_size: int | None
     ) -> list[list[int]]:
-        """Rows to hand out from `candidates` (oldest appended first), or [] to wait."""
+        """Rows to hand out from `candidates` (in append order; rows re-armed by `reset` come last), or []
+        to wait. `group_size` is the partition's, if it declared one."""
 
     def __repr__(self) -> str:
         return type(self).__name__
@@ -51,6 +53,8 @@ class Sampler(ABC):
 
 class OldestFirst(Sampler):
     """`batch_size` rows, oldest first; fewer only when draining."""
+
+    length_columns = ()
 
     def select(self, candidates, batch_size, drain, group_size):
         if len(candidates) < batch_size and not drain:
@@ -60,6 +64,8 @@ class OldestFirst(Sampler):
 
 class GroupSampler(Sampler):
     """Complete GRPO groups only (all `group_size` rows with one group id ready), oldest group first."""
+
+    length_columns = ()
 
     def __init__(self, group_size: int | None = None) -> None:
         self.group_size = group_size
@@ -87,8 +93,9 @@ class SimilarLength(Sampler):
     def select(self, candidates, batch_size, drain, group_size):
         if len(candidates) < batch_size:
             return [[c.index for c in oldest_first(candidates)]] if drain and candidates else []
-        by_length = sorted(candidates, key=lambda c: (c.length, c.index))
-        spreads = [by_length[i + batch_size - 1].length - by_length[i].length for i in range(len(by_length) - batch_size + 1)]
+        by_length = sorted(candidates, key=lambda c: c.length)
+        windows = range(len(by_length) - batch_size + 1)
+        spreads = [by_length[i + batch_size - 1].length - by_length[i].length for i in windows]
         start = spreads.index(min(spreads))
         return [[c.index for c in by_length[start : start + batch_size]]]
 
@@ -101,7 +108,6 @@ class TokenBalanced(Sampler):
             raise ValueError(f"TokenBalanced: dp_size must be >= 1, got {dp_size}")
         self.dp_size = dp_size
         self.base = base or OldestFirst()
-        self.length_columns = self.base.length_columns
 
     def select(self, candidates, batch_size, drain, group_size):
         chosen = [i for part in self.base.select(candidates, batch_size, drain, group_size) for i in part]

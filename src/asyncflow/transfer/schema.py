@@ -66,7 +66,7 @@ class ColumnSpec:
     scalar: bool = False
 
     def describe(self) -> str:
-        return "scalar " + str(self.dtype) if self.scalar else f"{self.dtype} [*, {', '.join(map(str, self.trailing))}]"
+        return f"scalar {self.dtype}" if self.scalar else f"{self.dtype} [{', '.join(['*', *map(str, self.trailing)])}]"
 
     def to_plain(self) -> tuple[str, tuple[int, ...], bool]:
         return str(self.dtype).removeprefix("torch."), self.trailing, self.scalar

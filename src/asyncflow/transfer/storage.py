@@ -1,13 +1,15 @@
 """Storage unit: one shard of the TransferQueue's data, columnar, holding the rows with `index % N == rank`.
 
 Owns: cells (partition -> column -> row -> tensor, a view into the packed block the row arrived
-in, so a write costs no extra copy) and byte counters. It knows nothing of readiness or consumers.
+in, so a write costs no extra copy), the global indices of rows appended through it (rank,
+rank + N, rank + 2N, ...: unique without asking anyone) and byte counters. It knows nothing of
+readiness or consumers.
 
 Invariants:
 - A cell is written once: `store` checks every cell of a call before storing any of them.
-- `write` stores first and then notifies the controller, so a cell the controller calls ready is
-  always readable; if the controller rejects the write, this call's cells are discarded and the
-  unit is exactly as before.
+- `append` / `write` store first and then tell the controller (`add_rows` / `mark_ready`), so a
+  cell the controller calls ready is always readable; if the controller rejects the call, its
+  cells are discarded and the unit is exactly as before.
 - Stored tensors are copies of what producers passed (the client packs into new tensors) and
   reads return new tensors, so neither side can alter the other's data.
 - The lock covers only dictionary updates and lookups; tensor copies for reads run outside it, so
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -26,12 +28,19 @@ from asyncflow.transfer.schema import ColumnSpec, FilledCellError, Packed, Unkno
 
 
 class StorageUnit:
-    def __init__(self, notify: Callable[..., None] | None = None) -> None:
-        """`notify(partition, rows, specs, lengths, weight_versions, metadata)`: the controller's `mark_ready`."""
-        self._notify = notify
+    def __init__(self, rank: int = 0, num_units: int = 1, controller: Any = None) -> None:
+        """`controller`: the in-process `Controller` that `append` / `write` report to (None inside Ray actors,
+        whose wrapper reports instead)."""
+        self.rank, self.num_units, self.controller = rank, num_units, controller
+        self._appended = 0
         self._cells: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
         self._lock = threading.Lock()
         self._counters: Counter[str] = Counter()
+
+    def new_indices(self, num: int) -> list[int]:
+        with self._lock:
+            start, self._appended = self._appended, self._appended + num
+        return [self.rank + (start + k) * self.num_units for k in range(num)]
 
     def store(
         self, partition: str, rows: Sequence[int], columns: dict[str, Packed]
@@ -60,12 +69,24 @@ class StorageUnit:
                 for row in rows:
                     table.get(column, {}).pop(row, None)
 
-    def write(self, partition: str, rows: Sequence[int], columns: dict[str, Packed], weight_versions=None, metadata=None):
-        """Store, then tell the controller which cells became ready (with row-level field updates)."""
+    def append(self, partition: str, columns: dict[str, Packed], group_ids, weight_versions, metadata, timeout: float):
+        """Store new rows under fresh indices, then add them to the partition (waiting up to `timeout` while it
+        is full). Returns their indices."""
+        num = len(group_ids)
+        rows = self.new_indices(num)
         specs, lengths = self.store(partition, rows, columns)
         try:
-            if self._notify is not None:
-                self._notify(partition, rows, specs, lengths, weight_versions, metadata)
+            fields = (group_ids, weight_versions, metadata)
+            return self.controller.add_rows(partition, rows, specs, lengths, *fields, timeout)
+        except BaseException:
+            self.discard(partition, rows, list(columns))
+            raise
+
+    def write(self, partition: str, rows: Sequence[int], columns: dict, weight_versions=None, metadata=None):
+        """Store cells of existing rows, then tell the controller they are ready (with row-level field updates)."""
+        specs, lengths = self.store(partition, rows, columns)
+        try:
+            self.controller.mark_ready(partition, rows, specs, lengths, weight_versions, metadata)
         except BaseException:
             self.discard(partition, rows, list(columns))
             raise
@@ -103,9 +124,10 @@ class StorageUnit:
             return dict(self._counters)
 
     def state_dict(self) -> dict:
-        """{partition: {column: [rows, values, lengths]}} with each column packed into one tensor."""
+        """{"appended": n, "cells": {partition: {column: [rows, values, lengths]}}}, each column packed."""
         with self._lock:
             snapshot = {p: {c: dict(cells) for c, cells in table.items()} for p, table in self._cells.items()}
+            appended = self._appended
         state: dict = {}
         for partition, table in snapshot.items():
             state[partition] = {}
@@ -116,12 +138,12 @@ class StorageUnit:
                 scalar = cells[rows[0]].dim() == 0
                 values = torch.stack([cells[r] for r in rows]) if scalar else torch.cat([cells[r] for r in rows])
                 state[partition][column] = [rows, values, None if scalar else [int(cells[r].shape[0]) for r in rows]]
-        return state
+        return {"appended": appended, "cells": state}
 
     def load_state_dict(self, state: dict) -> None:
         cells = {
-            partition: {column: dict(zip(rows, unpack_rows((values, lengths)))) for column, (rows, values, lengths) in table.items()}
-            for partition, table in state.items()
+            partition: {column: dict(zip(rows, unpack_rows((v, n)))) for column, (rows, v, n) in table.items()}
+            for partition, table in state["cells"].items()
         }
         with self._lock:
-            self._cells = cells
+            self._cells, self._appended = cells, state["appended"]

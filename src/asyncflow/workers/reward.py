@@ -8,6 +8,8 @@ in `errors`/`timeouts`; it never stops the run.
 
 from __future__ import annotations
 
+import torch
+
 from asyncflow.rewards import RewardRunner
 from asyncflow.workers.rollout import Rollout
 
@@ -30,3 +32,16 @@ class RewardWorker:
             r.reward = float(value)
         self.errors += result.n_errors
         self.timeouts += result.n_timeouts
+
+    def run_partition(self, queue, partition: str, *, batch_size: int, timeout: float) -> int:
+        """Score rows of `partition` as their responses become ready; write the `reward` column."""
+        count = 0
+        for batch in queue.loader(partition, "reward", ["response_ids"], batch_size, timeout=timeout):
+            texts = [self.tokenizer.decode(ids.tolist(), skip_special_tokens=True) for ids in batch.rows("response_ids")]
+            metas = batch.meta.metadata
+            result = self.runner.score(texts, [m["answer"] for m in metas], metas)
+            self.errors += result.n_errors
+            self.timeouts += result.n_timeouts
+            queue.write(partition, batch.meta.indices, {"reward": torch.tensor(result.rewards, dtype=torch.float32)})
+            count += len(batch)
+        return count

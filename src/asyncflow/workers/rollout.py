@@ -51,11 +51,39 @@ class Rollout:
         return (self.group_id, self.sample_index)
 
 
+PROMPT_COLUMNS = ["prompt_ids"]
+RESPONSE_COLUMNS = ["response_ids", "rollout_logprobs"]
+
+
 class RolloutWorker:
     def __init__(self, engine: InferenceEngine, params: SamplingParams, group_size: int):
         self.engine = engine
         self.params = params
         self.group_size = group_size
+
+    def run_partition(self, queue, partition: str, *, batch_size: int, timeout: float) -> int:
+        """Generate every row of `partition` not yet taken by another rollout worker.
+
+        Prompt rows are pulled from the queue as engine slots free up; each response is written
+        back (with the engine's weight version) the moment it finishes. Returns rows generated.
+        """
+        version = self.engine.weight_version
+
+        def requests():
+            for batch in queue.loader(partition, "rollout", PROMPT_COLUMNS, batch_size, timeout=timeout):
+                for index, prompt_ids in zip(batch.meta.indices, batch.rows("prompt_ids")):
+                    yield GenerationRequest(index, prompt_ids.tolist())
+
+        count = 0
+        for completion in self.engine.generate(requests(), self.params):
+            queue.write(
+                partition, [completion.request_id],
+                {"response_ids": [torch.tensor(completion.response_ids, dtype=torch.int64)],
+                 "rollout_logprobs": [torch.tensor(completion.logprobs, dtype=torch.float32)]},
+                weight_version=version, metadata=[{"finish_reason": completion.finish_reason}],
+            )
+            count += 1
+        return count
 
     def generate(self, prompts: Iterable[Prompt]) -> Iterator[Rollout]:
         """Yield one rollout per (prompt, sample) as soon as it finishes; prompts are pulled lazily."""
@@ -81,6 +109,29 @@ class RolloutWorker:
                 answer=prompt.answer,
                 metadata=prompt.metadata,
             )
+
+
+def rollouts_from_batch(batch) -> list[Rollout]:
+    """Queue rows (prompt, response and optional reward columns) -> `Rollout` records."""
+    meta = batch.meta
+    columns = batch.data
+    rewards = columns["reward"].tolist() if "reward" in columns else [None] * len(meta)
+    prompts, responses, logprobs = batch.rows("prompt_ids"), batch.rows("response_ids"), batch.rows("rollout_logprobs")
+    return [
+        Rollout(
+            group_id=meta.group_ids[i],
+            sample_index=meta.metadata[i].get("sample_index", 0),
+            prompt_ids=prompts[i].tolist(),
+            response_ids=responses[i].tolist(),
+            rollout_logprobs=logprobs[i].tolist(),
+            finish_reason=meta.metadata[i].get("finish_reason", "stop"),
+            weight_version=meta.weight_versions[i],
+            answer=meta.metadata[i]["answer"],
+            metadata=meta.metadata[i],
+            reward=rewards[i],
+        )
+        for i in range(len(meta))
+    ]
 
 
 def complete_groups(rollouts: Iterable[Rollout], group_size: int) -> Iterator[list[Rollout]]:

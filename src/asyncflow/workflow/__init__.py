@@ -3,10 +3,18 @@
 from asyncflow.config import Config
 
 
-def make_workflow(config: Config):
-    mode = config.workflow.mode
-    if mode == "sync":
-        from asyncflow.workflow.sync import SyncWorkflow
+def make_runtime(config: Config):
+    if config.runtime.kind == "ray":
+        from asyncflow.runtime.ray_runtime import RayRuntime
 
-        return SyncWorkflow()
-    raise ValueError(f"workflow.mode={mode!r} is not available in this build")
+        return RayRuntime(config)
+    from asyncflow.runtime.inline import InlineRuntime
+
+    return InlineRuntime(config)
+
+
+def make_workflow(config: Config, run):
+    """The workflow of `config.workflow.mode` (sync, stream or async) over the configured runtime."""
+    from asyncflow.workflow.pipeline import PipelineWorkflow
+
+    return PipelineWorkflow(run, make_runtime(config))

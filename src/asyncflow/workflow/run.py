@@ -27,7 +27,7 @@ from asyncflow.config import Config, dump_config
 from asyncflow.engines.base import make_inference_engine
 from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.models.loading import load_model, load_tokenizer, resolve_model_path
-from asyncflow.observe import MetricsLogger, TrainProgress, plot_metrics
+from asyncflow.observe import MetricsLogger, Timeline, TrainProgress, plot_metrics
 from asyncflow.workers.reward import RewardWorker
 from asyncflow.workers.rollout import Prompt, RolloutWorker
 from asyncflow.workers.trainer import PolicyTrainer
@@ -89,6 +89,7 @@ class RLRun:
         self.nan_streak = 0
         self.samples_seen = 0
         self.start_wall = 0.0
+        self.timeline = Timeline()
         if resume:
             self._resume()
         self.metrics = MetricsLogger(self.run_dir, resume_from_step=self.step if resume else None)
@@ -105,12 +106,6 @@ class RLRun:
                 prompts.append(prompt)
                 self.next_group_id += 1
         return prompts
-
-    # ---------------------------------------------------------------- weights
-    def publish_weights(self) -> None:
-        """The policy just stepped: bump the version and hand the weights to the inference side."""
-        self.version += 1
-        self.inference_engine.update_weights(self.train_engine.state_dict(), self.version)
 
     # ---------------------------------------------------------------- checkpoints
     def _state(self) -> dict:
@@ -154,9 +149,22 @@ class RLRun:
 
     # ---------------------------------------------------------------- loop
     def evaluate(self) -> dict[str, float]:
+        """Greedy held-out accuracy of the current policy, on an engine of its own (the rollout engine
+        may be busy on another thread or process)."""
         if not self.test_set:
             return {}
-        return evaluate(self.inference_engine, self.rewards, self.encoder, self.test_set, self.eval_params)
+        if self.eval_engine is None:
+            self.eval_engine = make_inference_engine(
+                self.config.rollout.engine, model=copy.deepcopy(self.train_engine.model).eval().requires_grad_(False),
+                max_batch_size=self.config.rollout.max_batch_size, device=self.config.model.device, seed=self.config.run.seed,
+            )
+        self.eval_engine.update_weights(self.train_engine.state_dict(), self.version)
+        t0 = time.time()
+        result = evaluate(self.eval_engine, self.rewards, self.encoder, self.test_set, self.eval_params)
+        self.timeline.add_span("trainer", "evaluate", t0, time.time(), step=self.step)
+        return result
+
+    eval_engine = None
 
     def train(self, workflow) -> list[dict]:
         """Run `workflow.step(self)` until `train.steps`; returns the logged metrics rows."""
@@ -182,8 +190,17 @@ class RLRun:
                     self.save()
         workflow.close()
         self.metrics.close()
-        plot_metrics(self.run_dir, keys=("reward/mean", "eval/accuracy"), out_png=self.run_dir / "curves.png")
+        self.write_reports()
         return history
+
+    def write_reports(self) -> None:
+        """Plots of reward and accuracy, the Chrome trace and Gantt chart, and each role's idle fraction."""
+        plot_metrics(self.run_dir, keys=("reward/mean", "eval/accuracy"), out_png=self.run_dir / "curves.png")
+        if self.timeline.events:
+            self.timeline.to_chrome_trace(self.run_dir / "timeline.json")
+            self.timeline.gantt_png(self.run_dir / "timeline.png", title=f"{self.config.workflow.mode} workers")
+            idle = self.timeline.idle_fractions()
+            log.info("idle fraction per worker: %s", {k: round(v, 3) for k, v in idle.items()})
 
     def _throughput(self, metrics: dict) -> dict[str, float]:
         self.samples_seen += int(metrics.get("rollout/samples", 0))

@@ -1,0 +1,45 @@
+"""Inline runtime: every worker in this process (the rollout loop on a thread).
+
+Owns: the in-process TransferQueue, the in-process weight channel, and the rollout thread. Used
+for debugging, tests, and the colocated `sync` baseline.
+
+Invariant: once the rollout thread runs, only it touches the rollout engine; new weights reach it
+through the weight channel, never by a direct call from the trainer thread.
+"""
+
+from __future__ import annotations
+
+from asyncflow.transfer import TransferQueue
+from asyncflow.workers.loops import BackgroundThread, rollout_loop
+
+
+class InlineRuntime:
+    weight_sync = "inprocess"
+
+    def __init__(self, config):
+        self.config = config
+        self.thread = None
+        self.receiver = None
+
+    def make_queue(self, tasks):
+        return TransferQueue.local(num_storage_units=2, tasks=tasks, timeout=self.config.runtime.call_timeout_s)
+
+    def start_rollout(self, run, queue, receiver_spec, steps, *, max_staleness: int) -> None:
+        self.receiver = receiver_spec.open()
+        self.thread = BackgroundThread(
+            "rollout", rollout_loop, run.rollout, queue, self.receiver, steps, max_staleness=max_staleness,
+            batch_size=self.config.rollout.max_batch_size, timeout=self.config.runtime.call_timeout_s,
+            timeline=run.timeline,
+        )
+
+    def check(self) -> None:
+        if self.thread is not None:
+            self.thread.check()
+
+    def join(self, timeout: float) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    def close(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()

@@ -1,0 +1,105 @@
+"""The Ray deployment: the shared scenarios through actors, a checkpoint moved from Ray to in-process, and
+Ray tasks as concurrent producers, a rollout stage and trainers, each holding a pickled copy of the client."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transfer_scenarios import (
+    check_backpressure_ack_and_reset,
+    check_bad_inputs_rejected,
+    check_checkpoint_restores_into,
+    check_round_trip,
+)
+
+from asyncflow.transfer import TransferQueue
+
+ray = pytest.importorskip("ray")
+from asyncflow.transfer.ray_queue import RayTransferQueue  # noqa: E402
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def queue():
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = f"{SRC}:{TESTS}"  # Ray workers inherit it (faster than a runtime_env)
+    try:
+        ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+        q = RayTransferQueue.create(num_storage_units=2, tasks=("rollout", "trainer"), timeout=30)
+        yield q
+        q.shutdown()
+    finally:
+        ray.shutdown()
+        os.environ.pop("PYTHONPATH") if saved is None else os.environ.__setitem__("PYTHONPATH", saved)
+
+
+def test_round_trip(queue):
+    check_round_trip(queue, "round-trip")
+
+
+def test_bad_inputs_rejected_with_the_same_errors(queue):
+    check_bad_inputs_rejected(queue, "bad")
+
+
+def test_backpressure_ack_and_reset(queue):
+    check_backpressure_ack_and_reset(queue, "pressure")
+
+
+def test_checkpoint_moves_from_ray_to_in_process(queue, tmp_path):
+    fresh = TransferQueue.local(num_storage_units=2, tasks=("rollout", "trainer"), timeout=20)
+    check_checkpoint_restores_into(queue, "ckpt", fresh, tmp_path / "ckpt.pt")
+
+
+def _prompt(seed: int, i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1000 + i)
+    return torch.randint(0, 32000, (int(torch.randint(50, 400, (1,), generator=g)),), generator=g)
+
+
+@ray.remote(num_cpus=0)
+def produce(q, partition, seed, rows, per_append):
+    out = {}
+    for start in range(0, rows, per_append):
+        prompts = [_prompt(seed, i) for i in range(start, start + per_append)]
+        out.update(zip(q.append(partition, {"prompt": prompts}, timeout=60), [p.tolist() for p in prompts]))
+    return out
+
+
+@ray.remote(num_cpus=0)
+def rollout(q, partition):
+    seen = []
+    for batch in q.loader(partition, "rollout", ["prompt"], 3, timeout=60):
+        seen += batch.meta.indices
+        responses = [p * 2 + 1 for p in batch.rows("prompt")]
+        q.write(partition, batch.meta.indices, {"response": responses}, weight_version=3)
+    return seen
+
+
+@ray.remote(num_cpus=0)
+def train(q, partition):
+    got = []
+    for batch in q.loader(partition, "trainer", ["prompt", "response"], 4, timeout=60):
+        assert batch.meta.weight_versions == [3] * len(batch)
+        pairs = zip(batch.meta.indices, batch.rows("prompt"), batch.rows("response"))
+        got += [(i, p.tolist(), r.tolist()) for i, p, r in pairs]
+    return got
+
+
+def test_ray_tasks_as_producers_and_consumers_get_every_row_once_intact(queue):
+    producers, rows_each = 2, 24
+    queue.create_partition("actors", num_rows=producers * rows_each, capacity=12)
+    consumers = [rollout.remote(queue, "actors"), train.remote(queue, "actors"), train.remote(queue, "actors")]
+    written = {}
+    for part in ray.get([produce.remote(queue, "actors", s, rows_each, 4) for s in range(producers)], timeout=120):
+        written.update(part)
+    seen, *trained = ray.get(consumers, timeout=120)
+    trained = [row for rows in trained for row in rows]
+    assert len(written) == producers * rows_each and sorted(seen) == sorted(written)
+    assert sorted(i for i, _, _ in trained) == sorted(written)
+    for i, prompt, response in trained:
+        assert prompt == written[i] and response == [t * 2 + 1 for t in written[i]]
+    assert queue.status("actors") == {"exists": False, "cleared": "consumed"}
+    metrics = queue.metrics()
+    assert metrics["consumed/trainer/response"] >= producers * rows_each and metrics["bytes_read"] > 0
