@@ -167,3 +167,14 @@ def test_oldest_first_prefers_lower_weight_versions_and_similar_length_the_narro
     assert ctrl.try_request("p", "t", ["x"], 3, OldestFirst()).indices == [rows[1], rows[3], rows[2]]
     ctrl, rows = _controller_with_rows([10, 300, 12, 11, 200, 14])
     assert sorted(ctrl.try_request("p", "t", ["x"], 3, SimilarLength()).indices) == [rows[0], rows[2], rows[3]]
+
+
+def test_reset_rearms_rows_behind_the_rows_still_pending():
+    ctrl, rows = _controller_with_rows([1, 1, 1, 1])
+    first = ctrl.try_request("p", "t", ["x"], 2)
+    assert first.indices == rows[:2]
+    ctrl.reset("p", "t", rows[:1])  # the worker holding row 0 failed
+    assert ctrl.try_request("p", "t", ["x"], 3).indices == [rows[2], rows[3], rows[0]]
+    assert ctrl.status("p")["consumed"] == {"t": 4}
+    ctrl.reset("p")  # everything, for every task
+    assert ctrl.try_request("p", "t", ["x"], 4).indices == rows

@@ -45,15 +45,21 @@ def test_full_partition_with_error_policy_raises_at_once():
     assert q.status("p")["rows"] == 2
 
 
-def test_metrics_count_rows_per_column_and_task_and_bytes():
+def test_metrics_count_rows_per_column_and_task_wait_times_and_bytes():
     q = local_queue()
     idx = q.append("p", {"ids": prompts([3, 5])})
-    q.write("p", idx, {"reward": torch.tensor([1.0, 2.0])})
-    q.get(q.request("p", "trainer", ["ids", "reward"], 2, timeout=5))
+    late = threading.Timer(0.3, lambda: q.write("p", idx, {"reward": torch.tensor([1.0, 2.0])}))
+    late.start()
+    q.get(q.request("p", "trainer", ["ids", "reward"], 2, timeout=5))  # blocks until the reward is written
+    q.get(q.request("p", "rollout", ["ids"], 1, timeout=5))
+    late.join()
     m = q.metrics()
-    assert m["produced/ids"] == 2 and m["produced/reward"] == 2 and m["consumed/trainer/reward"] == 2
-    assert m["bytes_written"] == 8 * 8 + 2 * 4 and m["bytes_read"] == m["bytes_written"]
-    assert m["waits/trainer"] == 1 and m["wait_s/trainer"] >= 0
+    assert m["produced/ids"] == 2 and m["produced/reward"] == 2 and m["rows_appended"] == 2
+    assert m["consumed/trainer"] == 2 and m["consumed/trainer/ids"] == 2 and m["consumed/trainer/reward"] == 2
+    assert m["consumed/rollout"] == 1 and m["consumed/rollout/ids"] == 1 and "consumed/rollout/reward" not in m
+    assert m["bytes_written"] == 8 * 8 + 2 * 4 and m["bytes_read"] == m["bytes_written"] + 3 * 8
+    assert m["waits/trainer"] == 1 and 0.25 <= m["wait_s/trainer"] == m["wait_max_s/trainer"] < 5
+    assert m["waits/rollout"] == 1 and m["wait_s/rollout"] < 0.25
 
 
 def test_group_loader_streams_groups_in_completion_order():
@@ -119,4 +125,4 @@ def test_threaded_pipeline_delivers_every_row_once_per_task_intact():
         assert torch.equal(prompt, written[i]) and torch.equal(response, written[i] * 2 + 1)
         assert torch.equal(logprob, written[i].float() / 7)
     assert q.status("step") == {"exists": False, "cleared": "consumed"}
-    assert q.metrics()["wait_s/backpressure"] > 0
+    assert q.metrics()["waits/backpressure"] == producers * rows_each // 3  # one per append

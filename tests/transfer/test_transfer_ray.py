@@ -1,5 +1,5 @@
 """The Ray deployment: the shared scenarios through actors, a checkpoint moved from Ray to in-process, and
-Ray tasks as concurrent producers, a rollout stage and trainers, each holding a pickled copy of the client."""
+Ray actors as concurrent producers, rollout workers and trainers, each holding a pickled copy of the client."""
 
 import os
 from pathlib import Path
@@ -28,7 +28,7 @@ def queue():
     os.environ["PYTHONPATH"] = f"{SRC}:{TESTS}"  # Ray workers inherit it (faster than a runtime_env)
     try:
         ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
-        q = RayTransferQueue.create(num_storage_units=2, tasks=("rollout", "trainer"), timeout=30)
+        q = RayTransferQueue.create(num_storage_units=2, tasks=("rollout", "trainer"), timeout=60)
         yield q
         q.shutdown()
     finally:
@@ -58,48 +58,57 @@ def _prompt(seed: int, i: int) -> torch.Tensor:
     return torch.randint(0, 32000, (int(torch.randint(50, 400, (1,), generator=g)),), generator=g)
 
 
-@ray.remote(num_cpus=0)
-def produce(q, partition, seed, rows, per_append):
-    out = {}
-    for start in range(0, rows, per_append):
-        prompts = [_prompt(seed, i) for i in range(start, start + per_append)]
-        out.update(zip(q.append(partition, {"prompt": prompts}, timeout=60), [p.tolist() for p in prompts]))
-    return out
+@ray.remote(num_cpus=0, max_concurrency=2)
+class Worker:
+    """A Ray actor running two roles at once on its threads, each through its own pickled copy of the client."""
+
+    def produce(self, q, partition, seed, rows, per_append):
+        out = {}
+        for start in range(0, rows, per_append):
+            prompts = [_prompt(seed, i) for i in range(start, start + per_append)]
+            out.update(zip(q.append(partition, {"prompt": prompts}, timeout=60), [p.tolist() for p in prompts]))
+        return out
+
+    def rollout(self, q, partition):
+        seen = []
+        for batch in q.loader(partition, "rollout", ["prompt"], 3, timeout=60):
+            seen += batch.meta.indices
+            responses = [p * 2 + 1 for p in batch.rows("prompt")]
+            q.write(partition, batch.meta.indices, {"response": responses}, weight_version=3)
+        return seen
+
+    def train(self, q, partition, capacity):
+        got, max_in_flight = [], 0
+        for batch in q.loader(partition, "trainer", ["prompt", "response"], 4, timeout=60):
+            assert batch.meta.weight_versions == [3] * len(batch), "a row reached the trainer before its response"
+            pairs = zip(batch.meta.indices, batch.rows("prompt"), batch.rows("response"))
+            got += [(i, p.tolist(), r.tolist()) for i, p, r in pairs]
+            status = q.status(partition)
+            max_in_flight = max(max_in_flight, status.get("in_flight", 0))
+        assert max_in_flight <= capacity, f"{max_in_flight} rows in flight, capacity {capacity}"
+        return got
 
 
-@ray.remote(num_cpus=0)
-def rollout(q, partition):
-    seen = []
-    for batch in q.loader(partition, "rollout", ["prompt"], 3, timeout=60):
-        seen += batch.meta.indices
-        responses = [p * 2 + 1 for p in batch.rows("prompt")]
-        q.write(partition, batch.meta.indices, {"response": responses}, weight_version=3)
-    return seen
-
-
-@ray.remote(num_cpus=0)
-def train(q, partition):
-    got = []
-    for batch in q.loader(partition, "trainer", ["prompt", "response"], 4, timeout=60):
-        assert batch.meta.weight_versions == [3] * len(batch)
-        pairs = zip(batch.meta.indices, batch.rows("prompt"), batch.rows("response"))
-        got += [(i, p.tolist(), r.tolist()) for i, p, r in pairs]
-    return got
-
-
-def test_ray_tasks_as_producers_and_consumers_get_every_row_once_intact(queue):
-    producers, rows_each = 2, 24
-    queue.create_partition("actors", num_rows=producers * rows_each, capacity=12)
-    consumers = [rollout.remote(queue, "actors"), train.remote(queue, "actors"), train.remote(queue, "actors")]
+def test_ray_actors_as_producers_and_consumers_get_every_row_once_intact(queue):
+    """Three actors in their own processes: two producers, two rollout workers, two trainers, all concurrent."""
+    producers, rows_each, capacity = 2, 24, 12
+    queue.create_partition("actors", num_rows=producers * rows_each, capacity=capacity)
+    a, b, c = (Worker.remote() for _ in range(3))
+    seen_refs = [b.rollout.remote(queue, "actors"), c.rollout.remote(queue, "actors")]
+    train_refs = [a.train.remote(queue, "actors", capacity), c.train.remote(queue, "actors", capacity)]
+    produced = [w.produce.remote(queue, "actors", s, rows_each, 4) for s, w in enumerate((a, b))]
     written = {}
-    for part in ray.get([produce.remote(queue, "actors", s, rows_each, 4) for s in range(producers)], timeout=120):
+    for part in ray.get(produced, timeout=120):
         written.update(part)
-    seen, *trained = ray.get(consumers, timeout=120)
-    trained = [row for rows in trained for row in rows]
-    assert len(written) == producers * rows_each and sorted(seen) == sorted(written)
-    assert sorted(i for i, _, _ in trained) == sorted(written)
+    seen = [i for rows in ray.get(seen_refs, timeout=120) for i in rows]
+    trained = [row for rows in ray.get(train_refs, timeout=120) for row in rows]
+    assert len(written) == producers * rows_each
+    assert sorted(seen) == sorted(written), "rollout: rows lost or delivered twice"
+    assert sorted(i for i, _, _ in trained) == sorted(written), "trainer: rows lost or delivered twice"
     for i, prompt, response in trained:
-        assert prompt == written[i] and response == [t * 2 + 1 for t in written[i]]
+        assert prompt == written[i] and response == [t * 2 + 1 for t in written[i]], f"row {i} corrupted"
     assert queue.status("actors") == {"exists": False, "cleared": "consumed"}
     metrics = queue.metrics()
     assert metrics["consumed/trainer/response"] >= producers * rows_each and metrics["bytes_read"] > 0
+    for actor in (a, b, c):
+        ray.kill(actor)

@@ -60,8 +60,9 @@ def check_bad_inputs_rejected(q, p):
         q.write(p, idx, {"lp": [torch.randn(4), torch.randn(2)]})
     with pytest.raises(TypeError, match=rf"partition '{p}' column 'ids' row #0"):
         q.append(p, {"ids": [[1, 2]]})
-    with pytest.raises(TransferTimeout, match=rf"'{p}' with columns \['never'\]"):
+    with pytest.raises(TransferTimeout, match=rf"'{p}' with columns \['never'\].*row {idx[0]} lacks column\(s\) \['never'\]"):
         q.request(p, "reader", ["never"], 1, timeout=0.2)
+    assert q.metrics()["wait_max_s/reader"] >= 0.2, "the timed-out wait is recorded"
     assert q.status(p) == status
     meta = q.request(p, "reader", ["ids"], 2, timeout=10)
     with pytest.raises(UnknownColumnError, match=rf"partition '{p}' column 'lp'"):
@@ -75,11 +76,15 @@ def check_bad_inputs_rejected(q, p):
         q.append(closed, {"other": prompts([1])})
     with pytest.raises(UnknownColumnError, match=rf"partition '{closed}' column 'other'"):
         q.request(closed, "reader", ["other"], 1, timeout=1)
+    (row,) = q.append(closed, {"ids": prompts([2])})
+    with pytest.raises(UnknownColumnError, match=rf"partition '{closed}' row {row} column 'other'"):
+        q.write(closed, [row], {"other": prompts([1])})
+    assert q.status(closed)["ready"] == {"ids": 1}
 
     q.clear(p)
     with pytest.raises(PartitionClosedError, match=rf"row {idx[1]} column\(s\) lp of partition '{p}': it was cleared"):
         q.write(p, idx[1:], {"lp": [torch.randn(2)]})
-    with pytest.raises(PartitionClosedError, match=f"partition '{p}': it was cleared"):
+    with pytest.raises(PartitionClosedError, match=rf"append 1 rows \(rows \d+\.\.\d+, column\(s\) ids\) to partition '{p}': it was"):
         q.append(p, {"ids": prompts([1])})
 
 
@@ -103,6 +108,7 @@ def check_backpressure_ack_and_reset(q, p):
     q.ack(p, "trainer", trainer.indices)
     blocked.join(timeout=20)
     assert done.is_set()
+    assert q.metrics()["wait_max_s/backpressure"] >= 0.6, "the blocked producer's wait is recorded"
     with pytest.raises(UnknownRowError, match=rf"partition '{p}' row {first[1]}: task 'trainer' acknowledged"):
         q.ack(p, "trainer", first[1:])
 
@@ -134,5 +140,6 @@ def check_checkpoint_restores_into(q, p, fresh: TransferQueue, path):
     assert torch.equal(fresh.get(meta).data["ids"], torch.arange(5)) and fresh.get(meta).data["reward"].item() == 0.0
     with pytest.raises(FilledCellError):
         fresh.write(p, idx[:1], {"reward": torch.tensor([3.0])})
-    fresh.append(p, {"ids": prompts([1])})  # indices continue after the restored ones
+    (new,) = fresh.append(p, {"ids": prompts([1])})
+    assert new not in idx, "indices continue after the restored ones"
     assert max(fresh.status(p)["ready"].values()) == 4

@@ -77,7 +77,7 @@ class _Partition:
     sealed: bool = False
     rows: dict[int, _Row] = field(default_factory=dict)  # insertion order = append order
     consumed: dict[str, set[int]] = field(default_factory=dict)
-    pending: dict[str, dict[int, None]] = field(default_factory=dict)  # per task: not consumed, append order
+    pending: dict[str, dict[int, None]] = field(default_factory=dict)  # per task: not consumed, append order, re-armed last
     acked: dict[str, set[int]] = field(default_factory=dict)
     retired: set[int] = field(default_factory=set)  # acknowledged by every registered task
     reserved: set[tuple[int, str]] = field(default_factory=set)  # (row, column) cells being written
@@ -179,9 +179,12 @@ class Controller:
         with self._lock:
             part = self._partition_for_write(partition, "reset", create=False)
             for name in [task] if task is not None else list(part.consumed):
-                for bits in (part.consumed.setdefault(name, set()), part.acked.setdefault(name, set())):
-                    bits.clear() if indices is None else bits.difference_update(indices)
-                part.pending.pop(name, None)
+                consumed = part.consumed.setdefault(name, set())
+                rearmed = [i for i in (part.rows if indices is None else indices) if i in consumed]
+                for bits in (consumed, part.acked.setdefault(name, set())):
+                    bits.difference_update(rearmed)
+                if name in part.pending:
+                    part.pending[name].update(dict.fromkeys(rearmed))  # re-armed rows queue behind the others
             self._recount_retired(part)
             self._wake(partition)
 
@@ -200,9 +203,10 @@ class Controller:
         partition with their `columns` ready, all at once. None while the partition is full."""
         with self._lock:
             num = len(indices)
-            part = self._partition_for_write(partition, "append to")
+            what = f"{num} rows (rows {indices[0]}..{indices[-1]}, column(s) {', '.join(columns)})"
+            part = self._partition_for_write(partition, f"append {what} to")
             if part.sealed:
-                raise PartitionClosedError(f"partition {partition!r} is sealed: cannot append {num} rows")
+                raise PartitionClosedError(f"partition {partition!r} is sealed: cannot append {what}")
             if part.num_rows is not None and len(part.rows) + num > part.num_rows:
                 raise PartitionClosedError(
                     f"partition {partition!r} holds {len(part.rows)} of its num_rows={part.num_rows}: "
@@ -395,9 +399,14 @@ class Controller:
                 return f"task {task!r}: partition {partition!r} does not exist"
             pending = [part.rows[i] for i in part.pending_for(task)]
             ready = sum(all(c in row.ready for c in columns) for row in pending)
+            waiting = next((row for row in pending if not all(c in row.ready for c in columns)), None)
+            oldest = (
+                f"; oldest not ready: row {waiting.index} lacks column(s) "
+                f"{[c for c in columns if c not in waiting.ready]}" if waiting is not None else ""
+            )  # fmt: skip
             return (
                 f"task {task!r} wants {batch_size} rows of partition {partition!r} with columns {list(columns)} ready: "
-                f"{ready} of its {len(pending)} unconsumed rows are ready, partition complete={part.complete}"
+                f"{ready} of its {len(pending)} unconsumed rows are ready{oldest}, partition complete={part.complete}"
             )
 
     def explain_full(self, partition: str, num: int) -> str:
