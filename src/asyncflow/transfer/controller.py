@@ -77,7 +77,7 @@ class _Partition:
     sealed: bool = False
     rows: dict[int, _Row] = field(default_factory=dict)  # insertion order = append order
     consumed: dict[str, set[int]] = field(default_factory=dict)
-    pending: dict[str, dict[int, None]] = field(default_factory=dict)  # per task: not consumed, append order, re-armed last
+    pending: dict[str, dict[int, None]] = field(default_factory=dict)  # per task: unconsumed rows, re-armed last
     acked: dict[str, set[int]] = field(default_factory=dict)
     retired: set[int] = field(default_factory=set)  # acknowledged by every registered task
     reserved: set[tuple[int, str]] = field(default_factory=set)  # (row, column) cells being written
