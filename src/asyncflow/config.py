@@ -205,6 +205,8 @@ class RuntimeConfig(Section):
     """How new weights reach the rollout workers."""
     call_timeout_s: float = Field(600.0, gt=0)
     """Timeout of every remote call and weight sync."""
+    max_restarts: int = Field(2, ge=0)
+    """`ray`: times a dead rollout replica is restarted (its unfinished rows are generated again)."""
 
 
 class Config(Section):

@@ -15,6 +15,7 @@ from asyncflow.workers.loops import BackgroundThread, rollout_loop
 
 class InlineRuntime:
     weight_sync = "inprocess"
+    weight_sync_options: dict = {}
 
     def __init__(self, config):
         self.config = config

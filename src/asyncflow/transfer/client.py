@@ -117,6 +117,11 @@ class TransferQueue:
         """Make rows (default: all) deliverable again to `task` (default: every task), e.g. after a failure."""
         self._control("reset", partition, task, None if indices is None else list(indices))
 
+    def release(self, task: str, consumer: str, unless_ready: Sequence[str]) -> dict[str, list[int]]:
+        """Make the rows `consumer` took for `task` deliverable again where `unless_ready` columns are not all
+        written (the consumer died holding them). Returns the released rows per partition."""
+        return self._control("release", task, consumer, list(unless_ready))
+
     def status(self, partition: str) -> dict:
         return self._control("status", partition)
 
@@ -199,13 +204,15 @@ class TransferQueue:
         timeout: float | None = None,
         block: bool = True,
         ack: Sequence[int] = (),
+        consumer: str | None = None,
     ) -> BatchMeta | None:
         """Metadata of up to `batch_size` rows whose `columns` are all ready and that `task` has not consumed
         (marked consumed now). Empty BatchMeta: `partition` is complete and exhausted for `task`. Waits up to
         `timeout`; with `block=False` returns None at once when nothing is ready. `ack`: rows of an earlier
-        batch this worker is done with (see `ack`), sent along to save a round trip."""
+        batch this worker is done with (see `ack`), sent along to save a round trip. `consumer`: who takes
+        the rows (see `release`)."""
         wait = self.timeout if timeout is None else timeout
-        args = (partition, task, list(columns), batch_size, sampler, wait, block, list(ack))
+        args = (partition, task, list(columns), batch_size, sampler, wait, block, list(ack), consumer)
         return self._control("request", *args, wait=wait if block else 0.0)
 
     def get(self, meta: BatchMeta, columns: Sequence[str] | None = None, *, padded: bool = False, pad_value=0) -> Batch:
@@ -252,12 +259,15 @@ class TransferQueue:
         sampler: Sampler | None = None,
         padded: bool = False,
         timeout: float | None = None,
+        consumer: str | None = None,
     ) -> Iterator[Batch]:
         """Yield micro-batches of `partition` for `task` as soon as they are ready; stop once it is complete
         and exhausted for `task`. A batch is acknowledged with the request for the next one, so whatever the
         consumer writes back for it happens first. Each wait is bounded by `timeout`."""
         done: list[int] = []
-        while meta := self.request(partition, task, columns, batch_size, sampler=sampler, timeout=timeout, ack=done):
+        while meta := self.request(
+            partition, task, columns, batch_size, sampler=sampler, timeout=timeout, ack=done, consumer=consumer
+        ):
             yield self.get(meta, padded=padded)
             done = meta.indices
 

@@ -81,6 +81,7 @@ class _Partition:
     acked: dict[str, set[int]] = field(default_factory=dict)
     retired: set[int] = field(default_factory=set)  # acknowledged by every registered task
     reserved: set[tuple[int, str]] = field(default_factory=set)  # (row, column) cells being written
+    holders: dict[str, dict[int, str]] = field(default_factory=dict)  # per task: row -> consumer that took it
 
     def pending_for(self, task: str) -> dict[int, None]:
         """Rows `task` has not consumed, kept incrementally so a request scans only those."""
@@ -188,6 +189,28 @@ class Controller:
             self._recount_retired(part)
             self._wake(partition)
 
+    def release(self, task: str, consumer: str, unless_ready: Sequence[str]) -> dict[str, list[int]]:
+        """Re-arm, for `task`, every row `consumer` took (in any partition) whose `unless_ready` columns are
+        not all ready: the consumer died holding them, so another one must produce them. Returns the rows
+        released per partition."""
+        released: dict[str, list[int]] = {}
+        with self._lock:
+            for name, part in self._partitions.items():
+                held = part.holders.get(task, {})
+                rows = [i for i, who in held.items() if who == consumer and not part.rows[i].ready.keys() >= set(unless_ready)]
+                if not rows:
+                    continue
+                for i in rows:
+                    del held[i]
+                    part.consumed.get(task, set()).discard(i)
+                    part.acked.get(task, set()).discard(i)
+                part.pending.pop(task, None)
+                self._recount_retired(part)
+                self._counters[f"released/{task}"] += len(rows)
+                released[name] = rows
+                self._wake(name)
+        return released
+
     # ---- producing -----------------------------------------------------------------------------
     def try_add_rows(
         self,
@@ -210,7 +233,7 @@ class Controller:
             if part.num_rows is not None and len(part.rows) + num > part.num_rows:
                 raise PartitionClosedError(
                     f"partition {partition!r} holds {len(part.rows)} of its num_rows={part.num_rows}: "
-                    f"cannot append {num} more"
+                    f"cannot append {what}"
                 )
             taken = [i for i in indices if i in part.rows]
             if taken:
@@ -288,11 +311,13 @@ class Controller:
 
     # ---- consuming -----------------------------------------------------------------------------
     def try_request(
-        self, partition: str, task: str, columns: Sequence[str], batch_size: int, sampler: Sampler | None = None
+        self, partition: str, task: str, columns: Sequence[str], batch_size: int, sampler: Sampler | None = None,
+        consumer: str | None = None,
     ) -> BatchMeta | None:
         """Pick, mark consumed and describe rows for `task`. None: nothing to hand out yet. An empty
         BatchMeta: the partition is complete and `task` consumed all of it (or, for a registered task,
-        it was cleared because every registered task finished it)."""
+        it was cleared because every registered task finished it). `consumer` names who takes the rows,
+        so that `release` can hand them out again if it dies."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         sampler = sampler or OldestFirst()
@@ -337,6 +362,8 @@ class Controller:
             if len(set(chosen)) != len(chosen) or not allowed.issuperset(chosen):
                 raise TransferError(f"{sampler!r} returned rows that are not distinct ready candidates: {chosen}")
             part.consumed.setdefault(task, set()).update(chosen)
+            if consumer is not None:
+                part.holders.setdefault(task, {}).update(dict.fromkeys(chosen, consumer))
             for i in chosen:
                 del pending[i]
             self._counters[f"consumed/{task}"] += len(chosen)
@@ -364,13 +391,14 @@ class Controller:
         timeout: float = 60.0,
         block: bool = True,
         ack: Sequence[int] = (),
+        consumer: str | None = None,
     ) -> BatchMeta | None:
         """`ack` the rows of the previous batch, then `try_request`, waiting up to `timeout` seconds for a
         batch (or returning None at once if not `block`)."""
         self.ack(partition, task, ack)
         start = time.monotonic()
         try:
-            attempt = lambda: self.try_request(partition, task, columns, batch_size, sampler)  # noqa: E731
+            attempt = lambda: self.try_request(partition, task, columns, batch_size, sampler, consumer)  # noqa: E731
             if not block:
                 return attempt()
             explain = lambda: self.explain_request(partition, task, columns, batch_size)  # noqa: E731

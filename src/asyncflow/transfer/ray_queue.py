@@ -96,10 +96,12 @@ class _ControllerActor:
     def attach_units(self, units: list) -> None:
         self.controller.on_clear = lambda partition: [unit.drop.remote(partition) for unit in units]
 
-    async def request(self, partition, task, columns, batch_size, sampler=None, timeout=60.0, block=True, ack=()):
+    async def request(
+        self, partition, task, columns, batch_size, sampler=None, timeout=60.0, block=True, ack=(), consumer=None
+    ):
         ctrl = self.controller
         ctrl.ack(partition, task, ack)
-        attempt = lambda: ctrl.try_request(partition, task, columns, batch_size, sampler)  # noqa: E731
+        attempt = lambda: ctrl.try_request(partition, task, columns, batch_size, sampler, consumer)  # noqa: E731
         explain = lambda: ctrl.explain_request(partition, task, columns, batch_size)  # noqa: E731
         if not block:
             return self._once(attempt, task)
@@ -120,7 +122,7 @@ class _ControllerActor:
             self.controller.record_wait(who, time.monotonic() - start)
 
 
-for _name in ("create_partition", "register_task", "seal", "ack", "clear", "reset", "load_state_dict", "reserve",
+for _name in ("create_partition", "register_task", "seal", "ack", "clear", "reset", "release", "load_state_dict", "reserve",
               "unreserve", "mark_ready", "status", "metrics", "state_dict"):  # fmt: skip
     setattr(_ControllerActor, _name, _forward("controller", _name))
 

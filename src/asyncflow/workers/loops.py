@@ -17,10 +17,11 @@ def partition_name(step: int) -> str:
     return f"step_{step}"
 
 
-def rollout_loop(worker, queue: TransferQueue, receiver, steps: range, *, max_staleness: int, batch_size: int,
-                 timeout: float, timeline=None, name: str = "rollout") -> int:
+def rollout_loop(worker, queue, receiver, steps: range, *, max_staleness: int, batch_size: int,
+                 timeout: float, timeline=None, name: str = "rollout", consumer: str | None = None) -> int:
     """Generate partitions `steps` in order, respecting the staleness bound (the rollout side of every
-    workflow but `sync`). Weights change only between partitions. Returns rows generated."""
+    workflow but `sync`). Weights change only between partitions. Returns rows generated. `consumer`
+    names this replica to the queue, so its rows can be released if it dies."""
     engine = worker.engine
     generated = 0
     for step in steps:
@@ -32,7 +33,9 @@ def rollout_loop(worker, queue: TransferQueue, receiver, steps: range, *, max_st
         if newest is not None:
             engine.update_weights(newest[1], newest[0])
         t2 = time.time()
-        generated += worker.run_partition(queue, partition_name(step), batch_size=batch_size, timeout=timeout)
+        generated += worker.run_partition(
+            queue, partition_name(step), batch_size=batch_size, timeout=timeout, consumer=consumer
+        )
         if timeline is not None:
             timeline.add_span(name, "wait_weights", t0, t1, step=step)
             timeline.add_span(name, "weight_swap", t1, t2, version=engine.weight_version)
@@ -40,7 +43,7 @@ def rollout_loop(worker, queue: TransferQueue, receiver, steps: range, *, max_st
     return generated
 
 
-def reward_loop(worker, queue: TransferQueue, steps: range, *, batch_size: int, timeout: float, timeline=None) -> None:
+def reward_loop(worker, queue, steps: range, *, batch_size: int, timeout: float, timeline=None) -> None:
     for step in steps:
         t0 = time.time()
         worker.run_partition(queue, partition_name(step), batch_size=batch_size, timeout=timeout)

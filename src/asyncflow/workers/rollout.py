@@ -61,7 +61,7 @@ class RolloutWorker:
         self.params = params
         self.group_size = group_size
 
-    def run_partition(self, queue, partition: str, *, batch_size: int, timeout: float) -> int:
+    def run_partition(self, queue, partition: str, *, batch_size: int, timeout: float, consumer: str | None = None) -> int:
         """Generate every row of `partition` not yet taken by another rollout worker.
 
         Prompt rows are pulled from the queue as engine slots free up; each response is written
@@ -70,7 +70,7 @@ class RolloutWorker:
         version = self.engine.weight_version
 
         def requests():
-            for batch in queue.loader(partition, "rollout", PROMPT_COLUMNS, batch_size, timeout=timeout):
+            for batch in queue.loader(partition, "rollout", PROMPT_COLUMNS, batch_size, timeout=timeout, consumer=consumer):
                 for index, prompt_ids in zip(batch.meta.indices, batch.rows("prompt_ids")):
                     yield GenerationRequest(index, prompt_ids.tolist())
 

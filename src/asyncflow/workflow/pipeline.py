@@ -75,7 +75,9 @@ class PipelineWorkflow:
         self.timeout = cfg.runtime.call_timeout_s
         self.queue = runtime.make_queue(tasks=["rollout", "reward", "train"])
         self.runtime = runtime
-        self.publisher = make_weight_sync(runtime.weight_sync) if self.mode != "sync" else None
+        self.publisher = None
+        if self.mode != "sync":
+            self.publisher = make_weight_sync(runtime.weight_sync, **runtime.weight_sync_options)
         self.sampler = GroupSampler()
         self.started = False
         self.reward_thread: BackgroundThread | None = None

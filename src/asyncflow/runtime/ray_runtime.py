@@ -1,0 +1,221 @@
+"""Ray runtime: separated deployment. Rollout replicas are Ray actors, the TransferQueue is Ray actors
+(one controller, N storage units), and the trainer and reward loop stay in the driver.
+
+Owns: starting or joining the Ray cluster (`runtime.address`; a local cluster without dashboard by
+default), the rollout actors (CPUs/GPUs from config, each loads the policy through the normal HF
+loading code and builds its engine from the registry), the weight-sync transport options of
+`runtime.weight_sync`, and a supervisor thread that watches the replicas.
+
+Invariants:
+- Each replica takes prompt rows from the queue under its own consumer name, so the controller
+  knows which rows it holds. When a replica dies, the supervisor `release`s the rows it held that
+  have no response yet, waits until Ray has restarted the actor, and runs its loop again (at most
+  `runtime.max_restarts` times in all); another replica may take the released rows first. So no
+  row is lost, and a row is written (hence trained) once: the queue refuses a second write.
+- A replica starts a partition only with weights of version >= step - k (see `workers.loops`).
+- Every remote call is bounded by `runtime.call_timeout_s`.
+- This module and `ray_weight_sync` are the only runtime code that imports `ray`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from asyncflow.observe import Timeline
+from asyncflow.transfer.ray_queue import RayTransferQueue
+from asyncflow.workers.loops import rollout_loop
+from asyncflow.workers.rollout import RESPONSE_COLUMNS
+
+log = logging.getLogger(__name__)
+
+ROLLOUT_TASK = "rollout"
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """What a rollout actor needs to build its worker (plain values: it travels to another process)."""
+
+    model_path: str
+    dtype: str
+    device: str
+    engine: str
+    max_batch_size: int
+    params: object  # SamplingParams
+    group_size: int
+    seed: int
+    threads: int
+
+
+class RolloutActor:
+    """One rollout replica: an inference engine and the rollout loop over the queue's partitions."""
+
+    def __init__(self, spec: RolloutSpec, name: str):
+        from asyncflow.engines.base import make_inference_engine
+        from asyncflow.models.loading import load_model
+        from asyncflow.workers.rollout import RolloutWorker
+
+        torch.set_num_threads(spec.threads)
+        model = load_model(spec.model_path, dtype=spec.dtype, device=spec.device).eval().requires_grad_(False)
+        engine = make_inference_engine(
+            spec.engine, model=model, max_batch_size=spec.max_batch_size, device=spec.device, seed=spec.seed
+        )
+        self.worker = RolloutWorker(engine, spec.params, spec.group_size)
+        self.name = name
+
+    def run(self, queue, receiver_spec, steps: range, max_staleness: int, batch_size: int, timeout: float):
+        """Generate partitions `steps`; returns (rows generated, timeline events of this replica)."""
+        timeline = Timeline()
+        receiver = receiver_spec.open()
+        try:
+            generated = rollout_loop(
+                self.worker, queue, receiver, steps, max_staleness=max_staleness, batch_size=batch_size,
+                timeout=timeout, timeline=timeline, name=self.name, consumer=self.name,
+            )
+        finally:
+            receiver.close()
+        return generated, timeline.events
+
+    def ping(self) -> bool:
+        return True
+
+
+class RayRuntime:
+    """Places rollout replicas as Ray actors; see the module docstring."""
+
+    def __init__(self, config):
+        rt = config.runtime
+        self.config = config
+        self.timeout = rt.call_timeout_s
+        self.weight_sync = rt.weight_sync
+        if self.weight_sync == "inprocess":
+            raise ValueError("runtime.weight_sync=inprocess needs runtime.kind=inline: Ray actors are other processes")
+        self.started_ray = not ray.is_initialized()
+        if self.started_ray:
+            ray.init(
+                address=rt.address, num_cpus=rt.num_cpus if rt.address is None else None,
+                include_dashboard=False, configure_logging=False,
+            )
+        torch.set_num_threads(max(1, int(rt.trainer_cpus)))
+        self.actors: dict[str, object] = {}
+        self.calls: dict[str, object] = {}  # replica name -> ObjectRef of its running loop
+        self.restarts = 0
+        self.generated = 0
+        self.error: BaseException | None = None
+        self.queue: RayTransferQueue | None = None
+        self.timeline: Timeline | None = None
+        self._loop_args: dict[str, tuple] = {}
+        self._stop = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def make_queue(self, tasks):
+        self.queue = RayTransferQueue.create(num_storage_units=2, tasks=tasks, timeout=self.timeout)
+        return self.queue
+
+    @property
+    def weight_sync_options(self) -> dict:
+        """Options of `asyncflow.workflow.weight_sync.make_weight_sync` for `self.weight_sync`."""
+        if self.weight_sync == "ray":
+            return {"timeout_s": self.timeout}
+        if self.weight_sync == "torch_distributed":
+            backend = "nccl" if self.config.runtime.rollout_gpus > 0 else "gloo"
+            return {"num_receivers": self.config.rollout.replicas, "timeout_s": self.timeout, "backend": backend}
+        return {}
+
+    def start_rollout(self, run, queue, receiver_spec, steps, *, max_staleness: int) -> None:
+        from asyncflow.models.loading import resolve_model_path
+
+        cfg, rt = self.config, self.config.runtime
+        actor_cls = ray.remote(RolloutActor).options(
+            num_cpus=rt.rollout_cpus, num_gpus=rt.rollout_gpus, max_restarts=rt.max_restarts, max_concurrency=2
+        )
+        model_path = str(resolve_model_path(cfg.model.path, seed=cfg.run.seed))
+        self.timeline = run.timeline
+        for r in range(cfg.rollout.replicas):
+            name = f"rollout_{r}"
+            spec = RolloutSpec(
+                model_path, cfg.model.dtype, "cuda" if rt.rollout_gpus > 0 else "cpu", cfg.rollout.engine,
+                cfg.rollout.max_batch_size, run.params, cfg.rollout.group_size, cfg.run.seed + 1000 * r,
+                max(1, int(rt.rollout_cpus)),
+            )
+            self.actors[name] = actor_cls.remote(spec, name)
+            spec_r = receiver_spec.for_rank(r + 1) if self.weight_sync == "torch_distributed" else receiver_spec
+            self._loop_args[name] = (queue, spec_r, steps, max_staleness, cfg.rollout.max_batch_size, self.timeout)
+            self.calls[name] = self.actors[name].run.remote(*self._loop_args[name])
+        self._supervisor = threading.Thread(target=self._supervise, name="rollout-supervisor", daemon=True)
+        self._supervisor.start()
+
+    def _supervise(self) -> None:
+        """Collect finished loops; release and restart the loop of a replica that died."""
+        while not self._stop.is_set():
+            with self._lock:
+                pending = {ref: name for name, ref in self.calls.items()}
+            if not pending:
+                return
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=0.2)
+            for ref in done:
+                name = pending[ref]
+                try:
+                    generated, events = ray.get(ref, timeout=self.timeout)
+                    self.generated += generated
+                    self.timeline.merge(events)
+                    with self._lock:
+                        del self.calls[name]
+                except RayActorError as err:
+                    self._recover(name, err)
+                except BaseException as err:  # noqa: BLE001 - re-raised in the driver by check()
+                    self.error = err
+                    return
+            if self.error is not None:
+                return
+
+    def _recover(self, name: str, err: BaseException) -> None:
+        """`name` died: release the rows it held, wait until Ray has restarted it, and run its loop again."""
+        self.restarts += 1
+        if self.restarts > self.config.runtime.max_restarts:
+            self.error = RuntimeError(f"rollout replicas died {self.restarts} times (runtime.max_restarts); last: {name}: {err}")
+            return
+        released = self.queue.release(ROLLOUT_TASK, name, RESPONSE_COLUMNS)
+        count = sum(len(rows) for rows in released.values())
+        log.warning("rollout replica %s died (%s); %d rows it held are released; restarting it", name, type(err).__name__, count)
+        self.timeline.instant(name, "restart", released=count)
+        deadline = time.monotonic() + self.timeout
+        while True:  # calls fail fast with ActorUnavailableError while Ray restarts the process
+            try:
+                ray.get(self.actors[name].ping.remote(), timeout=max(0.1, deadline - time.monotonic()))
+                break
+            except (RayActorError, GetTimeoutError) as retry_err:
+                if time.monotonic() >= deadline or self._stop.is_set():
+                    self.error = RuntimeError(f"rollout replica {name!r} did not come back within {self.timeout:.0f} s")
+                    self.error.__cause__ = retry_err
+                    return
+                time.sleep(0.2)
+        with self._lock:
+            self.calls[name] = self.actors[name].run.remote(*self._loop_args[name])
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"a rollout replica failed: {self.error!r}") from self.error
+
+    def join(self, timeout: float) -> None:
+        if self._supervisor is not None:
+            self._supervisor.join(timeout)
+            if self._supervisor.is_alive():
+                raise TimeoutError(f"rollout replicas did not finish within {timeout:.0f} s")
+        self.check()
+
+    def close(self) -> None:
+        self._stop.set()
+        for actor in self.actors.values():
+            ray.kill(actor)
+        if self.queue is not None:
+            self.queue.shutdown()
+        if self.started_ray:
+            ray.shutdown()
