@@ -179,10 +179,18 @@ def test_trainer_uses_the_configured_packing(tiny_llama_path, packing):
         for rows in (long_prompts, singles):
             score(rows, algo)
             trainer.accumulate(rows)
-        trainer.finish_step()
+        metrics = trainer.finish_step()
     finally:
         for hook in hooks:
             hook.remove()
     impl = {"on": [ATTENTION_NAME] * 2, "off": ["sdpa"] * 2, "auto": [ATTENTION_NAME, "sdpa"]}[packing]
     assert log == [("ref", impl[0]), ("policy", impl[0]), ("ref", impl[1]), ("policy", impl[1])]
     assert engine.model.config._attn_implementation == "sdpa"  # restored after each packed call
+    long_tokens = sum(len(r.response_ids) for r in long_prompts)
+    expected = {"on": 1.0, "off": 0.0, "auto": long_tokens / (long_tokens + sum(len(r.response_ids) for r in singles))}
+    assert metrics["train/packed_fraction"] == pytest.approx(expected[packing])
+
+
+def test_engine_rejects_unknown_packing():
+    with pytest.raises(ValueError, match="packing must be 'auto', 'on' or 'off', got 'yes'"):
+        TorchTrainEngine(torch.nn.Linear(2, 2), lr=1e-3, packing="yes")

@@ -2,7 +2,10 @@
 
 Owns: the policy module, the frozen reference copy, AdamW with gradient clipping and an LR
 schedule, micro-batch forward/backward with gradient accumulation, non-finite loss handling,
-and the state that checkpoints save.
+and the state that checkpoints save. Every micro-batch goes through the tri-model forward
+(`asyncflow.models.tri_model`): policy log-probs with grad, reference log-probs without, and the
+old policy taken as the policy itself (one update per step), packed by shared prompt according
+to `packing` (`auto`: the measured rule `should_pack`; `on`; `off`).
 
 Invariants:
 - One `optimizer_step` per call; gradients accumulate across `backward_micro_batch` calls until
@@ -60,6 +63,8 @@ class TorchTrainEngine:
     ):
         self.model = model
         self.model.train()
+        if packing not in ("auto", "on", "off"):
+            raise ValueError(f"packing must be 'auto', 'on' or 'off', got {packing!r}")
         self.reference = make_reference(model) if use_reference else None
         self.packing = packing
         self.grad_clip = grad_clip
@@ -74,7 +79,10 @@ class TorchTrainEngine:
     def backward_micro_batch(
         self, samples: list[TrainSample], loss_fn: LossFn, *, temperature: float = 1.0
     ) -> dict[str, float]:
-        """Forward the tri-model on one micro-batch, compute `loss_fn`, and accumulate gradients."""
+        """Forward the tri-model on one micro-batch, compute `loss_fn`, and accumulate gradients.
+
+        Returns `loss_fn`'s stats plus `loss` and `train/packed_fraction` (the micro-batch's response
+        tokens when it ran shared-prompt packed, else 0)."""
         out = tri_model_logprobs(
             self.model,
             samples,
@@ -85,6 +93,8 @@ class TorchTrainEngine:
             with_entropy=True,
         )
         loss, stats = loss_fn(out)
+        # A token sum like the trainer's other stats: divided by the step's tokens it is the packed fraction.
+        stats = {**stats, "train/packed_fraction": float(out.policy.mask.sum()) if out.packed else 0.0}
         if not torch.isfinite(loss):
             self._nonfinite_in_step = True
             return {**stats, "loss": float("nan")}

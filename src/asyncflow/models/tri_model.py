@@ -26,6 +26,14 @@ one thread, fwd+bwd, median speed-up (unpacked / packed process CPU time) of 5 i
     0.78           (512, 64, 8) x2                                 4.25
 
 Timings are noisy (the CPU is shared); the threshold sits where the median turns above 1.
+Re-checked with benchmarks/bench_packing.py (2 groups, 9 interleaved repeats, medians): CPU-time
+speed-up 4.49x at (512, 64, 8), 1.20x at (64, 256, 8); see BENCHMARKS.md.
+
+The rule was measured on CPU only. On one H100 (gathered-SDPA path, flash_attn not installed,
+base-llama bf16, 8 groups) the tiny presets are launch-bound and the packed path's extra gathers
+cost more than the tokens saved at small shapes: wall speed-up 0.82x at (512, 64, 8), 0.61x at
+(64, 256, 8), 2.08x at (2048, 256, 8). On a GPU set `train.packing` explicitly until the rule is
+measured there with a model of real size.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ class TriLogProbs:
     policy: LogProbs  # logprobs [N, L] with grad; mask [N, L]; entropy [N, L] when requested
     old: torch.Tensor  # [N, L] no grad (the policy's, detached, when old_policy is None)
     ref: torch.Tensor | None  # [N, L] no grad; None without a reference model
+    packed: bool = False  # whether this micro-batch ran shared-prompt packed
 
 
 def packing_token_saving(samples: list[TrainSample]) -> float:
@@ -77,7 +86,7 @@ def make_reference(policy: torch.nn.Module) -> torch.nn.Module:
 
 
 def _logprobs_fn(samples: list[TrainSample], packing: Packing, device: torch.device):
-    """The log-prob function for this micro-batch; packed ones share one plan (for models on `device`)."""
+    """(log-prob function for this micro-batch, packed?); packed ones share one plan (for models on `device`)."""
     if packing not in ("auto", "on", "off"):
         raise ValueError(f"packing must be 'auto', 'on' or 'off', got {packing!r}")
     if packing == "on" or (packing == "auto" and should_pack(samples)):
@@ -87,8 +96,8 @@ def _logprobs_fn(samples: list[TrainSample], packing: Packing, device: torch.dev
             same_device = next(model.parameters()).device == device
             return packed_response_logprobs(model, samples, layout=layout if same_device else None, **kwargs)
 
-        return packed
-    return response_logprobs
+        return packed, True
+    return response_logprobs, False
 
 
 def tri_model_logprobs(
@@ -106,7 +115,7 @@ def tri_model_logprobs(
     Outputs are `[N, L]` in the order of `samples` (see `response_logprobs`) on the policy's device.
     """
     device = next(policy.parameters()).device
-    logprobs_fn = _logprobs_fn(samples, packing, device)
+    logprobs_fn, packed = _logprobs_fn(samples, packing, device)
     with torch.no_grad():
         ref = None
         if reference is not None:
@@ -115,7 +124,7 @@ def tri_model_logprobs(
         if old_policy is not None and old_policy is not policy:
             old = logprobs_fn(old_policy, samples, temperature=temperature).logprobs.to(device)
     current = logprobs_fn(policy, samples, temperature=temperature, with_entropy=with_entropy)
-    return TriLogProbs(policy=current, old=current.logprobs.detach() if old is None else old, ref=ref)
+    return TriLogProbs(policy=current, old=current.logprobs.detach() if old is None else old, ref=ref, packed=packed)
 
 
 class TriModel:
