@@ -20,6 +20,7 @@ data. asyncflow's consumer blocks in `request`; transferqueue's polls `get_meta`
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import threading
 import time
@@ -57,6 +58,7 @@ class Asyncflow:
 
 class TransferQueuePackage:
     def __init__(self, poll_s: float) -> None:
+        os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")  # it warns on every put that 2 cores < 8 threads
         import transfer_queue as tq
         from tensordict import TensorDict
 
@@ -216,6 +218,18 @@ def main() -> None:
             f"{name:<26}{r['put_rows_s']:>11.0f}{r['put_rows_s'] * row_kb / 1e3:>10.1f}{r['get_rows_s']:>11.0f}"
             f"{r['get_rows_s'] * row_kb / 1e3:>10.1f}{r['lat_p50_ms']:>11.2f}{r['lat_p90_ms']:>11.2f}"
         )
+    reference = results.get("transferqueue (ray+zmq)")
+    if reference:
+        print("\nratios vs transferqueue (throughput: asyncflow / transferqueue, > 1 is faster; "
+              "latency: transferqueue / asyncflow, > 1 is lower)")  # fmt: skip
+        for name, r in results.items():
+            if name != "transferqueue (ray+zmq)":
+                print(
+                    f"{name:<26}put x{r['put_rows_s'] / reference['put_rows_s']:.2f}   "
+                    f"get x{r['get_rows_s'] / reference['get_rows_s']:.2f}   "
+                    f"latency p50 x{reference['lat_p50_ms'] / r['lat_p50_ms']:.1f} lower   "
+                    f"p90 x{reference['lat_p90_ms'] / r['lat_p90_ms']:.1f} lower"
+                )
 
 
 if __name__ == "__main__":

@@ -184,6 +184,11 @@ class TransferQueue:
             raise
 
     def _write(self, partition, indices, rows, versions, metas, by_unit) -> None:
+        if len(by_unit) == 1:  # every row on one storage unit (always so for a single-row write)
+            packed = {column: pack_rows(r) for column, r in rows.items()}
+            call = (self._units[next(iter(by_unit))], "write", (partition, indices, packed, versions, metas), {})
+            self._transport.call_all([call], self.timeout)
+            return
         calls = []
         for unit, positions in by_unit.items():
             packed = {column: pack_rows([r[p] for p in positions]) for column, r in rows.items()}

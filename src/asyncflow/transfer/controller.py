@@ -159,8 +159,8 @@ class Controller:
             action = f"acknowledge row {indices[0]} (task {task!r}) of"
             part = self._partition_for_write(partition, action, create=False)
             consumed = part.consumed.get(task, set())
-            stray = [i for i in indices if i not in consumed]
-            if stray:
+            if not consumed.issuperset(indices):
+                stray = [i for i in indices if i not in consumed]
                 raise UnknownRowError(
                     f"partition {partition!r} row {stray[0]}: task {task!r} acknowledged a row it was not handed"
                 )
@@ -575,7 +575,10 @@ class Controller:
 
     def _retire(self, part: _Partition, rows: Sequence[int]) -> None:
         if self._tasks:
-            part.retired.update(r for r in rows if all(r in part.acked.get(t, ()) for t in self._tasks))
+            done = set(rows)
+            for task in self._tasks:
+                done &= part.acked.get(task, set())
+            part.retired |= done
 
     def _recount_retired(self, part: _Partition) -> None:
         part.retired = set()

@@ -16,7 +16,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -57,9 +57,9 @@ class TransferTimeout(TransferError, TimeoutError):
     """A blocking call ran past its timeout; the message says what it waited for."""
 
 
-@dataclass(frozen=True)
-class ColumnSpec:
-    """Schema of one column: element dtype, trailing shape (dims after the ragged one), scalar or ragged."""
+class ColumnSpec(NamedTuple):
+    """Schema of one column: element dtype, trailing shape (dims after the ragged one), scalar or ragged.
+    Immutable and cheap to build and compare: one is made per column on every write."""
 
     dtype: torch.dtype
     trailing: tuple[int, ...] = ()
@@ -113,13 +113,18 @@ def pack_rows(rows: Sequence[torch.Tensor]) -> Packed:
     """Checked rows -> (values, lengths): new CPU tensors, concatenated (ragged) or stacked (scalar)."""
     if rows[0].dim() == 0:
         return torch.stack(list(rows)).cpu(), None
+    if len(rows) == 1:  # the common single-row write (one completion): a copy without cat's list handling
+        row = rows[0]
+        return (row.clone() if row.device.type == "cpu" else row.cpu()), [int(row.shape[0])]
     return torch.cat(list(rows)).cpu(), [int(row.shape[0]) for row in rows]
 
 
 def unpack_rows(packed: Packed) -> list[torch.Tensor]:
     """(values, lengths) -> one view per row (0-d tensors for a scalar column)."""
     values, lengths = packed
-    return list(values.unbind(0)) if lengths is None else list(values.split(lengths))
+    if lengths is None:
+        return list(values.unbind(0))
+    return [values] if len(lengths) == 1 else list(values.split(lengths))  # one row: the block itself
 
 
 def pad_rows(values: torch.Tensor, lengths: torch.Tensor, pad_value: float = 0) -> torch.Tensor:
