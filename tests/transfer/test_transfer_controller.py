@@ -178,3 +178,14 @@ def test_reset_rearms_rows_behind_the_rows_still_pending():
     assert ctrl.status("p")["consumed"] == {"t": 4}
     ctrl.reset("p")  # everything, for every task
     assert ctrl.try_request("p", "t", ["x"], 4).indices == rows
+
+
+def test_release_rearms_only_the_unfinished_rows_a_dead_consumer_held():
+    ctrl, rows = _controller_with_rows([1, 1, 1, 1])
+    assert ctrl.try_request("p", "rollout", ["x"], 3, consumer="replica-0").indices == rows[:3]
+    assert ctrl.try_request("p", "rollout", ["x"], 1, consumer="replica-1").indices == rows[3:]
+    ctrl.mark_ready("p", rows[:1], {"y": SPEC}, {"y": [2]})  # replica-0 finished row 0, then died
+    assert ctrl.release("rollout", "replica-0", ["y"]) == {"p": rows[1:3]}
+    assert ctrl.release("rollout", "replica-0", ["y"]) == {}, "released rows are no longer held by it"
+    assert ctrl.try_request("p", "rollout", ["x"], 2, consumer="replica-1").indices == rows[1:3]
+    assert ctrl.status("p")["consumed"] == {"rollout": 4} and ctrl.metrics()["released/rollout"] == 2

@@ -8,7 +8,7 @@ task -> cleared, which drops its data through `on_clear`), and row/wait metrics.
 Invariants (every public method runs under one lock, so each is atomic):
 - `try_request` returns only rows whose requested columns are all ready and that the task has not
   consumed, and marks them consumed in the same step: a row reaches a task at most once until
-  `reset` re-arms it.
+  `reset` (or `release`, for the unfinished rows a dead consumer held) re-arms it.
 - A cell becomes ready once; a second write of it raises `FilledCellError` and changes nothing.
   Writes to existing rows `reserve` their cells first, so a bad write fails before any data moves
   and a write spread over several storage units is all-or-nothing. A call is validated completely
@@ -197,7 +197,8 @@ class Controller:
         with self._lock:
             for name, part in self._partitions.items():
                 held = part.holders.get(task, {})
-                rows = [i for i, who in held.items() if who == consumer and not part.rows[i].ready.keys() >= set(unless_ready)]
+                needed = set(unless_ready)
+                rows = [i for i, who in held.items() if who == consumer and not part.rows[i].ready.keys() >= needed]
                 if not rows:
                     continue
                 for i in rows:
