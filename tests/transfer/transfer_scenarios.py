@@ -47,6 +47,8 @@ def check_round_trip(q, p):
 def check_bad_inputs_rejected(q, p):
     """Each bad input is a clear error naming partition, row and column, and leaves the store as it was."""
     idx = q.append(p, {"ids": prompts([4, 2])})
+    other = q.append(p, {"ids": prompts([3])})  # the next append goes to the next storage unit
+    assert other[0] % q.num_storage_units != idx[0] % q.num_storage_units
     q.write(p, idx[:1], {"lp": [torch.randn(4)]})
     status = q.status(p)
 
@@ -58,6 +60,8 @@ def check_bad_inputs_rejected(q, p):
         q.write(p, idx, {"x": [torch.zeros(2), torch.zeros(2, dtype=torch.float64)]})  # mixed inside one write
     with pytest.raises(FilledCellError, match=rf"partition '{p}' row {idx[0]} column 'lp': already written"):
         q.write(p, idx, {"lp": [torch.randn(4), torch.randn(2)]})
+    with pytest.raises(FilledCellError, match=rf"partition '{p}' row {idx[0]} column 'lp': already written"):
+        q.write(p, [other[0], idx[0]], {"lp": [torch.randn(3), torch.randn(4)]})  # spans two storage units
     with pytest.raises(TypeError, match=rf"partition '{p}' column 'ids' row #0"):
         q.append(p, {"ids": [[1, 2]]})
     never = rf"'{p}' with columns \['never'\].*row {idx[0]} lacks column\(s\) \['never'\]"
@@ -70,6 +74,8 @@ def check_bad_inputs_rejected(q, p):
         q.get(meta, ["lp"])  # not requested, so not known to be ready
     assert torch.equal(q.get(meta).data["ids"], torch.cat(prompts([4, 2])))
     assert q.get(q.request(p, "lp-reader", ["lp"], 1, timeout=10)).rows("lp")[0].shape == (4,)
+    q.write(p, other, {"lp": [torch.randn(3)]})  # the failed two-unit write left nothing behind on either unit
+    assert q.status(p)["ready"]["lp"] == 2
 
     closed = p + "-closed"
     q.create_partition(closed, columns={"ids": ColumnSpec(torch.int64)})
