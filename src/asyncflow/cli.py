@@ -69,9 +69,15 @@ def cmd_eval(args) -> int:
     from asyncflow.workflow.checkpoint import load_weights
     from asyncflow.workflow.run import RLRun
 
-    run = RLRun(config.model_copy(update={"run": config.run.model_copy(update={"output_dir": str(Path(config.run.output_dir) / "eval")})}))
-    run.inference_engine.update_weights(load_weights(Path(args.checkpoint)), version=0)
+    checkpoint = Path(args.checkpoint)
+    if not checkpoint.is_dir():
+        raise FileNotFoundError(f"checkpoint folder {str(checkpoint)!r} does not exist (expected RUN_DIR/checkpoints/step_N)")
+    weights = load_weights(checkpoint)
+    eval_dir = Path(config.run.output_dir) / "eval"
+    run = RLRun(config.model_copy(update={"run": config.run.model_copy(update={"output_dir": str(eval_dir)})}))
+    run.train_engine.model.load_state_dict(weights)  # `evaluate` reads the policy's weights
     result = run.evaluate()
+    run.metrics.close()
     print(json.dumps({"checkpoint": args.checkpoint, **result}))
     return 0
 

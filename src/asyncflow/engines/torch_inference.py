@@ -198,6 +198,7 @@ class TorchInferenceEngine:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._open_generations = 0
+        self._per_row_logits = True  # `logits_to_keep` as [m, 1] positions (recent transformers); see _prefill
 
     # ---------------------------------------------------------------- public API
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
@@ -283,14 +284,25 @@ class TorchInferenceEngine:
         cache.prefill_rows(start)
         causal = torch.ones(q, q, dtype=torch.bool, device=self.device).tril()
         last = torch.tensor(lengths, device=self.device)[:, None] - 1  # [m, 1] each prompt's last position
-        logits = self.model(
-            input_ids=input_ids.to(self.device),
-            position_ids=torch.arange(q, device=self.device)[None],
-            attention_mask=self._additive(causal[None, None]),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=last,
-        ).logits[:, -1]
+
+        def forward(logits_to_keep):
+            return self.model(
+                input_ids=input_ids.to(self.device),
+                position_ids=torch.arange(q, device=self.device)[None],
+                attention_mask=self._additive(causal[None, None]),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            ).logits
+
+        logits = forward(last) if self._per_row_logits else None
+        if logits is not None and logits.ndim == 3 and logits.shape[:2] == (len(new), 1):
+            logits = logits[:, -1]
+        else:
+            # transformers releases without per-row `logits_to_keep` positions: project every prompt position
+            # (the prefill is re-run; it writes the same keys/values to the same cache rows).
+            self._per_row_logits = False
+            logits = forward(0)[torch.arange(len(new), device=self.device), last[:, 0]]
         self._append(new, logits, params)
 
     @torch.inference_mode()

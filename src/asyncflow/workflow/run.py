@@ -12,12 +12,16 @@ Invariants:
 - Data position, RNG states, optimizer and weights are checkpointed together; `--resume`
   continues with exactly the prompts and samples the uninterrupted run would have used.
 - After `train.max_nan_steps` consecutive skipped (non-finite) steps the run stops with an error.
+- Every training row of metrics.jsonl has `step`, `reward/mean`, `kl` (null when `algo.kl_coef` = 0:
+  there is no reference model), `entropy`, `loss`, `time/step_s`, `throughput/samples_per_s` and
+  `throughput/tokens_per_s`; evaluated steps (and step 0, before any update) add `eval/accuracy`.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -98,6 +102,7 @@ class RLRun:
     def next_prompts(self, n: int) -> list[Prompt]:
         """The next `n` prompts in the seed-determined order, skipping (and counting) long ones."""
         prompts: list[Prompt] = []
+        skipped_in_a_row = 0
         while len(prompts) < n:
             example = self.train_set.at(self.data_position)
             self.data_position += 1
@@ -105,6 +110,14 @@ class RLRun:
             if prompt is not None:
                 prompts.append(prompt)
                 self.next_group_id += 1
+                skipped_in_a_row = 0
+            else:
+                skipped_in_a_row += 1
+                if skipped_in_a_row >= len(self.train_set.examples):
+                    raise ValueError(
+                        f"every training prompt is longer than data.max_prompt_tokens={self.config.data.max_prompt_tokens} "
+                        f"tokens: nothing left to train on (raise data.max_prompt_tokens)"
+                    )
         return prompts
 
     # ---------------------------------------------------------------- checkpoints
@@ -224,6 +237,8 @@ class RLRun:
             self.nan_streak = 0
 
     def _log(self, metrics: dict) -> dict:
+        if "loss" in metrics:  # a training step: `kl` is always logged, NaN (null in metrics.jsonl) without a reference model
+            metrics.setdefault("kl", math.nan)
         metrics = {
             "wall_s": self.wall_s(), "weight_version": float(self.version),
             "data/skipped_long_prompts": float(self.encoder.skipped),

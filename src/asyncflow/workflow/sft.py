@@ -55,7 +55,7 @@ def run_sft(config: Config, output: str | Path) -> Path:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            bar.update(step + 1, {"sft/loss": float(loss)})
+            bar.update(step + 1, {"sft/loss": float(loss.detach())})
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output)
