@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -92,6 +92,8 @@ class RolloutConfig(Section):
     """Top-k filter (0 = off)."""
     max_new_tokens: int = Field(16, ge=1)
     """Longest response, in tokens."""
+    stop_token_ids: list[int] = Field(default_factory=list)
+    """Token ids that end a response besides the tokenizer's EOS (the stop token is kept in the response)."""
     max_batch_size: int = Field(128, ge=1)
     """Concurrent sequences in the inference engine (continuous batching slots)."""
     replicas: int = Field(1, ge=1)
@@ -148,6 +150,12 @@ class TrainConfig(Section):
     """Stop after this many consecutive steps with a non-finite loss (each is skipped and logged)."""
     packing: Literal["auto", "on", "off"] = "auto"
     """Shared-prompt packing of GRPO groups in the training forward (`auto`: by the measured rule)."""
+
+    @field_validator("packing", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: Any) -> Any:
+        """YAML 1.1 reads a bare `on`/`off` as a boolean."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
 class SFTConfig(Section):

@@ -15,6 +15,7 @@ from asyncflow.workers.loops import BackgroundThread, rollout_loop
 
 class InlineRuntime:
     weight_sync = "inprocess"
+    scores_in_rollout = False  # the reward loop runs on a thread of its own
     weight_sync_options: dict = {}
 
     def __init__(self, config):
@@ -25,7 +26,7 @@ class InlineRuntime:
     def make_queue(self, tasks):
         return TransferQueue.local(num_storage_units=2, tasks=tasks, timeout=self.config.runtime.call_timeout_s)
 
-    def start_rollout(self, run, queue, receiver_spec, steps, *, max_staleness: int) -> None:
+    def start_rollout(self, run, queue, receiver_spec, steps, *, max_staleness: int, make_scorer=None) -> None:
         self.receiver = receiver_spec.open()
         self.thread = BackgroundThread(
             "rollout", rollout_loop, run.rollout, queue, self.receiver, steps, max_staleness=max_staleness,

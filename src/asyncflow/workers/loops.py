@@ -17,11 +17,12 @@ def partition_name(step: int) -> str:
     return f"step_{step}"
 
 
-def rollout_loop(worker, queue, receiver, steps: range, *, max_staleness: int, batch_size: int,
-                 timeout: float, timeline=None, name: str = "rollout", consumer: str | None = None) -> int:
+def rollout_loop(worker, queue, receiver, steps: range, *, max_staleness: int, batch_size: int, timeout: float,
+                 timeline=None, name: str = "rollout", consumer: str | None = None, scorer=None) -> int:
     """Generate partitions `steps` in order, respecting the staleness bound (the rollout side of every
     workflow but `sync`). Weights change only between partitions. Returns rows generated. `consumer`
-    names this replica to the queue, so its rows can be released if it dies."""
+    names this replica to the queue, so its rows can be released if it dies; `scorer` scores the
+    responses in place (see `RolloutWorker.run_partition`)."""
     engine = worker.engine
     generated = 0
     for step in steps:
@@ -34,7 +35,7 @@ def rollout_loop(worker, queue, receiver, steps: range, *, max_staleness: int, b
             engine.update_weights(newest[1], newest[0])
         t2 = time.time()
         generated += worker.run_partition(
-            queue, partition_name(step), batch_size=batch_size, timeout=timeout, consumer=consumer
+            queue, partition_name(step), batch_size=batch_size, timeout=timeout, consumer=consumer, scorer=scorer
         )
         if timeline is not None:
             timeline.add_span(name, "wait_weights", t0, t1, step=step)

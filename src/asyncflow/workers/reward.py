@@ -33,15 +33,19 @@ class RewardWorker:
         self.errors += result.n_errors
         self.timeouts += result.n_timeouts
 
+    def score_ids(self, responses: list[list[int]], metadata: list[dict]) -> torch.Tensor:
+        """Rewards `[N]` float32 of token-id responses; `metadata[i]["answer"]` is the ground truth."""
+        texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in responses]
+        result = self.runner.score(texts, [m["answer"] for m in metadata], metadata)
+        self.errors += result.n_errors
+        self.timeouts += result.n_timeouts
+        return torch.tensor(result.rewards, dtype=torch.float32)
+
     def run_partition(self, queue, partition: str, *, batch_size: int, timeout: float) -> int:
         """Score rows of `partition` as their responses become ready; write the `reward` column."""
         count = 0
         for batch in queue.loader(partition, "reward", ["response_ids"], batch_size, timeout=timeout):
-            texts = [self.tokenizer.decode(ids.tolist(), skip_special_tokens=True) for ids in batch.rows("response_ids")]
-            metas = batch.meta.metadata
-            result = self.runner.score(texts, [m["answer"] for m in metas], metas)
-            self.errors += result.n_errors
-            self.timeouts += result.n_timeouts
-            queue.write(partition, batch.meta.indices, {"reward": torch.tensor(result.rewards, dtype=torch.float32)})
+            responses = [ids.tolist() for ids in batch.rows("response_ids")]
+            queue.write(partition, batch.meta.indices, {"reward": self.score_ids(responses, batch.meta.metadata)})
             count += len(batch)
         return count

@@ -159,7 +159,7 @@ class PolicyTrainer:
             stats["logprob_gap"] = float(((old - rollout_logprobs).abs() * maskf).sum())
             if out.ref is not None:
                 kl = (kl_penalty(logp, out.ref, algo.kl_estimator) * maskf)
-                stats["kl"] = float(kl.sum())
+                stats["kl"] = float(kl.sum().detach())
                 if algo.kl_coef > 0:
                     loss = loss + algo.kl_coef * (kl.sum() if algo.loss_agg == "token_mean" else (kl.sum(1) / maskf.sum(1).clamp(min=1)).sum())
             if algo.entropy_coef > 0:

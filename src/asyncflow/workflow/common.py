@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,6 +40,8 @@ def seed_everything(seed: int) -> None:
 class TrainSet:
     examples: list[Example]
     seed: int
+    _epoch: int | None = field(default=None, init=False, repr=False, compare=False)
+    _order: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.examples:
@@ -51,8 +53,10 @@ class TrainSet:
     def at(self, position: int) -> Example:
         """The example served at global position `position` (epochs reshuffled by seed)."""
         epoch, offset = divmod(position, len(self.examples))
-        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
-        return self.examples[int(order[offset])]
+        if self._epoch != epoch:  # the order of one epoch is computed once, not per example
+            self._order = np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
+            self._epoch = epoch
+        return self.examples[int(self._order[offset])]
 
 
 def open_datasets(config: Config) -> tuple[TrainSet, list[Example]]:
@@ -85,6 +89,14 @@ def build_reward_runner(config: Config) -> RewardRunner:
     return RewardRunner(list(zip(fns, weights)), timeout_s=config.reward.timeout_s, max_workers=config.reward.workers)
 
 
+def make_reward_worker(config: Config) -> RewardWorker:
+    """A reward worker built from config alone (so it can be built in another process)."""
+    from asyncflow.models.loading import load_tokenizer, resolve_model_path
+
+    tokenizer = load_tokenizer(resolve_model_path(config.model.path, seed=config.run.seed))
+    return RewardWorker(build_reward_runner(config), tokenizer)
+
+
 class PromptEncoder:
     """Tokenizes examples into `Prompt`s, applying the long-prompt policy (skip and count, or stop)."""
 
@@ -110,7 +122,7 @@ class PromptEncoder:
 
 def sampling_params(config: Config, tokenizer, *, greedy: bool = False) -> SamplingParams:
     r = config.rollout
-    stop = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
+    stop = tuple(dict.fromkeys(i for i in [tokenizer.eos_token_id, *r.stop_token_ids] if i is not None))
     if greedy:
         return SamplingParams(temperature=config.eval.temperature, max_new_tokens=config.eval.max_new_tokens or r.max_new_tokens, stop_token_ids=stop)
     return SamplingParams(r.temperature, r.top_p, r.top_k, r.max_new_tokens, stop)

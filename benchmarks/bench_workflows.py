@@ -1,0 +1,118 @@
+"""Benchmark: the same RL workload in `sync`, `stream`, `async` k=1 and `async` k=2, side by side.
+
+Owns nothing the library uses. Every mode trains the same model on the same prompts with the same
+group size and sampling; responses end at EOS or one of a few extra stop tokens, so (the tiny
+model's next-token distribution being near uniform) their lengths are geometric with a long tail
+up to `max_new_tokens`. Runs are interleaved (sync, stream, async1, async2, sync, ...), each a
+separate `asyncflow train` process:
+
+- `sync`: colocated, inline, every core to each stage in turn (torch threads = all cores).
+- `stream`, `async`: separated on a local Ray cluster, one core for the rollout replica and one
+  for the trainer (with the reward loop on a thread beside it).
+
+Throughput counts the samples trained in steps `warmup+1 .. steps-1` over their wall time (the
+first steps include process start-up, the last one the final evaluation). The perfect-overlap
+bound is the throughput if generation and training overlapped completely, each on its share of
+the machine: samples per step / max(generation alone, training + reward alone), both measured by
+a `sync` run restricted to one thread.
+
+Run: .venv/bin/python benchmarks/bench_workflows.py [--steps 12] [--repeats 2] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CORES = os.cpu_count() or 2
+STOP_IDS = [36, 37, 38, 39, 40, 41]  # 'A'..'F' of the built-in character tokenizer: ~7% stop chance per token
+
+WORKLOAD = [
+    "model.path=preset:tiny-llama", "sft.before_rl=false", "data.task=arithmetic", "data.test_size=8",
+    "rollout.prompts_per_step=32", "rollout.group_size=8", "rollout.max_new_tokens=64", "rollout.temperature=1.0",
+    f"rollout.stop_token_ids={STOP_IDS}", "rollout.max_batch_size=128", "train.micro_batch_size=64",
+    "eval.every=0", "checkpoint.every=0", "run.progress=false", "runtime.call_timeout_s=300",
+]  # fmt: skip
+SEPARATED = ["runtime.kind=ray", f"runtime.num_cpus={CORES}", f"runtime.rollout_cpus={CORES // 2}",
+             f"runtime.trainer_cpus={CORES - CORES // 2}"]  # fmt: skip
+MODES = {
+    "sync": (["workflow.mode=sync"], CORES),
+    "stream": (["workflow.mode=stream", *SEPARATED], CORES - CORES // 2),
+    "async k=1": (["workflow.mode=async", "workflow.max_staleness=1", *SEPARATED], CORES - CORES // 2),
+    "async k=2": (["workflow.mode=async", "workflow.max_staleness=2", *SEPARATED], CORES - CORES // 2),
+    # not in the default set: the same separation on threads of one process (no Ray hops, one GIL)
+    "async k=1 inline": (["workflow.mode=async", "workflow.max_staleness=1"], CORES - CORES // 2),
+}
+DEFAULT_MODES = ["sync", "stream", "async k=1", "async k=2"]
+BOUND_RUN = (["workflow.mode=sync"], CORES // 2)  # each stage alone on its share of the machine
+
+
+def train(overrides: list[str], threads: int, out: Path, steps: int) -> list[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "asyncflow.cli", "train", *WORKLOAD, f"train.steps={steps}", *overrides,
+           "--output", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "rollout/samples" in r]
+
+
+def throughput(rows: list[dict], warmup: int) -> tuple[float, float]:
+    """(samples/s, tokens/s) over steps warmup+1 .. last-1."""
+    window = rows[warmup:-1]
+    seconds = window[-1]["wall_s"] - rows[warmup - 1]["wall_s"]
+    return sum(r["rollout/samples"] for r in window) / seconds, sum(r["rollout/tokens"] for r in window) / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="6 steps, 1 repeat")
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {list(MODES)}")
+    args = parser.parse_args()
+    modes = {name: MODES[name] for name in args.modes.split(",")}
+    if args.quick:
+        args.steps, args.warmup, args.repeats = 6, 2, 1
+    results: dict[str, list[tuple[float, float]]] = {mode: [] for mode in modes}
+    stage_times: list[tuple[float, float]] = []
+    lengths: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeats):
+            for mode, (overrides, threads) in modes.items():
+                t0 = time.time()
+                rows = train(overrides, threads, Path(tmp) / f"{mode.replace(' ', '_')}_{rep}", args.steps)
+                results[mode].append(throughput(rows, args.warmup))
+                lengths += [r["response_length/mean"] for r in rows]
+                print(f"[{rep}] {mode:10s} {results[mode][-1][0]:7.1f} samples/s  ({time.time() - t0:.0f} s)", flush=True)
+            rows = train(BOUND_RUN[0], BOUND_RUN[1], Path(tmp) / f"bound_{rep}", args.steps)
+            stage_times += [(r["time/generate_s"], r["time/train_s"] + r["time/reward_s"]) for r in rows[args.warmup : -1]]
+            print(f"[{rep}] stages on {BOUND_RUN[1]} core(s) measured", flush=True)
+    samples_per_step = rows[0]["rollout/samples"]
+    generate_s = statistics.median(g for g, _ in stage_times)
+    train_s = statistics.median(t for _, t in stage_times)
+    bound = samples_per_step / max(generate_s, train_s)
+    base = statistics.median(s for s, _ in results["sync"])
+    print(f"\nworkload: tiny-llama, 32 prompts x 8 samples per step, max 64 new tokens, mean response "
+          f"{statistics.mean(lengths):.1f} tokens; {CORES} cores; {args.steps} steps, {args.repeats} repeats")
+    print(f"{'mode':12s} {'samples/s':>10s} {'tokens/s':>10s} {'vs sync':>8s} {'vs bound':>9s}")
+    for mode, values in results.items():
+        samples = statistics.median(s for s, _ in values)
+        tokens = statistics.median(t for _, t in values)
+        print(f"{mode:12s} {samples:10.1f} {tokens:10.0f} {samples / base:7.2f}x {samples / bound:8.2f}")
+    print(f"{'bound':12s} {bound:10.1f} {'':>10s} {bound / base:7.2f}x   (generation {generate_s:.2f} s, "
+          f"training+reward {train_s:.2f} s per step, each on {BOUND_RUN[1]} core(s))")
+
+
+if __name__ == "__main__":
+    main()
