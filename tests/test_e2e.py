@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from asyncflow.cli import main
 from asyncflow.config import load_config
@@ -22,7 +23,7 @@ TINY = [
     "train.steps=2", "train.micro_batch_size=4",
     "rollout.prompts_per_step=4", "rollout.group_size=2", "rollout.max_new_tokens=4",
     "data.test_size=8", "eval.every=1", "checkpoint.every=1", "checkpoint.keep=5",
-    "run.progress=false",
+    "run.progress=false", "--threads", "1",
 ]
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "arithmetic_grpo.yaml")
 REQUIRED_TRAIN_KEYS = {
@@ -30,6 +31,14 @@ REQUIRED_TRAIN_KEYS = {
     "throughput/samples_per_s", "throughput/tokens_per_s",
 }
 TIMING_KEYS = ("time/", "throughput/", "wall_s")
+
+
+@pytest.fixture(autouse=True)
+def restore_torch_threads():
+    """`--threads 1` (steady on a shared CPU) sets a process-wide torch setting: put it back afterwards."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 def rows(run_dir: Path) -> list[dict]:
