@@ -87,6 +87,10 @@ class RolloutActor:
     def ping(self) -> bool:
         return True
 
+    def reward_failures(self) -> tuple[int, int]:
+        """(errors, timeouts) of the reward functions in this incarnation of the replica."""
+        return self.scorer.errors, self.scorer.timeouts
+
 
 class RayRuntime:
     """Places rollout replicas as Ray actors; see the module docstring."""
@@ -205,6 +209,15 @@ class RayRuntime:
                 time.sleep(0.2)
         with self._lock:
             self.calls[name] = self.actors[name].run.remote(*self._loop_args[name])
+
+    def reward_failures(self) -> dict[str, float]:
+        """Reward errors and timeouts summed over the replicas (counts of a dead incarnation are lost)."""
+        refs = [actor.reward_failures.remote() for actor in self.actors.values()]
+        try:
+            counts = ray.get(refs, timeout=self.timeout)
+        except (RayActorError, GetTimeoutError):
+            return {}
+        return {"reward/errors": float(sum(e for e, _ in counts)), "reward/timeouts": float(sum(t for _, t in counts))}
 
     def check(self) -> None:
         if self.error is not None:

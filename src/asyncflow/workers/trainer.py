@@ -13,6 +13,8 @@ Invariants:
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass, field
 
 import torch
@@ -100,15 +102,24 @@ class PolicyTrainer:
 
     def train_partition(
         self, queue, partition: str, *, policy_version: int, max_staleness: int, group_size: int,
-        groups_per_batch: int, max_new_tokens: int, timeout: float, sampler,
+        groups_per_batch: int, max_new_tokens: int, timeout: float, sampler, timeline=None,
     ) -> tuple[list[Rollout], dict[str, float]]:
         """Consume complete groups of `partition` in completion order, accumulating gradients.
 
         Checks every row: `policy_version - row.weight_version <= max_staleness`. Returns the consumed
-        rollouts and their stats (call `finish_step` afterwards for the update)."""
+        rollouts and their stats (call `finish_step` afterwards for the update). With a `timeline`,
+        records `wait_rows` (blocked on the queue) and `train_micro_batch` spans."""
         rollouts: list[Rollout] = []
         dropped = 0.0
-        for batch in queue.loader(partition, "train", TRAIN_COLUMNS, group_size * groups_per_batch, sampler=sampler, timeout=timeout):
+        batches = queue.loader(partition, "train", TRAIN_COLUMNS, group_size * groups_per_batch, sampler=sampler, timeout=timeout)
+        while True:
+            t0 = time.time()
+            batch = next(batches, None)
+            t1 = time.time()
+            if timeline is not None:
+                timeline.add_span("trainer", "wait_rows", t0, t1, partition=partition)
+            if batch is None:
+                break
             rows = rollouts_from_batch(batch)
             for r in rows:
                 staleness = policy_version - r.weight_version
@@ -121,6 +132,8 @@ class PolicyTrainer:
             dropped += assign_advantages(groups, self.algo, max_new_tokens)["filtered/dropped_samples"]
             self.accumulate(rows)
             rollouts.extend(rows)
+            if timeline is not None:
+                timeline.add_span("trainer", "train_micro_batch", t1, time.time(), rows=len(rows))
         staleness = [policy_version - r.weight_version for r in rollouts]
         return rollouts, {
             "filtered/dropped_samples": dropped, "staleness/mean": sum(staleness) / max(1, len(staleness)),

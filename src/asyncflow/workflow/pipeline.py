@@ -98,7 +98,6 @@ class PipelineWorkflow:
         t3 = time.time()
         run.timeline.add_span("rollout", "generate", t0, t1, step=run.step)
         run.timeline.add_span("reward", "score", t1, t2, step=run.step)
-        run.timeline.add_span("trainer", "train_step", t2, t3, step=run.step)
         run.version += 1
         run.inference_engine.update_weights(run.train_engine.state_dict(), run.version)
         return rollouts, {**stats, "time/generate_s": t1 - t0, "time/reward_s": t2 - t1, "time/train_s": t3 - t2}
@@ -129,7 +128,6 @@ class PipelineWorkflow:
         t0 = time.time()
         rollouts, stats = self._train(run, partition_name(run.step), groups_per_batch=max(1, cfg.train.micro_batch_size // cfg.rollout.group_size))
         t1 = time.time()
-        run.timeline.add_span("trainer", "train_step", t0, t1, step=run.step)
         next_feed = run.step + self.k + 1
         if next_feed < cfg.train.steps:
             feed_prompts(run, self.queue, next_feed)
@@ -139,6 +137,8 @@ class PipelineWorkflow:
         self.runtime.check()
         if self.reward_thread is not None:
             self.reward_thread.check()
+        if self.runtime.scores_in_rollout:
+            stats.update(self.runtime.reward_failures())
         return rollouts, {**stats, "time/train_s": t1 - t0}
 
     def _train(self, run, partition: str, groups_per_batch: int):
@@ -146,9 +146,10 @@ class PipelineWorkflow:
         rollouts, stats = run.trainer.train_partition(
             self.queue, partition, policy_version=run.version, max_staleness=self.k, group_size=cfg.rollout.group_size,
             groups_per_batch=groups_per_batch, max_new_tokens=cfg.rollout.max_new_tokens, timeout=self.timeout,
-            sampler=self.sampler,
+            sampler=self.sampler, timeline=run.timeline,
         )
-        stats.update(run.trainer.finish_step())
+        with run.timeline.span("trainer", "optimizer_step", step=run.step):
+            stats.update(run.trainer.finish_step())
         return rollouts, stats
 
     def step(self, run) -> dict[str, float]:
