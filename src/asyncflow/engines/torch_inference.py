@@ -9,7 +9,7 @@ and fed response tokens at positions `0 .. length_r - 1`. The active slots are a
 `0 .. n-1`, so one decode step runs the unmodified Hugging Face model on `input_ids [n, 1]` at
 `position_ids [n, 1] = length`, writes each row's new key/value at its own position, and attends
 over `[:n, :, :max(length) + 1]` under an additive `[n, 1, 1, L]` mask that hides each row's
-positions beyond its own length. A finished sample is handed back at once; the survivors are
+positions beyond its own length (no mask at all when every row has the same length). A finished sample is handed back at once; the survivors are
 compacted into the leading rows, and waiting prompts, pulled lazily from the request iterator,
 are prefilled together (right-padded, causal: a real token never sees the padding after it) into
 the rows behind them. The cache plugs into the model only through `Cache.update`, so no
@@ -311,12 +311,18 @@ class TorchInferenceEngine:
         lengths = [s.cached_length for s in slots]
         kv_len = max(lengths) + 1
         positions = torch.tensor(lengths, device=self.device)
-        visible = torch.arange(kv_len, device=self.device)[None, :] <= positions[:, None]  # [n, kv_len]
+        if min(lengths) == kv_len - 1:
+            # Every row sees the whole window: no mask at all, so SDPA takes its fused path (an explicit mask
+            # forces the slower masked kernel). With one query token there is nothing causal to hide either.
+            mask = None
+        else:
+            visible = torch.arange(kv_len, device=self.device)[None, :] <= positions[:, None]  # [n, kv_len]
+            mask = self._additive(visible[:, None, None, :])
         cache.decode_at(positions, kv_len)
         logits = self.model(
             input_ids=torch.tensor([[s.response_ids[-1]] for s in slots], device=self.device),
             position_ids=positions[:, None],
-            attention_mask=self._additive(visible[:, None, None, :]),
+            attention_mask=mask,
             past_key_values=cache,
             use_cache=True,
         ).logits[:, -1]
