@@ -15,6 +15,7 @@ data. asyncflow's consumer blocks in `request`; transferqueue's polls `get_meta`
 
     PYTHONPATH=src python benchmarks/bench_transfer.py --quick   # < 60 s
     PYTHONPATH=src python benchmarks/bench_transfer.py           # more rows and latency samples
+    PYTHONPATH=src python benchmarks/bench_transfer.py --sync-step 30   # queue cost of one sync trainer step
 """
 
 from __future__ import annotations
@@ -151,6 +152,45 @@ def latency(system, rows, tag: str) -> list[float]:
     return samples
 
 
+def sync_step_traffic(steps: int) -> dict[str, float]:
+    """The queue traffic of one step of the synchronous trainer on the example config (32 prompts x 8 samples,
+    8 response tokens), without any model: append the prompts, the rollout stage reads them in batches of
+    128 and writes each completion on its own, the reward stage reads and writes in batches of 128, the
+    trainer reads complete groups. Returns the median milliseconds per phase and their total."""
+    from asyncflow.transfer import GroupSampler, TransferQueue
+
+    prompts_per_step, group, batch = 32, 8, 128
+    q = TransferQueue.local(num_storage_units=2, tasks=["rollout", "reward", "train"])
+    times: dict[str, list[float]] = {}
+    response, logprobs = torch.arange(8), torch.full((8,), -0.5)
+    for step in range(steps + 3):
+        partition, n = f"step_{step}", prompts_per_step * group
+        marks = [time.perf_counter()]
+        q.create_partition(partition, num_rows=n, group_size=group)
+        metadata = [{"answer": "12", "sample_index": i % group} for i in range(n)]
+        prompts = [torch.arange(20) for _ in range(n)]
+        q.append(partition, {"prompt_ids": prompts}, group_ids=[i // group for i in range(n)], metadata=metadata)
+        marks.append(time.perf_counter())
+        for b in q.loader(partition, "rollout", ["prompt_ids"], batch, timeout=10):
+            for index in b.meta.indices:
+                columns = {"response_ids": [response], "rollout_logprobs": [logprobs]}
+                q.write(partition, [index], columns, weight_version=step, metadata=[{"finish_reason": "length"}])
+        marks.append(time.perf_counter())
+        for b in q.loader(partition, "reward", ["response_ids"], batch, timeout=10):
+            q.write(partition, b.meta.indices, {"reward": torch.zeros(len(b))})
+        marks.append(time.perf_counter())
+        columns = ["prompt_ids", "response_ids", "rollout_logprobs", "reward"]
+        got = sum(len(b) for b in q.loader(partition, "train", columns, n, sampler=GroupSampler(), timeout=10))
+        assert got == n
+        marks.append(time.perf_counter())
+        if step >= 3:  # warm-up steps not counted
+            for name, start, end in zip(("append", "rollout", "reward", "train"), marks, marks[1:]):
+                times.setdefault(name, []).append(1e3 * (end - start))
+    result = {name: statistics.median(values) for name, values in times.items()}
+    result["total"] = sum(result.values())
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer rows (finishes in < 60 s)")
@@ -160,7 +200,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="throughput runs per system (median reported)")
     parser.add_argument("--poll-ms", type=float, default=1.0, help="transferqueue consumer's polling interval")
     parser.add_argument("--systems", default="local,ray,tq")
+    parser.add_argument(
+        "--sync-step", type=int, default=0, metavar="STEPS",
+        help="instead: time the in-process queue traffic of one synchronous trainer step (median of STEPS)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.sync_step:
+        result = sync_step_traffic(args.sync_step)
+        print(
+            f"queue traffic of one sync trainer step (256 rows; 256 single-row rollout writes), median of "
+            f"{args.sync_step} steps: " + ", ".join(f"{name} {ms:.1f} ms" for name, ms in result.items())
+        )
+        return
     if args.quick:
         args.rows, args.latency_samples = 512, 30
     if args.rows % args.batch:
