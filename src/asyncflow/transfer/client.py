@@ -167,7 +167,7 @@ class TransferQueue:
         indices = [int(i) for i in indices]
         if not indices:
             return
-        if len(set(indices)) != len(indices):
+        if len(indices) > 1 and len(set(indices)) != len(indices):
             raise ValueError(f"partition {partition!r}: duplicate row indices in one write")
         rows = {column: column_rows(value) for column, value in columns.items()}
         specs = {column: check_rows(partition, column, r, indices) for column, r in rows.items()}

@@ -92,6 +92,9 @@ def column_rows(value: Any) -> list:
 def check_rows(partition: str, column: str, rows: list, row_names: Sequence[int | str]) -> ColumnSpec:
     """The column's spec, after checking every row is a tensor of one dtype, rank and trailing shape.
     `row_names` name the rows in errors (global indices, or batch positions for new rows)."""
+    if len(rows) == 1 == len(row_names) and isinstance(rows[0], torch.Tensor):  # a single-row write: one spec
+        row = rows[0]
+        return ColumnSpec(row.dtype, tuple(row.shape[1:]), row.dim() == 0)
     where = f"partition {partition!r} column {column!r}"
     if len(rows) != len(row_names):
         raise ValueError(f"{where}: got {len(rows)} rows, expected {len(row_names)}")
