@@ -24,17 +24,12 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from bench_workflows import MODES as BENCH_MODES  # noqa: E402 - same placement as the speed benchmark
+
 ROOT = Path(__file__).resolve().parents[1]
 CORES = os.cpu_count() or 2
 EXAMPLE = "examples/arithmetic_grpo.yaml"
-SEPARATED = ["runtime.kind=ray", f"runtime.num_cpus={CORES}", f"runtime.rollout_cpus={CORES // 2}",
-             f"runtime.trainer_cpus={CORES - CORES // 2}"]  # fmt: skip
-MODES = {
-    "sync": (["workflow.mode=sync"], CORES),
-    "stream": (["workflow.mode=stream", *SEPARATED], CORES - CORES // 2),
-    "async k=1": (["workflow.mode=async", "workflow.max_staleness=1", *SEPARATED], CORES - CORES // 2),
-}
-
+MODES = {mode: BENCH_MODES[mode] for mode in ("sync", "stream", "async k=1")}
 
 def asyncflow(args: list[str], threads: int) -> None:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")

@@ -137,7 +137,7 @@ def short_config(tmp_path, *overrides: str):
         f"run.output_dir={tmp_path}", "run.progress=false", "model.path=preset:tiny-llama",
         "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "rollout.max_batch_size=8",
         "train.micro_batch_size=8", "eval.every=0", "data.test_size=4", "checkpoint.every=0",
-        "runtime.call_timeout_s=60", *overrides,
+        "runtime.call_timeout_s=60", "runtime.kind=inline", *overrides,
     ])  # fmt: skip
 
 

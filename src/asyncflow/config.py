@@ -195,8 +195,10 @@ class WorkflowConfig(Section):
 
 
 class RuntimeConfig(Section):
-    kind: Literal["inline", "ray"] = "inline"
-    """`inline`: every worker in this process; `ray`: workers as Ray actors."""
+    kind: Literal["auto", "inline", "ray"] = "auto"
+    """`inline`: every worker in this process (threads); `ray`: rollout replicas as Ray actors on a local
+    cluster started for you (or the one at `address`); `auto`: `inline` for the colocated `sync`
+    baseline, `ray` for `stream` and `async`."""
     address: str | None = None
     """Ray cluster address to join; `null` starts a local cluster."""
     num_cpus: int | None = None
@@ -210,7 +212,8 @@ class RuntimeConfig(Section):
     trainer_gpus: float = Field(0.0, ge=0)
     """GPUs of the trainer worker."""
     weight_sync: Literal["inprocess", "shared_memory", "ray", "torch_distributed"] = "shared_memory"
-    """How new weights reach the rollout workers."""
+    """How new weights reach Ray rollout replicas: `shared_memory` (one machine), `ray` (object store, any
+    cluster), `torch_distributed` (gloo on CPU, NCCL on GPU). The inline runtime always uses `inprocess`."""
     call_timeout_s: float = Field(600.0, gt=0)
     """Timeout of every remote call and weight sync."""
     max_restarts: int = Field(2, ge=0)

@@ -4,7 +4,11 @@ from asyncflow.config import Config
 
 
 def make_runtime(config: Config):
-    if config.runtime.kind == "ray":
+    """The runtime of `runtime.kind` (`auto`: inline for `sync`, Ray for the separated workflows)."""
+    kind = config.runtime.kind
+    if kind == "auto":
+        kind = "inline" if config.workflow.mode == "sync" else "ray"
+    if kind == "ray":
         from asyncflow.runtime.ray_runtime import RayRuntime
 
         return RayRuntime(config)
