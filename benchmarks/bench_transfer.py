@@ -152,11 +152,12 @@ def latency(system, rows, tag: str) -> list[float]:
     return samples
 
 
-def sync_step_traffic(steps: int) -> dict[str, float]:
+def sync_step_traffic(steps: int, write_rows: int) -> dict[str, float]:
     """The queue traffic of one step of the synchronous trainer on the example config (32 prompts x 8 samples,
     8 response tokens), without any model: append the prompts, the rollout stage reads them in batches of
-    128 and writes each completion on its own, the reward stage reads and writes in batches of 128, the
-    trainer reads complete groups. Returns the median milliseconds per phase and their total."""
+    128 and writes the completions back `write_rows` at a time (the rollout worker writes a group's worth,
+    8), the reward stage reads and writes in batches of 128, the trainer reads complete groups. Returns the
+    median milliseconds per phase and their total."""
     from asyncflow.transfer import GroupSampler, TransferQueue
 
     prompts_per_step, group, batch = 32, 8, 128
@@ -172,9 +173,11 @@ def sync_step_traffic(steps: int) -> dict[str, float]:
         q.append(partition, {"prompt_ids": prompts}, group_ids=[i // group for i in range(n)], metadata=metadata)
         marks.append(time.perf_counter())
         for b in q.loader(partition, "rollout", ["prompt_ids"], batch, timeout=10):
-            for index in b.meta.indices:
-                columns = {"response_ids": [response], "rollout_logprobs": [logprobs]}
-                q.write(partition, [index], columns, weight_version=step, metadata=[{"finish_reason": "length"}])
+            for start in range(0, len(b), write_rows):
+                rows = b.meta.indices[start : start + write_rows]
+                columns = {"response_ids": [response] * len(rows), "rollout_logprobs": [logprobs] * len(rows)}
+                metadata = [{"finish_reason": "length"}] * len(rows)
+                q.write(partition, rows, columns, weight_version=step, metadata=metadata)
         marks.append(time.perf_counter())
         for b in q.loader(partition, "reward", ["response_ids"], batch, timeout=10):
             q.write(partition, b.meta.indices, {"reward": torch.zeros(len(b))})
@@ -204,11 +207,12 @@ def main() -> None:
         "--sync-step", type=int, default=0, metavar="STEPS",
         help="instead: time the in-process queue traffic of one synchronous trainer step (median of STEPS)",
     )  # fmt: skip
+    parser.add_argument("--write-rows", type=int, default=8, help="rows per rollout write in --sync-step")
     args = parser.parse_args()
     if args.sync_step:
-        result = sync_step_traffic(args.sync_step)
+        result = sync_step_traffic(args.sync_step, args.write_rows)
         print(
-            f"queue traffic of one sync trainer step (256 rows; 256 single-row rollout writes), median of "
+            f"queue traffic of one sync trainer step (256 rows; rollout writes of {args.write_rows} rows), median of "
             f"{args.sync_step} steps: " + ", ".join(f"{name} {ms:.1f} ms" for name, ms in result.items())
         )
         return
