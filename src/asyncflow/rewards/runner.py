@@ -9,12 +9,13 @@ Invariants:
   (timeout, or each exception type).
 - At most `max_workers` samples are scored at once; `timeout_s` counts from the moment a
   sample starts running, not from submission.
-- Threads, not processes: each sample runs in a daemon thread. A thread that exceeds its
-  timeout cannot be killed in Python; it is ABANDONED (its result, if any, is discarded), its
-  worker slot is given to the next sample, and, being a daemon, it never blocks interpreter
-  exit. An abandoned thread keeps its CPU and memory until its function returns. (A
-  ThreadPoolExecutor is not used on purpose: its threads are joined at exit, so one hung
-  reward would hang the process, and a hung thread would hold a pool slot forever.)
+- Threads, not processes: samples run on `max_workers` long-lived daemon threads (starting a
+  thread per sample cost ~1 ms each on a 2-core machine, as much as the reward itself). A thread
+  that exceeds its timeout cannot be killed in Python; it is ABANDONED (its result, if any, is
+  discarded) and replaced by a new thread, and, being a daemon, it never blocks interpreter exit.
+  An abandoned thread keeps its CPU and memory until its function returns. (A ThreadPoolExecutor
+  is not used on purpose: its threads are joined at exit, so one hung reward would hang the
+  process, and a hung thread would hold a pool slot forever.)
 - math-verify's own timeouts use signal.alarm, which works only on the main thread; the
   built-in `math_verify` verifier disables them and relies on this runner's timeout.
 """
@@ -63,6 +64,32 @@ class RewardRunner:
         self.timeout_s = float(timeout_s)
         self.max_workers = max_workers
         self._warned: set[str] = set()
+        self._tasks: queue.Queue = queue.Queue()  # (work, index) for the worker threads
+        self._workers_lock = threading.Lock()
+        self._live_workers = 0  # threads started, not counting the replacements of stuck ones
+        self._abandoned: set[tuple] = set()  # (work, index) calls past their timeout, still running
+
+    def _submit(self, work, index: int) -> None:
+        with self._workers_lock:
+            while self._live_workers < self.max_workers:
+                self._live_workers += 1
+                threading.Thread(target=self._worker_loop, name="reward-worker", daemon=True).start()
+        self._tasks.put((work, index))
+
+    def _worker_loop(self) -> None:
+        while True:
+            work, index = self._tasks.get()
+            work(index)
+            with self._workers_lock:
+                if (work, index) in self._abandoned:  # a replacement took this thread's place meanwhile
+                    self._abandoned.discard((work, index))
+                    return
+
+    def _abandon(self, work, index: int) -> None:
+        """The call (work, index) is past its timeout: start a worker in place of the one stuck in it."""
+        with self._workers_lock:
+            self._abandoned.add((work, index))
+            threading.Thread(target=self._worker_loop, name="reward-worker", daemon=True).start()
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
@@ -83,45 +110,49 @@ class RewardRunner:
             )
         rewards = [0.0] * n
         n_errors = n_timeouts = 0
-        done: queue.Queue = queue.Queue()  # (index, reward or None, exception or None)
+        done: queue.Queue = queue.Queue()  # ("start", index, time) or ("end", index, reward or None, error or None)
         running: dict[int, float] = {}  # index -> start time (monotonic)
-        next_index = 0
+        finished = 0
 
         def work(i: int) -> None:
+            done.put(("start", i, time.monotonic()))
             try:
                 value = self.fn(completions[i], ground_truths[i], **(metadatas[i] or {}))
                 value = float(value)
                 if not math.isfinite(value):
                     raise ValueError(f"reward function returned a non-finite value {value}")
-                done.put((i, value, None))
+                done.put(("end", i, value, None))
             except BaseException as e:  # noqa: BLE001 - any failure of user code is scored 0.0
-                done.put((i, None, e))
+                done.put(("end", i, None, e))
 
-        while next_index < n or running:
-            while next_index < n and len(running) < self.max_workers:
-                running[next_index] = time.monotonic()
-                threading.Thread(target=work, args=(next_index,), name=f"reward-{next_index}", daemon=True).start()
-                next_index += 1
-            wait = min(running.values()) + self.timeout_s - time.monotonic()
+        for i in range(n):
+            self._submit(work, i)
+        while finished < n:
+            wait = min(running.values()) + self.timeout_s - time.monotonic() if running else self.timeout_s
             try:
-                i, value, error = done.get(timeout=max(wait, 0.0))
+                message = done.get(timeout=max(wait, 0.0))
             except queue.Empty:
-                pass
-            else:
-                if i in running:  # else: it already timed out and was abandoned
-                    del running[i]
-                    if error is None:
-                        rewards[i] = value
-                    else:
-                        n_errors += 1
-                        self._warn_once(
-                            f"error:{type(error).__name__}",
-                            f"reward function failed on sample {i}: {type(error).__name__}: {error}",
-                        )
+                message = None
+            if message is not None and message[0] == "start":
+                running[message[1]] = message[2]
+            elif message is not None and message[1] in running:  # else: it timed out and was abandoned
+                _, i, value, error = message
+                del running[i]
+                finished += 1
+                if error is None:
+                    rewards[i] = value
+                else:
+                    n_errors += 1
+                    self._warn_once(
+                        f"error:{type(error).__name__}",
+                        f"reward function failed on sample {i}: {type(error).__name__}: {error}",
+                    )
             now = time.monotonic()
             for i in [i for i, start in running.items() if now - start >= self.timeout_s]:
                 del running[i]
+                finished += 1
                 n_timeouts += 1
+                self._abandon(work, i)
                 self._warn_once("timeout", f"reward function exceeded {self.timeout_s}s on sample {i}; "
                                 "its thread is abandoned")
         return RewardResult(rewards=rewards, n_errors=n_errors, n_timeouts=n_timeouts)

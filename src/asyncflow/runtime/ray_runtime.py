@@ -21,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -108,6 +109,10 @@ class RayRuntime:
             raise ValueError("runtime.weight_sync=inprocess needs runtime.kind=inline: Ray actors are other processes")
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
+            if rt.address is None:
+                # Ray starts worker processes at nice 15, below the driver and everything else on the host;
+                # rollout replicas are on the critical path, so a local cluster runs them at normal priority.
+                os.environ.setdefault("RAY_worker_niceness", "0")
             ray.init(
                 address=rt.address, num_cpus=rt.num_cpus if rt.address is None else None,
                 include_dashboard=False, configure_logging=False,

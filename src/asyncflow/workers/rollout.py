@@ -53,6 +53,7 @@ class Rollout:
 
 PROMPT_COLUMNS = ["prompt_ids"]
 RESPONSE_COLUMNS = ["response_ids", "rollout_logprobs"]
+WRITE_ROWS = 32  # finished responses per queue write
 
 
 class RolloutWorker:
@@ -67,9 +68,10 @@ class RolloutWorker:
         """Generate every row of `partition` not yet taken by another rollout worker.
 
         Prompt rows are pulled from the queue as engine slots free up; finished responses are
-        written back (with the engine's weight version) in writes of `group_size` rows, so a remote
-        queue sees one round trip per group's worth of rows, not one per row. With a `scorer` (a
-        `RewardWorker` placed beside this worker) the `reward` column goes in the same write.
+        written back (with the engine's weight version) in writes of `WRITE_ROWS` rows (at least a
+        group), so a remote queue sees one round trip per few groups' worth of rows, not one per row
+        (a Ray write costs a few ms). With a `scorer` (a `RewardWorker` placed beside this worker)
+        the `reward` column goes in the same write.
         Returns rows generated.
         """
         version = self.engine.weight_version
@@ -100,7 +102,7 @@ class RolloutWorker:
         for completion in self.engine.generate(requests(), self.params):
             finished.append(completion)
             count += 1
-            if len(finished) >= self.group_size:
+            if len(finished) >= max(WRITE_ROWS, self.group_size):
                 flush()
         if finished:
             flush()
