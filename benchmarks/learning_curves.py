@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--out", default="runs/learning_curves")
+    parser.add_argument("--rerun", default=",".join(MODES), help="modes to train again; the others are read from --out")
     args = parser.parse_args()
     out = (ROOT / args.out).resolve()
     sft = out / "sft"
@@ -52,9 +53,10 @@ def main() -> None:
     curves = {}
     for mode, (overrides, threads) in MODES.items():
         run_dir = out / mode.replace(" ", "_").replace("=", "")
-        asyncflow(["train", EXAMPLE, "sft.before_rl=false", f"model.path={sft}", f"train.steps={args.steps}",
-                   f"eval.every={args.eval_every}", "checkpoint.every=0", "run.progress=false", *overrides,
-                   "--output", str(run_dir)], threads)  # fmt: skip
+        if mode in args.rerun.split(","):
+            asyncflow(["train", EXAMPLE, "sft.before_rl=false", f"model.path={sft}", f"train.steps={args.steps}",
+                       f"eval.every={args.eval_every}", "checkpoint.every=0", "run.progress=false", *overrides,
+                       "--output", str(run_dir)], threads)  # fmt: skip
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         curves[mode] = [(r["samples"], r["wall_s"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
         print(f"{mode:10s} accuracy {curves[mode][0][2]:.3f} -> {curves[mode][-1][2]:.3f} after "

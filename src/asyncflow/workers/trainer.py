@@ -130,7 +130,7 @@ class PolicyTrainer:
                     )
             groups = [sorted(g, key=lambda r: r.sample_index) for g in _by_group(rows)]
             dropped += assign_advantages(groups, self.algo, max_new_tokens)["filtered/dropped_samples"]
-            self.accumulate(rows)
+            self.accumulate(rows, policy_version)
             rollouts.extend(rows)
             if timeline is not None:
                 timeline.add_span("trainer", "train_micro_batch", t1, time.time(), rows=len(rows))
@@ -140,23 +140,33 @@ class PolicyTrainer:
             "staleness/max": float(max(staleness, default=0)),
         }
 
-    def accumulate(self, rollouts: list[Rollout]) -> None:
-        """Forward/backward the rollouts (those with advantages) in micro-batches, summing the loss."""
+    def accumulate(self, rollouts: list[Rollout], policy_version: int | None = None) -> None:
+        """Forward/backward the rollouts (those with advantages) in micro-batches, summing the loss.
+        Rows generated before `policy_version` are stale (see `AlgoConfig.stale_old_logprobs`)."""
         rollouts = [r for r in rollouts if r.advantages is not None and len(r.response_ids) > 0]
         for start in range(0, len(rollouts), self.micro_batch_size):
-            self._micro_batch(rollouts[start : start + self.micro_batch_size])
+            self._micro_batch(rollouts[start : start + self.micro_batch_size], policy_version)
 
-    def _micro_batch(self, batch: list[Rollout]) -> None:
+    def _micro_batch(self, batch: list[Rollout], policy_version: int | None = None) -> None:
         algo = self.algo
         samples = [TrainSample(r.prompt_ids, r.response_ids, r.group_id) for r in batch]
         L = max(len(r.response_ids) for r in batch)
         advantages = padded([r.advantages for r in batch], L)
         rollout_logprobs = padded([r.rollout_logprobs for r in batch], L)
+        stale = torch.tensor([
+            algo.stale_old_logprobs == "rollout" and policy_version is not None
+            and r.weight_version is not None and r.weight_version < policy_version
+            for r in batch
+        ])[:, None]  # fmt: skip
         sum_mode = {"total_tokens": 1.0} if algo.loss_agg == "token_mean" else {"total_sequences": 1.0}
 
         def loss_fn(out: TriLogProbs):
             logp, mask = out.policy.logprobs, out.policy.mask
+            device = logp.device
+            nonlocal advantages, rollout_logprobs
+            advantages, rollout_logprobs = advantages.to(device), rollout_logprobs.to(device)
             old = out.old if out.old is not None else logp.detach()
+            old = torch.where(stale.to(device), rollout_logprobs, old)  # stale rows: the behaviour policy's log-probs
             weights = None
             if algo.tis_cap is not None:
                 weights = truncated_importance_weights(old, rollout_logprobs, mask, algo.tis_cap)
