@@ -205,3 +205,28 @@ def test_killed_rollout_replica_is_restarted_and_no_row_is_lost(tmp_path, ray_cl
     assert restart and restart[0]["start_s"] >= killed["at"], "the restart is on the timeline"
     after = [e for e in events if e["worker"] == "rollout_0" and e["kind"] == "span" and e["start_s"] > killed["at"]]
     assert after, "the restarted replica generated again (its spans reached the driver)"
+
+
+# ---------------------------------------------------------------- stale rows and their behaviour policy
+@pytest.mark.parametrize(("setting", "row_version", "clipped"), [
+    ("rollout", 0, True),  # stale row: ratio against the recorded (far-off) log-probs, so the clip bites (A > 0)
+    ("policy", 0, False),  # stale row trained as if on-policy: ratio 1
+    ("rollout", 1, False),  # fresh row: always the current policy
+])  # fmt: skip
+def test_stale_rows_use_their_behaviour_policy(tiny_llama_path, setting, row_version, clipped):
+    from asyncflow.workers.rollout import Rollout
+    from asyncflow.workers.trainer import assign_advantages
+
+    vocab = load_model(tiny_llama_path).config.vocab_size
+    rows = [
+        Rollout(r["group"], r["k"], r["prompt"], r["response"], [-8.0] * len(r["response"]), "stop", row_version, "",
+                reward=r["reward"])
+        for r in fixed_rollouts(vocab)
+    ]  # fmt: skip
+    algo = AlgoConfig(stale_old_logprobs=setting)
+    groups = [[r for r in rows if r.group_id == g] for g in range(GROUPS)]
+    assign_advantages(groups, algo, MAX_NEW)
+    trainer = PolicyTrainer(TorchTrainEngine(load_model(tiny_llama_path), lr=1e-4), algo, micro_batch_size=8, temperature=1.0)
+    trainer.accumulate(rows, policy_version=1)
+    stats = trainer.finish_step()
+    assert (stats["clip_fraction"] > 0.1) == clipped, stats["clip_fraction"]  # ratio 1 clips nothing
