@@ -51,7 +51,7 @@ MODES = {
     # not in the default set: the same separation on threads of one process (no Ray hops, one GIL)
     "async k=1 inline": (["workflow.mode=async", "workflow.max_staleness=1"], CORES - CORES // 2),
     # stream's stages mostly alternate: let the trainer use every core while the rollout replica waits
-    "stream, trainer all cores": (["workflow.mode=stream", *SEPARATED, f"runtime.trainer_cpus={CORES}"], CORES),
+    "stream trainer-all-cores": (["workflow.mode=stream", *SEPARATED, f"runtime.trainer_cpus={CORES}"], CORES),
 }
 DEFAULT_MODES = ["sync", "stream", "async k=1", "async k=2"]
 BOUND_RUN = (["workflow.mode=sync"], CORES // 2)  # each stage alone on its share of the machine

@@ -28,13 +28,7 @@ TOL = 1e-5
 STEP_GROUPS = [(17, [6, 1, 9, 4]), (5, [12, 3, 7]), (9, [5]), (2, [8, 8])]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads; on a shared CPU oversubscribed OpenMP threads make them 10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
