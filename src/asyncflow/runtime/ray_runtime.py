@@ -234,6 +234,7 @@ class RayRuntime:
             if self._supervisor.is_alive():
                 raise TimeoutError(f"rollout replicas did not finish within {timeout:.0f} s")
         self.check()
+        log.info("rollout replicas generated %d rows (%d restarts)", self.generated, self.restarts)
 
     def close(self) -> None:
         self._stop.set()
