@@ -25,21 +25,20 @@ class RewardWorker:
         """Set `reward` and `response_text` on each rollout."""
         for r in rollouts:
             r.response_text = self.tokenizer.decode(r.response_ids, skip_special_tokens=True)
-        result = self.runner.score(
-            [r.response_text for r in rollouts], [r.answer for r in rollouts], [r.metadata for r in rollouts]
-        )
-        for r, value in zip(rollouts, result.rewards):
+        rewards = self._score([r.response_text for r in rollouts], [r.answer for r in rollouts], [r.metadata for r in rollouts])
+        for r, value in zip(rollouts, rewards):
             r.reward = float(value)
-        self.errors += result.n_errors
-        self.timeouts += result.n_timeouts
 
     def score_ids(self, responses: list[list[int]], metadata: list[dict]) -> torch.Tensor:
         """Rewards `[N]` float32 of token-id responses; `metadata[i]["answer"]` is the ground truth."""
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in responses]
-        result = self.runner.score(texts, [m["answer"] for m in metadata], metadata)
+        return torch.tensor(self._score(texts, [m["answer"] for m in metadata], metadata), dtype=torch.float32)
+
+    def _score(self, texts: list[str], answers: list[str], metadata: list[dict]) -> list[float]:
+        result = self.runner.score(texts, answers, metadata)
         self.errors += result.n_errors
         self.timeouts += result.n_timeouts
-        return torch.tensor(result.rewards, dtype=torch.float32)
+        return result.rewards
 
     def run_partition(self, queue, partition: str, *, batch_size: int, timeout: float) -> int:
         """Score rows of `partition` as their responses become ready; write the `reward` column."""

@@ -73,7 +73,6 @@ class PipelineWorkflow:
 
     def __init__(self, run, runtime):
         cfg = run.config
-        self.run = run
         self.mode = cfg.workflow.mode
         self.k = cfg.workflow.max_staleness if self.mode == "async" else 0
         self.timeout = cfg.runtime.call_timeout_s

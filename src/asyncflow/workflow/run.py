@@ -94,6 +94,7 @@ class RLRun:
         self.samples_seen = 0
         self.start_wall = 0.0
         self.timeline = Timeline()
+        self.eval_engine = None  # built on first evaluation
         if resume:
             self._resume()
         self.metrics = MetricsLogger(self.run_dir, resume_from_step=self.step if resume else None)
@@ -176,8 +177,6 @@ class RLRun:
         result = evaluate(self.eval_engine, self.rewards, self.encoder, self.test_set, self.eval_params)
         self.timeline.add_span("trainer", "evaluate", t0, time.time(), step=self.step)
         return result
-
-    eval_engine = None
 
     def train(self, workflow) -> list[dict]:
         """Run `workflow.step(self)` until `train.steps`; returns the logged metrics rows."""
