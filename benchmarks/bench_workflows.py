@@ -50,8 +50,18 @@ MODES = {
     "async k=2": (["workflow.mode=async", "workflow.max_staleness=2", *SEPARATED], CORES - CORES // 2),
     # not in the default set: the same separation on threads of one process (no Ray hops, one GIL)
     "async k=1 inline": (["workflow.mode=async", "workflow.max_staleness=1"], CORES - CORES // 2),
-    # stream's stages mostly alternate: let the trainer use every core while the rollout replica waits
-    "stream trainer-all-cores": (["workflow.mode=stream", *SEPARATED, f"runtime.trainer_cpus={CORES}"], CORES),
+    # two rollout replicas time-sharing the rollout core(s) with the trainer (decode steps of small
+    # models gain from a second process, not from a second thread)
+    "stream 2 replicas": (["workflow.mode=stream", *SEPARATED, "rollout.replicas=2"], CORES - CORES // 2),
+    "async k=1 2 replicas": (["workflow.mode=async", "workflow.max_staleness=1", *SEPARATED, "rollout.replicas=2"],
+                             CORES - CORES // 2),
+    "async k=1 2 units": (["workflow.mode=async", "workflow.max_staleness=1", *SEPARATED, "runtime.storage_units=2"],
+                          CORES - CORES // 2),
+    "stream 2 units": (["workflow.mode=stream", *SEPARATED, "runtime.storage_units=2"], CORES - CORES // 2),
+    # each separated worker strictly on its own core, without borrowing the idle one's
+    "stream no-lending": (["workflow.mode=stream", *SEPARATED, "runtime.lend_idle_cores=false"], CORES - CORES // 2),
+    "async k=1 no-lending": (["workflow.mode=async", "workflow.max_staleness=1", *SEPARATED,
+                              "runtime.lend_idle_cores=false"], CORES - CORES // 2),
 }
 DEFAULT_MODES = ["sync", "stream", "async k=1", "async k=2"]
 BOUND_RUN = (["workflow.mode=sync"], CORES // 2)  # each stage alone on its share of the machine

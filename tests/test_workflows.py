@@ -11,9 +11,11 @@
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,6 +134,12 @@ def jittery_reward(completion: str, ground_truth: str, **metadata) -> float:
     return float(completion.strip() == ground_truth.strip())
 
 
+def flaky_reward(completion: str, ground_truth: str, **metadata) -> float:
+    if random.random() < 0.3:
+        raise ValueError("flaky verifier")
+    return float(completion.strip() == ground_truth.strip())
+
+
 def short_config(tmp_path, *overrides: str):
     return build_config({}, [
         f"run.output_dir={tmp_path}", "run.progress=false", "model.path=preset:tiny-llama",
@@ -170,7 +178,11 @@ def test_on_policy_modes_train_fresh_rows(tmp_path, mode):
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    python_path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    ray.init(  # replicas import this module's reward functions
+        num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": python_path}},
+    )
     yield ray
     ray.shutdown()
 
@@ -180,7 +192,7 @@ def test_killed_rollout_replica_is_restarted_and_no_row_is_lost(tmp_path, ray_cl
     config = short_config(
         tmp_path, f"train.steps={steps}", "workflow.mode=async", "workflow.max_staleness=1",
         "runtime.kind=ray", "rollout.replicas=2", "runtime.rollout_cpus=0.5", "runtime.max_restarts=2",
-        "rollout.max_new_tokens=24",
+        "rollout.max_new_tokens=24", "reward.fns=[test_workflows:flaky_reward]",
     )
     run = RLRun(config)
     workflow = make_workflow(config, run)
@@ -205,6 +217,22 @@ def test_killed_rollout_replica_is_restarted_and_no_row_is_lost(tmp_path, ray_cl
     assert restart and restart[0]["start_s"] >= killed["at"], "the restart is on the timeline"
     after = [e for e in events if e["worker"] == "rollout_0" and e["kind"] == "span" and e["start_s"] > killed["at"]]
     assert after, "the restarted replica generated again (its spans reached the driver)"
+    errors = [h["reward/errors"] for h in history if "rollout/samples" in h]
+    assert errors[-1] > 0 and errors == sorted(errors), f"reward errors carry over the restart: {errors}"
+
+
+def test_separated_stream_trainer_borrows_the_waiting_replicas_core(tmp_path, ray_cluster):
+    config = short_config(
+        tmp_path, "train.steps=4", "workflow.mode=stream", "runtime.kind=ray", "runtime.num_cpus=2",
+        "train.micro_batch_size=4",
+    )
+    before = torch.get_num_threads()
+    run = RLRun(config)
+    run.train(make_workflow(config, run))
+    threads = [e["args"]["threads"] for e in run.timeline.events if e["name"] == "train_micro_batch"]
+    assert len(threads) == 4 * 4
+    assert max(threads) == 2, "after generation ends the replica waits for weights: the trainer uses both cores"
+    assert torch.get_num_threads() == before, "the run hands torch's thread count back as it found it"
 
 
 # ---------------------------------------------------------------- stale rows and their behaviour policy

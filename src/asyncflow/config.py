@@ -219,6 +219,12 @@ class RuntimeConfig(Section):
     weight_sync: Literal["inprocess", "shared_memory", "ray", "torch_distributed"] = "shared_memory"
     """How new weights reach Ray rollout replicas: `shared_memory` (one machine), `ray` (object store, any
     cluster), `torch_distributed` (gloo on CPU, NCCL on GPU). The inline runtime always uses `inprocess`."""
+    storage_units: int = Field(1, ge=1)
+    """TransferQueue storage units (rows are sharded across them); each is a Ray actor under `ray`. More
+    units spread the bytes of a large cluster; on one machine each extra unit adds a round trip per call."""
+    lend_idle_cores: bool = True
+    """`ray` on a local CPU cluster: a worker that computes while others wait (for rows, for weights) runs
+    torch on their cores too (`asyncflow.workers.cores`); `false` keeps each on its own CPUs."""
     call_timeout_s: float = Field(600.0, gt=0)
     """Timeout of every remote call and weight sync."""
     max_restarts: int = Field(2, ge=0)

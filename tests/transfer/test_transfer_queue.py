@@ -74,6 +74,35 @@ def test_group_loader_streams_groups_in_completion_order():
     assert list(loader) == []
 
 
+def test_loader_asks_alive_while_waiting_and_keeps_acks_and_rows(monkeypatch):
+    monkeypatch.setattr("asyncflow.transfer.client.ALIVE_CHECK_S", 0.05)
+    q = local_queue()
+    q.create_partition("p", num_rows=4)
+    idx = q.append("p", {"ids": prompts([1] * 4)})
+    checks = []
+
+    def alive():
+        checks.append(1)
+        if len(checks) == 3:  # the producer comes back with two rows, later with the rest
+            q.write("p", idx[:2], {"resp": prompts([2, 2])})
+        if len(checks) == 6:
+            q.write("p", idx[2:], {"resp": prompts([3, 3])})
+
+    loader = q.loader("p", "trainer", ["resp"], 2, timeout=5, alive=alive)
+    assert next(loader).meta.indices == idx[:2] and len(checks) == 3
+    assert next(loader).meta.indices == idx[2:] and len(checks) == 6
+    assert list(loader) == []
+    assert q.status("p")["acked"]["trainer"] == 4, "acks sent with a request that then timed out are kept"
+
+    def dead():
+        raise RuntimeError("the producer died")
+
+    q.create_partition("q", num_rows=1)
+    q.append("q", {"ids": prompts([1])})
+    with pytest.raises(RuntimeError, match="the producer died"):  # long before the 5 s timeout
+        next(q.loader("q", "trainer", ["resp"], 1, timeout=5, alive=dead))
+
+
 def test_threaded_pipeline_delivers_every_row_once_per_task_intact():
     """4 producers, 2 rollout threads (read prompt, write response), 2 trainer threads; capacity
     forces producers to wait for the trainers. Responses are a function of the prompt, so corruption shows."""

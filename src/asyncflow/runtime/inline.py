@@ -17,6 +17,7 @@ class InlineRuntime:
     weight_sync = "inprocess"
     scores_in_rollout = False  # the reward loop runs on a thread of its own
     weight_sync_options: dict = {}
+    trainer_cores = None  # one process: no core lending between workers
 
     def __init__(self, config):
         self.config = config
@@ -24,7 +25,8 @@ class InlineRuntime:
         self.receiver = None
 
     def make_queue(self, tasks):
-        return TransferQueue.local(num_storage_units=2, tasks=tasks, timeout=self.config.runtime.call_timeout_s)
+        rt = self.config.runtime
+        return TransferQueue.local(num_storage_units=rt.storage_units, tasks=tasks, timeout=rt.call_timeout_s)
 
     def start_rollout(self, run, queue, receiver_spec, steps, *, max_staleness: int, make_scorer=None) -> None:
         self.receiver = receiver_spec.open()

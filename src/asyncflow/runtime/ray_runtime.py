@@ -5,7 +5,9 @@ beside its engine); the trainer stays in the driver.
 Owns: starting or joining the Ray cluster (`runtime.address`; a local cluster without dashboard by
 default), the rollout actors (CPUs/GPUs from config, each loads the policy through the normal HF
 loading code and builds its engine from the registry), the weight-sync transport options of
-`runtime.weight_sync`, and a supervisor thread that watches the replicas.
+`runtime.weight_sync`, idle-core lending between the trainer and the replicas on a local CPU
+cluster (`runtime.lend_idle_cores`, see `asyncflow.workers.cores`), and a supervisor thread that
+watches the replicas.
 
 Invariants:
 - Each replica takes prompt rows from the queue under its own consumer name, so the controller
@@ -24,6 +26,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 
 import ray
@@ -32,6 +35,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from asyncflow.observe import Timeline
 from asyncflow.transfer.ray_queue import RayTransferQueue
+from asyncflow.workers.cores import CoreLending, create_core_lending
 from asyncflow.workers.loops import rollout_loop
 from asyncflow.workers.rollout import RESPONSE_COLUMNS
 
@@ -71,26 +75,31 @@ class RolloutActor:
         self.worker = RolloutWorker(engine, spec.params, spec.group_size)
         self.scorer = make_scorer()
         self.name = name
+        self.incarnation = uuid.uuid4().hex  # new after every restart
 
-    def run(self, queue, receiver_spec, steps: range, max_staleness: int, batch_size: int, timeout: float):
+    def run(self, queue, receiver_spec, steps: range, max_staleness: int, batch_size: int, timeout: float, cores_spec):
         """Generate partitions `steps`; returns (rows generated, timeline events of this replica)."""
         timeline = Timeline()
         receiver = receiver_spec.open()
+        cores = cores_spec.open(self.name) if cores_spec is not None else None
         try:
             generated = rollout_loop(
                 self.worker, queue, receiver, steps, max_staleness=max_staleness, batch_size=batch_size,
                 timeout=timeout, timeline=timeline, name=self.name, consumer=self.name, scorer=self.scorer,
+                cores=cores,
             )
         finally:
             receiver.close()
+            if cores is not None:
+                cores.close()
         return generated, timeline.events
 
     def ping(self) -> bool:
         return True
 
-    def reward_failures(self) -> tuple[int, int]:
-        """(errors, timeouts) of the reward functions in this incarnation of the replica."""
-        return self.scorer.errors, self.scorer.timeouts
+    def reward_failures(self) -> tuple[str, int, int]:
+        """(incarnation, errors, timeouts): the reward functions' failures in this incarnation of the replica."""
+        return self.incarnation, self.scorer.errors, self.scorer.timeouts
 
 
 class RayRuntime:
@@ -117,7 +126,15 @@ class RayRuntime:
                 address=rt.address, num_cpus=rt.num_cpus if rt.address is None else None,
                 include_dashboard=False, configure_logging=False,
             )
+        self._threads_before = torch.get_num_threads()
         torch.set_num_threads(max(1, int(rt.trainer_cpus)))
+        self.trainer_cores: CoreLending | None = None
+        self._cores_spec = None
+        if rt.lend_idle_cores and rt.address is None and rt.rollout_gpus == 0 and rt.trainer_gpus == 0:
+            shares = {"trainer": max(1, int(rt.trainer_cpus))}
+            shares.update({f"rollout_{r}": max(1, int(rt.rollout_cpus)) for r in range(config.rollout.replicas)})
+            self._cores_spec, self._unlink_cores = create_core_lending(shares, rt.num_cpus or os.cpu_count() or 1)
+            self.trainer_cores = self._cores_spec.open("trainer", borrow=True)
         self.actors: dict[str, object] = {}
         self.calls: dict[str, object] = {}  # replica name -> ObjectRef of its running loop
         self.restarts = 0
@@ -126,12 +143,15 @@ class RayRuntime:
         self.queue: RayTransferQueue | None = None
         self.timeline: Timeline | None = None
         self._loop_args: dict[str, tuple] = {}
+        self._reward_counts: dict[str, tuple[str, int, int]] = {}  # replica -> last polled (incarnation, errors, timeouts)
+        self._retired_reward_counts = (0, 0)  # summed over the replicas' dead incarnations
         self._stop = threading.Event()
         self._supervisor: threading.Thread | None = None
         self._lock = threading.Lock()
 
     def make_queue(self, tasks):
-        self.queue = RayTransferQueue.create(num_storage_units=2, tasks=tasks, timeout=self.timeout)
+        units = self.config.runtime.storage_units
+        self.queue = RayTransferQueue.create(num_storage_units=units, tasks=tasks, timeout=self.timeout)
         return self.queue
 
     @property
@@ -162,7 +182,9 @@ class RayRuntime:
             )
             self.actors[name] = actor_cls.remote(spec, name, make_scorer)
             spec_r = receiver_spec.for_rank(r + 1) if self.weight_sync == "torch_distributed" else receiver_spec
-            self._loop_args[name] = (queue, spec_r, steps, max_staleness, cfg.rollout.max_batch_size, self.timeout)
+            self._loop_args[name] = (
+                queue, spec_r, steps, max_staleness, cfg.rollout.max_batch_size, self.timeout, self._cores_spec
+            )
             self.calls[name] = self.actors[name].run.remote(*self._loop_args[name])
         self._supervisor = threading.Thread(target=self._supervise, name="rollout-supervisor", daemon=True)
         self._supervisor.start()
@@ -216,12 +238,18 @@ class RayRuntime:
             self.calls[name] = self.actors[name].run.remote(*self._loop_args[name])
 
     def reward_failures(self) -> dict[str, float]:
-        """Reward errors and timeouts summed over the replicas (counts of a dead incarnation are lost)."""
-        refs = [actor.reward_failures.remote() for actor in self.actors.values()]
-        try:
-            counts = ray.get(refs, timeout=self.timeout)
-        except (RayActorError, GetTimeoutError):
-            return {}
+        """Reward errors and timeouts summed over the replicas, polled once per step. A replica's counts
+        carry over its restarts; those it gathered after the last poll before it died are lost."""
+        for name, actor in self.actors.items():
+            try:
+                incarnation, errors, timeouts = ray.get(actor.reward_failures.remote(), timeout=self.timeout)
+            except (RayActorError, GetTimeoutError):
+                continue  # dead or restarting: keep its last counts
+            last = self._reward_counts.get(name)
+            if last is not None and last[0] != incarnation:  # restarted since the last poll
+                self._retired_reward_counts = tuple(a + b for a, b in zip(self._retired_reward_counts, last[1:]))
+            self._reward_counts[name] = (incarnation, errors, timeouts)
+        counts = [c[1:] for c in self._reward_counts.values()] + [self._retired_reward_counts]
         return {"reward/errors": float(sum(e for e, _ in counts)), "reward/timeouts": float(sum(t for _, t in counts))}
 
     def check(self) -> None:
@@ -242,5 +270,9 @@ class RayRuntime:
             ray.kill(actor)
         if self.queue is not None:
             self.queue.shutdown()
+        if self.trainer_cores is not None:
+            self.trainer_cores.close()
+            self._unlink_cores()
+        torch.set_num_threads(self._threads_before)
         if self.started_ray:
             ray.shutdown()

@@ -20,7 +20,8 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping, Sequence
+import time
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -30,6 +31,7 @@ from asyncflow.transfer.schema import (
     Batch,
     BatchMeta,
     ColumnSpec,
+    TransferTimeout,
     UnknownColumnError,
     check_rows,
     column_rows,
@@ -38,6 +40,8 @@ from asyncflow.transfer.schema import (
     unpack_rows,
 )
 from asyncflow.transfer.storage import StorageUnit
+
+ALIVE_CHECK_S = 1.0  # how often a waiting `loader` asks its `alive` callback
 
 Call = tuple[Any, str, tuple, dict]  # (target, method name, args, kwargs)
 
@@ -265,14 +269,33 @@ class TransferQueue:
         padded: bool = False,
         timeout: float | None = None,
         consumer: str | None = None,
+        alive: Callable[[], None] | None = None,
     ) -> Iterator[Batch]:
         """Yield micro-batches of `partition` for `task` as soon as they are ready; stop once it is complete
         and exhausted for `task`. A batch is acknowledged with the request for the next one, so whatever the
-        consumer writes back for it happens first. Each wait is bounded by `timeout`."""
+        consumer writes back for it happens first. Each wait is bounded by `timeout`; while it waits, `alive`
+        (if given) is called every `ALIVE_CHECK_S` and may raise to end the wait early (its producer died)."""
+        wait = self.timeout if timeout is None else timeout
         done: list[int] = []
-        while meta := self.request(
-            partition, task, columns, batch_size, sampler=sampler, timeout=timeout, ack=done, consumer=consumer
-        ):
+        while True:
+            deadline = time.monotonic() + wait
+            while True:
+                remaining = deadline - time.monotonic()
+                try:
+                    meta = self.request(
+                        partition, task, columns, batch_size, sampler=sampler, ack=done, consumer=consumer,
+                        timeout=remaining if alive is None else max(0.0, min(remaining, ALIVE_CHECK_S)),
+                    )
+                    break
+                except TransferTimeout as err:
+                    if alive is None:
+                        raise
+                    if time.monotonic() >= deadline:
+                        raise TransferTimeout(f"task {task!r} waited {wait:.3g}s in all; {err}") from err
+                    done = []  # the controller applies an ack before it waits
+                    alive()
+            if not meta:
+                return
             yield self.get(meta, padded=padded)
             done = meta.indices
 

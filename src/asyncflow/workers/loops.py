@@ -18,18 +18,23 @@ def partition_name(step: int) -> str:
 
 
 def rollout_loop(worker, queue, receiver, steps: range, *, max_staleness: int, batch_size: int, timeout: float,
-                 timeline=None, name: str = "rollout", consumer: str | None = None, scorer=None) -> int:
+                 timeline=None, name: str = "rollout", consumer: str | None = None, scorer=None, cores=None) -> int:
     """Generate partitions `steps` in order, respecting the staleness bound (the rollout side of every
     workflow but `sync`). Weights change only between partitions. Returns rows generated. `consumer`
     names this replica to the queue, so its rows can be released if it dies; `scorer` scores the
-    responses in place (see `RolloutWorker.run_partition`)."""
+    responses in place (see `RolloutWorker.run_partition`); `cores` (a `CoreLending`) is told when
+    this replica waits for weights, so another role may use its cores meanwhile."""
     engine = worker.engine
     generated = 0
     for step in steps:
         t0 = time.time()
         newest = receiver.poll(engine.weight_version)
         if engine.weight_version < step - max_staleness:
+            if cores is not None:
+                cores.idle()
             newest = receiver.wait_for(step - max_staleness, timeout)
+        if cores is not None:
+            cores.busy()
         t1 = time.time()
         if newest is not None:
             engine.update_weights(newest[1], newest[0])

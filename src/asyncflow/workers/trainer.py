@@ -94,19 +94,27 @@ class PolicyTrainer:
 
     def train_partition(
         self, queue, partition: str, *, policy_version: int, max_staleness: int, group_size: int,
-        groups_per_batch: int, max_new_tokens: int, timeout: float, sampler, timeline=None,
+        groups_per_batch: int, max_new_tokens: int, timeout: float, sampler, timeline=None, cores=None, alive=None,
     ) -> tuple[list[Rollout], dict[str, float]]:
         """Consume complete groups of `partition` in completion order, accumulating gradients.
 
         Checks every row: `policy_version - row.weight_version <= max_staleness`. Returns the consumed
         rollouts and their stats (call `finish_step` afterwards for the update). With a `timeline`,
-        records `wait_rows` (blocked on the queue) and `train_micro_batch` spans."""
+        records `wait_rows` (blocked on the queue) and `train_micro_batch` spans; with `cores` (a
+        `CoreLending`) the trainer is idle while it waits for rows and busy otherwise. `alive` is called
+        while it waits and raises if the workers producing the rows have failed."""
         rollouts: list[Rollout] = []
         dropped = 0.0
-        batches = queue.loader(partition, "train", TRAIN_COLUMNS, group_size * groups_per_batch, sampler=sampler, timeout=timeout)
+        batches = queue.loader(
+            partition, "train", TRAIN_COLUMNS, group_size * groups_per_batch, sampler=sampler, timeout=timeout, alive=alive
+        )
         while True:
             t0 = time.time()
+            if cores is not None:
+                cores.idle()
             batch = next(batches, None)
+            if cores is not None:
+                cores.busy()
             t1 = time.time()
             if timeline is not None:
                 timeline.add_span("trainer", "wait_rows", t0, t1, partition=partition)
@@ -125,7 +133,9 @@ class PolicyTrainer:
             self.accumulate(rows, policy_version)
             rollouts.extend(rows)
             if timeline is not None:
-                timeline.add_span("trainer", "train_micro_batch", t1, time.time(), rows=len(rows))
+                timeline.add_span(
+                    "trainer", "train_micro_batch", t1, time.time(), rows=len(rows), threads=torch.get_num_threads()
+                )
         staleness = [policy_version - r.weight_version for r in rollouts]
         return rollouts, {
             "filtered/dropped_samples": dropped, "staleness/mean": sum(staleness) / max(1, len(staleness)),

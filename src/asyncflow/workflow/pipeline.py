@@ -135,9 +135,7 @@ class PipelineWorkflow:
         run.version += 1
         self.publisher.publish(run.train_engine.state_dict(), run.version)
         run.timeline.add_span("trainer", "publish_weights", t1, time.time(), version=run.version)
-        self.runtime.check()
-        if self.reward_thread is not None:
-            self.reward_thread.check()
+        self._workers_alive()
         if self.runtime.scores_in_rollout:
             stats.update(self.runtime.reward_failures())
         return rollouts, {**stats, "time/train_s": t1 - t0}
@@ -147,11 +145,18 @@ class PipelineWorkflow:
         rollouts, stats = run.trainer.train_partition(
             self.queue, partition, policy_version=run.version, max_staleness=self.k, group_size=cfg.rollout.group_size,
             groups_per_batch=groups_per_batch, max_new_tokens=cfg.rollout.max_new_tokens, timeout=self.timeout,
-            sampler=self.sampler, timeline=run.timeline,
+            sampler=self.sampler, timeline=run.timeline, cores=self.runtime.trainer_cores, alive=self._workers_alive,
         )
         with run.timeline.span("trainer", "optimizer_step", step=run.step):
             stats.update(run.trainer.finish_step())
         return rollouts, stats
+
+    def _workers_alive(self) -> None:
+        """Raise the failure of a rollout replica or the reward thread (the trainer would wait for their rows)."""
+        if self.started:
+            self.runtime.check()
+            if self.reward_thread is not None:
+                self.reward_thread.check()
 
     def step(self, run) -> dict[str, float]:
         rollouts, stats = self._sync_step(run) if self.mode == "sync" else self._overlapped_step(run)
