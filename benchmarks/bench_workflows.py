@@ -7,8 +7,9 @@ up to `max_new_tokens`. Runs are interleaved (sync, stream, async1, async2, sync
 separate `asyncflow train` process:
 
 - `sync`: colocated, inline, every core to each stage in turn (torch threads = all cores).
-- `stream`, `async`: separated on a local Ray cluster, one core for the rollout replica and one
-  for the trainer (with the reward loop on a thread beside it).
+- `stream`, `async`: separated on a local Ray cluster, one core for the rollout replica (which
+  scores its own responses) and one for the trainer; the trainer borrows the replica's core while
+  the replica waits for weights (`runtime.lend_idle_cores`; the `no-lending` modes turn it off).
 
 Throughput counts the samples trained in steps `warmup+1 .. steps-1` over their wall time (the
 first steps include process start-up, the last one the final evaluation). The perfect-overlap
@@ -53,11 +54,6 @@ MODES = {
     # two rollout replicas time-sharing the rollout core(s) with the trainer (decode steps of small
     # models gain from a second process, not from a second thread)
     "stream 2 replicas": (["workflow.mode=stream", *SEPARATED, "rollout.replicas=2"], CORES - CORES // 2),
-    "async k=1 2 replicas": (["workflow.mode=async", "workflow.max_staleness=1", *SEPARATED, "rollout.replicas=2"],
-                             CORES - CORES // 2),
-    "async k=1 2 units": (["workflow.mode=async", "workflow.max_staleness=1", *SEPARATED, "runtime.storage_units=2"],
-                          CORES - CORES // 2),
-    "stream 2 units": (["workflow.mode=stream", *SEPARATED, "runtime.storage_units=2"], CORES - CORES // 2),
     # each separated worker strictly on its own core, without borrowing the idle one's
     "stream no-lending": (["workflow.mode=stream", *SEPARATED, "runtime.lend_idle_cores=false"], CORES - CORES // 2),
     "async k=1 no-lending": (["workflow.mode=async", "workflow.max_staleness=1", *SEPARATED,

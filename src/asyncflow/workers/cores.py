@@ -7,8 +7,8 @@ cores that the computing roles do not hold, and never on fewer than its own shar
     threads(role) = max(share(role), cores - sum(share(other) for other that is computing))
 
 Only the trainer borrows: its backward passes run ~1.6x faster on two cores than on one, while the
-decode steps of small models on CPU do not gain from a second thread in a Ray worker (measured
-0.53 s on one thread vs 0.62 s on two for a step's 256 samples). On the 2-core default the trainer
+decode steps of small models on CPU do not gain from a second thread once Ray's processes share
+the cores (measured: 0.53 s on one thread vs 0.62 s on two for a step's 256 samples). On the 2-core default the trainer
 so gets both cores while the replica waits for weights: `stream`'s training after the iteration's
 generation ended, the `async` trainer when the replica is held back by the staleness bound.
 
