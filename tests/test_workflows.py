@@ -221,6 +221,27 @@ def test_killed_rollout_replica_is_restarted_and_no_row_is_lost(tmp_path, ray_cl
     assert errors[-1] > 0 and errors == sorted(errors), f"reward errors carry over the restart: {errors}"
 
 
+def test_replica_past_its_restarts_fails_the_run_at_once(tmp_path, ray_cluster):
+    config = short_config(
+        tmp_path, "train.steps=50", "workflow.mode=async", "runtime.kind=ray", "runtime.max_restarts=0",
+        "runtime.call_timeout_s=120",
+    )
+    run = RLRun(config)
+    workflow = make_workflow(config, run)
+    killed = {}
+
+    def kill_mid_run():
+        while run.step < 2:
+            time.sleep(0.05)
+        killed["at"] = time.monotonic()
+        ray_cluster.kill(workflow.runtime.actors["rollout_0"], no_restart=True)
+
+    threading.Thread(target=kill_mid_run, daemon=True).start()
+    with pytest.raises(RuntimeError, match=r"rollout replicas died 1 times \(runtime.max_restarts\)"):
+        run.train(workflow)
+    assert time.monotonic() - killed["at"] < 15, "the trainer stops waiting for rows as soon as the replica is gone"
+
+
 def test_separated_stream_trainer_borrows_the_waiting_replicas_core(tmp_path, ray_cluster):
     config = short_config(
         tmp_path, "train.steps=4", "workflow.mode=stream", "runtime.kind=ray", "runtime.num_cpus=2",

@@ -14,7 +14,9 @@ Invariants:
   knows which rows it holds. When a replica dies, the supervisor `release`s the rows it held that
   have no response yet, waits until Ray has restarted the actor, and runs its loop again (at most
   `runtime.max_restarts` times in all); another replica may take the released rows first. So no
-  row is lost, and a row is written (hence trained) once: the queue refuses a second write.
+  row is lost, and a row is written (hence trained) once: the queue refuses a second write. (With
+  `torch_distributed` weight sync a dead replica ends the run with a clear error instead: a new
+  process cannot rejoin the existing process group.)
 - A replica starts a partition only with weights of version >= step - k (see `workers.loops`).
 - Every remote call is bounded by `runtime.call_timeout_s`.
 - This module and `ray_weight_sync` are the only runtime code that imports `ray`.
@@ -216,6 +218,12 @@ class RayRuntime:
     def _recover(self, name: str, err: BaseException) -> None:
         """`name` died: release the rows it held, wait until Ray has restarted it, and run its loop again."""
         self.restarts += 1
+        if self.weight_sync == "torch_distributed":
+            self.error = RuntimeError(
+                f"rollout replica {name} died ({err}); runtime.weight_sync=torch_distributed cannot take a restarted "
+                "replica back into its process group: use shared_memory (one machine) or ray to survive restarts"
+            )
+            return
         if self.restarts > self.config.runtime.max_restarts:
             self.error = RuntimeError(f"rollout replicas died {self.restarts} times (runtime.max_restarts); last: {name}: {err}")
             return
