@@ -223,8 +223,9 @@ class RuntimeConfig(Section):
     """TransferQueue storage units (rows are sharded across them); each is a Ray actor under `ray`. More
     units spread the bytes of a large cluster; on one machine each extra unit adds a round trip per call."""
     lend_idle_cores: bool = True
-    """`ray` on a local CPU cluster: a worker that computes while others wait (for rows, for weights) runs
-    torch on their cores too (`asyncflow.workers.cores`); `false` keeps each on its own CPUs."""
+    """`ray` on a local CPU cluster: the trainer runs torch on the replicas' cores while they wait for weights
+    (`asyncflow.workers.cores`); `false` keeps each worker on its own CPUs. The thread count of a micro-batch
+    then depends on timing, and with it the float summation order: turn it off for bit-identical reruns."""
     call_timeout_s: float = Field(600.0, gt=0)
     """Timeout of every remote call and weight sync."""
     max_restarts: int = Field(2, ge=0)
