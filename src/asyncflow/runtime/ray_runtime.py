@@ -248,9 +248,10 @@ class RayRuntime:
     def reward_failures(self) -> dict[str, float]:
         """Reward errors and timeouts summed over the replicas, polled once per step. A replica's counts
         carry over its restarts; those it gathered after the last poll before it died are lost."""
-        for name, actor in self.actors.items():
+        refs = {name: actor.reward_failures.remote() for name, actor in self.actors.items()}
+        for name, ref in refs.items():
             try:
-                incarnation, errors, timeouts = ray.get(actor.reward_failures.remote(), timeout=self.timeout)
+                incarnation, errors, timeouts = ray.get(ref, timeout=self.timeout)
             except (RayActorError, GetTimeoutError):
                 continue  # dead or restarting: keep its last counts
             last = self._reward_counts.get(name)
