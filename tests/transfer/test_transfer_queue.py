@@ -11,6 +11,7 @@ from transfer_scenarios import (
     check_bad_inputs_rejected,
     check_checkpoint_restores_into,
     check_round_trip,
+    check_unawaited_writes,
     prompts,
 )
 
@@ -27,6 +28,10 @@ def test_round_trip():
 
 def test_bad_inputs_rejected():
     check_bad_inputs_rejected(local_queue(), "p")
+
+
+def test_unawaited_writes():
+    check_unawaited_writes(local_queue(), "p")
 
 
 def test_backpressure_ack_and_reset():

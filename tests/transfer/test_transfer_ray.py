@@ -11,6 +11,7 @@ from transfer_scenarios import (
     check_bad_inputs_rejected,
     check_checkpoint_restores_into,
     check_round_trip,
+    check_unawaited_writes,
 )
 
 from asyncflow.transfer import TransferQueue
@@ -42,6 +43,10 @@ def test_round_trip(queue):
 
 def test_bad_inputs_rejected_with_the_same_errors(queue):
     check_bad_inputs_rejected(queue, "bad")
+
+
+def test_unawaited_writes(queue):
+    check_unawaited_writes(queue, "unawaited")
 
 
 def test_backpressure_ack_and_reset(queue):

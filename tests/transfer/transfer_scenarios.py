@@ -96,6 +96,34 @@ def check_bad_inputs_rejected(q, p):
         q.append(p, {"ids": prompts([1])})
 
 
+def check_unawaited_writes(q, p):
+    """`write(..., wait=False)` returns before the round trip; its `wait()` makes the cells ready, or raises
+    the write's error (a rejected write leaves nothing stored), and may be called again."""
+    idx = q.append(p, {"ids": prompts([2, 3])}) + q.append(p, {"ids": prompts([1, 4])})
+    lp = [torch.randn(n) for n in (2, 3, 1, 4)]
+    one_unit = [i for i in idx if i % q.num_storage_units == idx[0] % q.num_storage_units]
+    others = [i for i in idx if i not in one_unit]
+    pending = [
+        q.write(p, one_unit, {"lp": [lp[idx.index(i)] for i in one_unit]}, weight_version=1, wait=False),
+        q.write(p, others, {"lp": [lp[idx.index(i)] for i in others]}, weight_version=2, wait=False),
+    ]
+    for write in pending + pending:
+        write.wait()
+    meta = q.request(p, "reader", ["lp"], 4, timeout=10)
+    got = dict(zip(meta.indices, q.get(meta).rows("lp")))
+    assert all(torch.equal(got[i], lp[idx.index(i)]) for i in idx)
+    assert sorted(meta.weight_versions) == sorted(1 if i in one_unit else 2 for i in idx)
+
+    (row,) = q.append(p, {"ids": prompts([2])})
+    status = q.status(p)
+    rejected = q.write(p, [row], {"lp": [torch.zeros(2, dtype=torch.float64)]}, wait=False)  # dtype conflict
+    with pytest.raises(ColumnSchemaError, match=rf"partition '{p}' row {row} column 'lp'"):
+        rejected.wait()
+    assert q.status(p) == status
+    q.write(p, [row], {"lp": [torch.ones(2)]}, wait=False).wait()
+    assert q.status(p)["ready"]["lp"] == 5
+
+
 def check_backpressure_ack_and_reset(q, p):
     """A full partition blocks its producer until both registered tasks acknowledged rows; once both
     acknowledged everything the partition and its data are gone; `reset` makes rows deliverable again."""

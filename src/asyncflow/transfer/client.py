@@ -21,7 +21,8 @@ Invariants:
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from functools import partial
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import torch
 
@@ -46,11 +47,53 @@ ALIVE_CHECK_S = 1.0  # how often a waiting `loader` asks its `alive` callback
 Call = tuple[Any, str, tuple, dict]  # (target, method name, args, kwargs)
 
 
+class Pending(Protocol):
+    """Calls sent with `transport.submit`; `wait` returns their results in order or raises their error."""
+
+    def wait(self, timeout: float) -> list: ...
+
+
+class _Done:
+    def __init__(self, results: list | None = None, error: BaseException | None = None) -> None:
+        self.results, self.error = results, error
+
+    def wait(self, timeout: float) -> list:
+        if self.error is not None:
+            raise self.error
+        return self.results
+
+
 class LocalTransport:
-    """Direct calls on in-process objects; they lock internally, so any thread may call."""
+    """Direct calls on in-process objects; they lock internally, so any thread may call. `submit` runs
+    the calls at once (an error is raised by `wait`, as a remote transport would)."""
+
+    def submit(self, calls: list[Call]) -> Pending:
+        try:
+            return _Done([getattr(target, method)(*args, **kwargs) for target, method, args, kwargs in calls])
+        except Exception as err:  # noqa: BLE001 - re-raised by wait()
+            return _Done(error=err)
 
     def call_all(self, calls: list[Call], timeout: float) -> list:
-        return [getattr(target, method)(*args, **kwargs) for target, method, args, kwargs in calls]
+        return self.submit(calls).wait(timeout)
+
+
+class PendingWrite:
+    """A write sent with `TransferQueue.write(..., wait=False)`. `wait()` (idempotent) returns once its
+    cells are stored, or raises its error after releasing the cells a multi-unit write had reserved."""
+
+    def __init__(self, pending: Pending | None, timeout: float, undo: Callable[[], Any] | None) -> None:
+        self._pending, self._timeout, self._undo = pending, timeout, undo
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.wait(self._timeout)
+        except BaseException:
+            if self._undo is not None:
+                self._undo()
+            raise
 
 
 class TransferQueue:
@@ -165,12 +208,17 @@ class TransferQueue:
         *,
         weight_version: int | Sequence[int | None] | None = None,
         metadata: dict | Sequence[dict | None] | None = None,
-    ) -> None:
+        wait: bool = True,
+    ) -> PendingWrite | None:
         """Write further columns of existing rows, and update their weight version / metadata with them
-        (with no columns, only those row fields are updated)."""
+        (with no columns, only those row fields are updated).
+
+        With `wait=False` the write is checked and sent, and a `PendingWrite` comes back at once: its
+        `wait()` returns when the cells are stored and ready, or raises the write's error. A producer
+        keeps computing meanwhile instead of waiting out the round trip."""
         indices = [int(i) for i in indices]
         if not indices:
-            return
+            return PendingWrite(None, 0.0, None) if not wait else None
         if len(indices) > 1 and len(set(indices)) != len(indices):
             raise ValueError(f"partition {partition!r}: duplicate row indices in one write")
         rows = {column: column_rows(value) for column, value in columns.items()}
@@ -178,28 +226,26 @@ class TransferQueue:
         versions = _per_row(weight_version, len(indices), "weight_version", partition)
         metas = _per_row(metadata, len(indices), "metadata", partition)
         by_unit = self._by_unit(indices)
-        if len(by_unit) > 1:
+        undo = None
+        if len(by_unit) > 1:  # a write spanning units reserves its cells first, so it is all-or-nothing
             self._control("reserve", partition, indices, specs)
-        try:
-            self._write(partition, indices, rows, versions, metas, by_unit)
-        except BaseException:
-            if len(by_unit) > 1:
-                self._control("unreserve", partition, indices, list(specs))
-            raise
-
-    def _write(self, partition, indices, rows, versions, metas, by_unit) -> None:
-        if len(by_unit) == 1:  # every row on one storage unit (always so for a single-row write)
-            packed = {column: pack_rows(r) for column, r in rows.items()}
-            call = (self._units[next(iter(by_unit))], "write", (partition, indices, packed, versions, metas), {})
-            self._transport.call_all([call], self.timeout)
-            return
+            undo = partial(self._control, "unreserve", partition, indices, list(specs))
         calls = []
         for unit, positions in by_unit.items():
             packed = {column: pack_rows([r[p] for p in positions]) for column, r in rows.items()}
             pick = (lambda values: None if values is None else [values[p] for p in positions])  # noqa: E731
             args = (partition, [indices[p] for p in positions], packed, pick(versions), pick(metas))
             calls.append((self._units[unit], "write", args, {}))
-        self._transport.call_all(calls, self.timeout)
+        try:
+            pending = PendingWrite(self._transport.submit(calls), self.timeout, undo)
+        except BaseException:
+            if undo is not None:
+                undo()
+            raise
+        if wait:
+            pending.wait()
+            return None
+        return pending
 
     # ---- consuming ------------------------------------------------------------------------------
     def request(

@@ -166,25 +166,20 @@ StorageActor = ray.remote(num_cpus=0)(_StorageActor)
 _PACKED_ARG = {"append": 1, "write": 2}  # position of the packed columns in these storage calls
 
 
-class RayTransport:
-    """Calls actor methods concurrently and waits for all of them, bounded by `timeout`. Column data of
-    `append`, `write` and `read` travels as numpy arrays (see `_to_wire`)."""
+class _RayPending:
+    def __init__(self, calls: list[Call], refs: list) -> None:
+        self.methods = [method for _, method, _, _ in calls]
+        self.refs = refs
 
-    def call_all(self, calls: list[Call], timeout: float) -> list:
-        refs = []
-        for target, method, args, kwargs in calls:
-            if method in _PACKED_ARG:
-                at = _PACKED_ARG[method]
-                args = (*args[:at], _to_wire(args[at]), *args[at + 1 :])
-            refs.append(getattr(target, method).remote(*args, **kwargs))
+    def wait(self, timeout: float) -> list:
         try:
-            results = ray.get(refs, timeout=timeout)
-            return [_from_wire(r) if m == "read" else r for r, (_, m, _, _) in zip(results, calls)]
+            results = ray.get(self.refs, timeout=timeout)
+            return [_from_wire(r) if m == "read" else r for r, m in zip(results, self.methods)]
         except GetTimeoutError:
-            names = sorted({method for _, method, _, _ in calls})
+            names = sorted(set(self.methods))
             raise TransferTimeout(f"remote call(s) {names} did not answer within {timeout:.3g}s") from None
         except RayTaskError as err:
-            for ref in refs:  # fetch every result, so Ray does not log the other failures as unhandled
+            for ref in self.refs:  # fetch every result, so Ray does not log the other failures as unhandled
                 try:
                     ray.get(ref, timeout=timeout)
                 except Exception:
@@ -192,6 +187,24 @@ class RayTransport:
             raise _cause(err) from None
         except RayActorError as err:
             raise ConnectionError(f"a TransferQueue actor died: {err}") from err
+
+
+class RayTransport:
+    """Calls actor methods concurrently: `submit` sends them and returns at once, `wait` on its result
+    collects them, bounded by `timeout`. Column data of `append`, `write` and `read` travels as numpy
+    arrays (see `_to_wire`); arguments are serialized when submitted, so callers may reuse them."""
+
+    def submit(self, calls: list[Call]) -> _RayPending:
+        refs = []
+        for target, method, args, kwargs in calls:
+            if method in _PACKED_ARG:
+                at = _PACKED_ARG[method]
+                args = (*args[:at], _to_wire(args[at]), *args[at + 1 :])
+            refs.append(getattr(target, method).remote(*args, **kwargs))
+        return _RayPending(calls, refs)
+
+    def call_all(self, calls: list[Call], timeout: float) -> list:
+        return self.submit(calls).wait(timeout)
 
 
 class RayTransferQueue(TransferQueue):

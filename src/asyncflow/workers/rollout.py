@@ -70,7 +70,8 @@ class RolloutWorker:
         Prompt rows are pulled from the queue as engine slots free up; finished responses are
         written back (with the engine's weight version) in writes of `WRITE_ROWS` rows (at least a
         group), so a remote queue sees one round trip per few groups' worth of rows, not one per row
-        (a Ray write costs a few ms). With a `scorer` (a `RewardWorker` placed beside this worker)
+        (a Ray write costs a few ms). A write travels while the engine goes on decoding; it is awaited
+        before the next write and before returning, so a failed write fails the partition. With a `scorer` (a `RewardWorker` placed beside this worker)
         the `reward` column goes in the same write.
         Returns rows generated.
         """
@@ -84,16 +85,20 @@ class RolloutWorker:
                     yield GenerationRequest(index, prompt_ids.tolist())
 
         finished: list[Completion] = []
+        in_flight = None  # the last write, awaited before the next one is sent
 
         def flush():
+            nonlocal in_flight
             columns = {
                 "response_ids": [torch.tensor(c.response_ids, dtype=torch.int64) for c in finished],
                 "rollout_logprobs": [torch.tensor(c.logprobs, dtype=torch.float32) for c in finished],
             }
             if scorer is not None:
                 columns["reward"] = scorer.score_ids([c.response_ids for c in finished], [metadata[c.request_id] for c in finished])
-            queue.write(
-                partition, [c.request_id for c in finished], columns,
+            if in_flight is not None:
+                in_flight.wait()
+            in_flight = queue.write(
+                partition, [c.request_id for c in finished], columns, wait=False,
                 weight_version=version, metadata=[{"finish_reason": c.finish_reason} for c in finished],
             )
             finished.clear()
@@ -106,6 +111,8 @@ class RolloutWorker:
                 flush()
         if finished:
             flush()
+        if in_flight is not None:
+            in_flight.wait()
         return count
 
     def generate(self, prompts: Iterable[Prompt]) -> Iterator[Rollout]:
