@@ -242,6 +242,32 @@ def test_replica_past_its_restarts_fails_the_run_at_once(tmp_path, ray_cluster):
     assert time.monotonic() - killed["at"] < 15, "the trainer stops waiting for rows as soon as the replica is gone"
 
 
+def test_torch_distributed_weight_sync_runs_and_refuses_a_restarted_replica(tmp_path, ray_cluster):
+    """Weights reach the replica by gloo broadcast for the first steps; a killed replica could not rejoin the
+    process group, so the run stops at once with an error that names the transports that survive restarts."""
+    config = short_config(
+        tmp_path, "train.steps=50", "workflow.mode=async", "workflow.max_staleness=1", "runtime.kind=ray",
+        "runtime.weight_sync=torch_distributed",
+        "runtime.max_restarts=2", "runtime.call_timeout_s=120",
+    )
+    run = RLRun(config)
+    workflow = make_workflow(config, run)
+    killed = {}
+
+    def kill_mid_run():
+        while run.step < 3:
+            time.sleep(0.05)
+        killed["at"] = time.monotonic()
+        ray_cluster.kill(workflow.runtime.actors["rollout_0"], no_restart=False)
+
+    threading.Thread(target=kill_mid_run, daemon=True).start()
+    with pytest.raises(RuntimeError, match="torch_distributed cannot take a restarted replica back.*shared_memory"):
+        run.train(workflow)
+    assert time.monotonic() - killed["at"] < 15
+    # with k=1, partition 2 could only be generated with version >= 1: it came over gloo
+    assert run.step >= 3
+
+
 def test_separated_stream_trainer_borrows_the_waiting_replicas_core(tmp_path, ray_cluster):
     config = short_config(
         tmp_path, "train.steps=4", "workflow.mode=stream", "runtime.kind=ray", "runtime.num_cpus=2",
