@@ -16,6 +16,8 @@ Invariants:
   cells at the controller, so it is all-or-nothing too.
 - Row `i` lives on storage unit `i % num_storage_units`; reads go to those units directly.
 - Every call that can block takes a timeout (default `self.timeout`) and ends in `TransferTimeout`.
+- A write sent with `wait=False` is not ready to consumers until it is stored; its `PendingWrite.wait()`
+  (bounded by `self.timeout`) is where its error surfaces.
 """
 
 from __future__ import annotations
