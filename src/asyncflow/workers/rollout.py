@@ -71,8 +71,8 @@ class RolloutWorker:
         written back (with the engine's weight version) in writes of `WRITE_ROWS` rows (at least a
         group), so a remote queue sees one round trip per few groups' worth of rows, not one per row
         (a Ray write costs a few ms). A write travels while the engine goes on decoding; it is awaited
-        before the next write and before returning, so a failed write fails the partition. With a `scorer` (a `RewardWorker` placed beside this worker)
-        the `reward` column goes in the same write.
+        before the next write and before returning, so a failed write fails the partition. With a
+        `scorer` (a `RewardWorker` placed beside this worker) the `reward` column goes in the same write.
         Returns rows generated.
         """
         version = self.engine.weight_version
