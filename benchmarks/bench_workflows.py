@@ -17,7 +17,7 @@ bound is the throughput if generation and training overlapped completely, each o
 the machine: samples per step / max(generation alone, training + reward alone), both measured by
 a `sync` run restricted to one thread.
 
-Run: .venv/bin/python benchmarks/bench_workflows.py [--steps 12] [--repeats 2] [--quick]
+Run: .venv/bin/python benchmarks/bench_workflows.py [--steps 12] [--repeats 2] [--quick] [--prompts 32]
 """
 
 from __future__ import annotations
@@ -87,11 +87,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="6 steps, 1 repeat")
+    parser.add_argument("--prompts", type=int, default=32, help="prompts per step (x 8 samples; the engine has 128 slots)")
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {list(MODES)}")
     args = parser.parse_args()
     modes = {name: MODES[name] for name in args.modes.split(",")}
     if args.quick:
         args.steps, args.warmup, args.repeats = 6, 2, 1
+    workload = [f"rollout.prompts_per_step={args.prompts}"]
     results: dict[str, list[tuple[float, float]]] = {mode: [] for mode in modes}
     stage_times: list[tuple[float, float]] = []
     lengths: list[float] = []
@@ -99,11 +101,11 @@ def main() -> None:
         for rep in range(args.repeats):
             for mode, (overrides, threads) in modes.items():
                 t0 = time.time()
-                rows = train(overrides, threads, Path(tmp) / f"{mode.replace(' ', '_')}_{rep}", args.steps)
+                rows = train(workload + overrides, threads, Path(tmp) / f"{mode.replace(' ', '_')}_{rep}", args.steps)
                 results[mode].append(throughput(rows, args.warmup))
                 lengths += [r["response_length/mean"] for r in rows]
                 print(f"[{rep}] {mode:10s} {results[mode][-1][0]:7.1f} samples/s  ({time.time() - t0:.0f} s)", flush=True)
-            rows = train(BOUND_RUN[0], BOUND_RUN[1], Path(tmp) / f"bound_{rep}", args.steps)
+            rows = train(workload + BOUND_RUN[0], BOUND_RUN[1], Path(tmp) / f"bound_{rep}", args.steps)
             stage_times += [(r["time/generate_s"], r["time/train_s"] + r["time/reward_s"]) for r in rows[args.warmup : -1]]
             print(f"[{rep}] stages on {BOUND_RUN[1]} core(s) measured", flush=True)
     samples_per_step = rows[0]["rollout/samples"]
@@ -111,7 +113,7 @@ def main() -> None:
     train_s = statistics.median(t for _, t in stage_times)
     bound = samples_per_step / max(generate_s, train_s)
     base = statistics.median(s for s, _ in results["sync"])
-    print(f"\nworkload: tiny-llama, 32 prompts x 8 samples per step, max 64 new tokens, mean response "
+    print(f"\nworkload: tiny-llama, {args.prompts} prompts x 8 samples per step, max 64 new tokens, mean response "
           f"{statistics.mean(lengths):.1f} tokens; {CORES} cores; {args.steps} steps, {args.repeats} repeats")
     print(f"{'mode':12s} {'samples/s':>10s} {'tokens/s':>10s} {'vs sync':>8s} {'vs bound':>9s}")
     for mode, values in results.items():
