@@ -268,17 +268,19 @@ def test_torch_distributed_weight_sync_runs_and_refuses_a_restarted_replica(tmp_
     assert run.step >= 3
 
 
-def test_separated_stream_trainer_borrows_the_waiting_replicas_core(tmp_path, ray_cluster):
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_separated_stream_trainer_borrows_the_waiting_replicas_core(tmp_path, ray_cluster, replicas):
     config = short_config(
         tmp_path, "train.steps=4", "workflow.mode=stream", "runtime.kind=ray", "runtime.num_cpus=2",
-        "train.micro_batch_size=4",
+        "train.micro_batch_size=4", f"rollout.replicas={replicas}", f"runtime.rollout_cpus={1 / replicas}",
     )
     before = torch.get_num_threads()
     run = RLRun(config)
-    run.train(make_workflow(config, run))
+    history = run.train(make_workflow(config, run))
+    assert [h["staleness/max"] for h in history if "staleness/max" in h] == [0.0] * 4, "every replica is on-policy"
     threads = [e["args"]["threads"] for e in run.timeline.events if e["name"] == "train_micro_batch"]
     assert len(threads) == 4 * 4
-    assert max(threads) == 2, "after generation ends the replica waits for weights: the trainer uses both cores"
+    assert max(threads) == 2, "after generation ends the replicas wait for weights: the trainer uses both cores"
     assert torch.get_num_threads() == before, "the run hands torch's thread count back as it found it"
 
 
