@@ -247,8 +247,7 @@ def test_torch_distributed_weight_sync_runs_and_refuses_a_restarted_replica(tmp_
     process group, so the run stops at once with an error that names the transports that survive restarts."""
     config = short_config(
         tmp_path, "train.steps=50", "workflow.mode=async", "workflow.max_staleness=1", "runtime.kind=ray",
-        "runtime.weight_sync=torch_distributed",
-        "runtime.max_restarts=2", "runtime.call_timeout_s=120",
+        "runtime.weight_sync=torch_distributed", "runtime.max_restarts=2", "runtime.call_timeout_s=120",
     )
     run = RLRun(config)
     workflow = make_workflow(config, run)
