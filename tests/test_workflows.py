@@ -187,6 +187,21 @@ def ray_cluster():
     ray.shutdown()
 
 
+def kill_replica_at_step(ray_cluster, run, workflow, step: int, *, restart: bool) -> tuple[threading.Thread, dict]:
+    """Kill replica `rollout_0` from a thread once `run` reaches `step`; the dict gets the kill's wall time as "at"."""
+    killed = {}
+
+    def kill():
+        while run.step < step:
+            time.sleep(0.05)
+        killed["at"] = time.time()
+        ray_cluster.kill(workflow.runtime.actors["rollout_0"], no_restart=not restart)
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread, killed
+
+
 def test_killed_rollout_replica_is_restarted_and_no_row_is_lost(tmp_path, ray_cluster):
     steps, per_step = 6, 16
     config = short_config(
@@ -196,16 +211,7 @@ def test_killed_rollout_replica_is_restarted_and_no_row_is_lost(tmp_path, ray_cl
     )
     run = RLRun(config)
     workflow = make_workflow(config, run)
-    killed = {}
-
-    def kill_one_mid_run():
-        while run.step < 2 and not killed:
-            time.sleep(0.05)
-        killed["at"] = time.time()
-        ray_cluster.kill(workflow.runtime.actors["rollout_0"], no_restart=False)
-
-    killer = threading.Thread(target=kill_one_mid_run, daemon=True)
-    killer.start()
+    killer, killed = kill_replica_at_step(ray_cluster, run, workflow, 2, restart=True)
     history = run.train(workflow)
     killer.join(10)
     assert killed, "the replica was never killed"
@@ -228,18 +234,10 @@ def test_replica_past_its_restarts_fails_the_run_at_once(tmp_path, ray_cluster):
     )
     run = RLRun(config)
     workflow = make_workflow(config, run)
-    killed = {}
-
-    def kill_mid_run():
-        while run.step < 2:
-            time.sleep(0.05)
-        killed["at"] = time.monotonic()
-        ray_cluster.kill(workflow.runtime.actors["rollout_0"], no_restart=True)
-
-    threading.Thread(target=kill_mid_run, daemon=True).start()
+    _, killed = kill_replica_at_step(ray_cluster, run, workflow, 2, restart=False)
     with pytest.raises(RuntimeError, match=r"rollout replicas died 1 times \(runtime.max_restarts\)"):
         run.train(workflow)
-    assert time.monotonic() - killed["at"] < 15, "the trainer stops waiting for rows as soon as the replica is gone"
+    assert time.time() - killed["at"] < 15, "the trainer stops waiting for rows as soon as the replica is gone"
 
 
 def test_torch_distributed_weight_sync_runs_and_refuses_a_restarted_replica(tmp_path, ray_cluster):
@@ -251,18 +249,10 @@ def test_torch_distributed_weight_sync_runs_and_refuses_a_restarted_replica(tmp_
     )
     run = RLRun(config)
     workflow = make_workflow(config, run)
-    killed = {}
-
-    def kill_mid_run():
-        while run.step < 3:
-            time.sleep(0.05)
-        killed["at"] = time.monotonic()
-        ray_cluster.kill(workflow.runtime.actors["rollout_0"], no_restart=False)
-
-    threading.Thread(target=kill_mid_run, daemon=True).start()
+    _, killed = kill_replica_at_step(ray_cluster, run, workflow, 3, restart=True)
     with pytest.raises(RuntimeError, match="torch_distributed cannot take a restarted replica back.*shared_memory"):
         run.train(workflow)
-    assert time.monotonic() - killed["at"] < 15
+    assert time.time() - killed["at"] < 15
     # with k=1, partition 2 could only be generated with version >= 1: it came over gloo
     assert run.step >= 3
 
