@@ -3,6 +3,7 @@
 
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from transfer_scenarios import (
     prompts,
 )
 
-from asyncflow.transfer import CapacityError, GroupSampler, TransferQueue
+from asyncflow.transfer import CapacityError, GroupSampler, TransferQueue, TransferTimeout
 
 
 def local_queue(**kwargs):
@@ -106,6 +107,37 @@ def test_loader_asks_alive_while_waiting_and_keeps_acks_and_rows(monkeypatch):
     q.append("q", {"ids": prompts([1])})
     with pytest.raises(RuntimeError, match="the producer died"):  # long before the 5 s timeout
         next(q.loader("q", "trainer", ["resp"], 1, timeout=5, alive=dead))
+
+
+def test_prefetching_loader_reads_the_next_batch_while_the_caller_works_and_stops_when_closed():
+    q = local_queue()
+    q.create_partition("p", num_rows=6, group_size=2)
+    idx = q.append("p", {"ids": prompts([1] * 6)}, group_ids=[0, 0, 1, 1, 2, 2])
+    q.write("p", idx[:4], {"resp": prompts([2] * 4)})
+    loader = q.loader("p", "trainer", ["resp"], 2, sampler=GroupSampler(), timeout=5, prefetch=True)
+    first = next(loader)
+    assert first.meta.group_ids == [0, 0] and [len(r) for r in first.rows("resp")] == [2, 2]
+    deadline = time.monotonic() + 5
+    while q.status("p")["consumed"]["trainer"] < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert q.status("p")["consumed"]["trainer"] == 4, "the second group is taken while the caller holds the first"
+    assert next(loader).meta.group_ids == [1, 1]
+    q.write("p", idx[4:], {"resp": prompts([3, 3])})
+    assert [b.meta.group_ids for b in loader] == [[2, 2]]
+
+    q.create_partition("q", num_rows=6, group_size=2)
+    idx = q.append("q", {"ids": prompts([1] * 6)}, group_ids=[0, 0, 1, 1, 2, 2])
+    q.write("q", idx, {"resp": prompts([2] * 6)})
+    loader = q.loader("q", "trainer", ["resp"], 2, sampler=GroupSampler(), timeout=5, prefetch=True)
+    next(loader)
+    loader.close()  # the caller stops early: at most the batch after its one was taken
+    time.sleep(0.3)
+    assert q.status("q")["consumed"]["trainer"] in (2, 4)
+
+    q.create_partition("r", num_rows=1)
+    q.append("r", {"ids": prompts([1])})
+    with pytest.raises(TransferTimeout, match="lacks column"):  # the producer thread's error reaches the caller
+        next(q.loader("r", "trainer", ["resp"], 1, timeout=0.2, prefetch=True))
 
 
 def test_threaded_pipeline_delivers_every_row_once_per_task_intact():

@@ -22,6 +22,8 @@ Invariants:
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from functools import partial
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
@@ -318,12 +320,21 @@ class TransferQueue:
         timeout: float | None = None,
         consumer: str | None = None,
         alive: Callable[[], None] | None = None,
+        prefetch: bool = False,
     ) -> Iterator[Batch]:
         """Yield micro-batches of `partition` for `task` as soon as they are ready; stop once it is complete
         and exhausted for `task`. A batch is acknowledged with the request for the next one, so whatever the
         consumer writes back for it happens first. Each wait is bounded by `timeout`; while it waits, `alive`
-        (if given) is called every `ALIVE_CHECK_S` and may raise to end the wait early (its producer died)."""
+        (if given) is called every `ALIVE_CHECK_S` and may raise to end the wait early (its producer died).
+
+        With `prefetch`, a thread requests and reads the next batch while the caller works on this one
+        (hiding the round trips), which acknowledges this one early: only for consumers that write
+        nothing back for their rows."""
         wait = self.timeout if timeout is None else timeout
+        batches = self._batches(partition, task, columns, batch_size, sampler, padded, wait, consumer, alive)
+        return prefetched(batches, wait + self.timeout) if prefetch else batches
+
+    def _batches(self, partition, task, columns, batch_size, sampler, padded, wait, consumer, alive) -> Iterator[Batch]:
         done: list[int] = []
         while True:
             deadline = time.monotonic() + wait
@@ -385,6 +396,47 @@ class TransferQueue:
         for position, index in enumerate(indices):
             groups.setdefault(index % len(self._units), []).append(position)
         return groups
+
+
+def prefetched(items: Iterator, timeout: float) -> Iterator:
+    """Yield `items`, each produced by a daemon thread while the caller works on the one before (never
+    more than one ahead); the producer's error is raised here. Each wait for the next item is bounded
+    by `timeout`. Once the generator is closed the thread takes no further item."""
+    ready: queue.SimpleQueue = queue.SimpleQueue()
+    may_produce = threading.Semaphore(1)  # released each time the caller takes an item
+    stop = threading.Event()
+    end = object()
+
+    def produce() -> None:
+        try:
+            while True:
+                while not may_produce.acquire(timeout=0.1):
+                    if stop.is_set():
+                        return
+                if stop.is_set():
+                    return
+                item = next(items, end)
+                ready.put((item, None))
+                if item is end:
+                    return
+        except BaseException as err:  # noqa: BLE001 - re-raised by the consumer
+            ready.put((end, err))
+
+    threading.Thread(target=produce, name="prefetch", daemon=True).start()
+    try:
+        while True:
+            try:
+                item, error = ready.get(timeout=timeout)
+            except queue.Empty:
+                raise TransferTimeout(f"prefetch: no batch within {timeout:.3g}s") from None
+            if error is not None:
+                raise error
+            if item is end:
+                return
+            may_produce.release()
+            yield item
+    finally:
+        stop.set()
 
 
 def _per_row(value: Any, num: int, name: str, partition: str) -> list:

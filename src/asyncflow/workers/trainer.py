@@ -96,7 +96,8 @@ class PolicyTrainer:
         self, queue, partition: str, *, policy_version: int, max_staleness: int, group_size: int,
         groups_per_batch: int, max_new_tokens: int, timeout: float, sampler, timeline=None, cores=None, alive=None,
     ) -> tuple[list[Rollout], dict[str, float]]:
-        """Consume complete groups of `partition` in completion order, accumulating gradients.
+        """Consume complete groups of `partition` in completion order, accumulating gradients; the next
+        micro-batch is read from the queue while this one trains.
 
         Checks every row: `policy_version - row.weight_version <= max_staleness`. Returns the consumed
         rollouts and their stats (call `finish_step` afterwards for the update). With a `timeline`,
@@ -107,7 +108,8 @@ class PolicyTrainer:
         staleness: list[int] = []
         dropped = 0.0
         batches = queue.loader(
-            partition, "train", TRAIN_COLUMNS, group_size * groups_per_batch, sampler=sampler, timeout=timeout, alive=alive
+            partition, "train", TRAIN_COLUMNS, group_size * groups_per_batch, sampler=sampler, timeout=timeout,
+            alive=alive, prefetch=True,  # the trainer writes nothing back for its rows
         )
         while True:
             t0 = time.time()
