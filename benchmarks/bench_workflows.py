@@ -11,8 +11,10 @@ separate `asyncflow train` process:
   scores its own responses) and one for the trainer; the trainer borrows the replica's core while
   the replica waits for weights (`runtime.lend_idle_cores`; the `no-lending` modes turn it off).
 
-Throughput counts the samples trained in steps `warmup+1 .. steps-1` over their wall time (the
-first steps include process start-up, the last one the final evaluation). The perfect-overlap
+Throughput counts the samples trained in steps `warmup+1 .. steps-1-k` over their wall time (the
+first steps include process start-up, the last one the final evaluation; `async` k's rollout
+replica has generated every partition k steps before the end, and from then on the trainer has the
+whole machine, so those k steps are left out too; k = 0 for `sync` and `stream`). The perfect-overlap
 bound is the throughput if generation and training overlapped completely, each on its share of
 the machine: samples per step / max(generation alone, training + reward alone), both measured by
 a `sync` run restricted to one thread.
@@ -74,9 +76,13 @@ def train(overrides: list[str], threads: int, out: Path, steps: int) -> list[dic
     return [r for r in rows if "rollout/samples" in r]
 
 
-def throughput(rows: list[dict], warmup: int) -> tuple[float, float]:
-    """(samples/s, tokens/s) over steps warmup+1 .. last-1."""
-    window = rows[warmup:-1]
+def max_staleness(overrides: list[str]) -> int:
+    return next((int(o.split("=")[1]) for o in overrides if o.startswith("workflow.max_staleness=")), 0)
+
+
+def throughput(rows: list[dict], warmup: int, staleness: int) -> tuple[float, float]:
+    """(samples/s, tokens/s) over steps warmup+1 .. last-1-staleness."""
+    window = rows[warmup : len(rows) - 1 - staleness]
     seconds = window[-1]["wall_s"] - rows[warmup - 1]["wall_s"]
     return sum(r["rollout/samples"] for r in window) / seconds, sum(r["rollout/tokens"] for r in window) / seconds
 
@@ -102,7 +108,7 @@ def main() -> None:
             for mode, (overrides, threads) in modes.items():
                 t0 = time.time()
                 rows = train(workload + overrides, threads, Path(tmp) / f"{mode.replace(' ', '_')}_{rep}", args.steps)
-                results[mode].append(throughput(rows, args.warmup))
+                results[mode].append(throughput(rows, args.warmup, max_staleness(overrides)))
                 lengths += [r["response_length/mean"] for r in rows]
                 print(f"[{rep}] {mode:10s} {results[mode][-1][0]:7.1f} samples/s  ({time.time() - t0:.0f} s)", flush=True)
             rows = train(workload + BOUND_RUN[0], BOUND_RUN[1], Path(tmp) / f"bound_{rep}", args.steps)
