@@ -19,6 +19,9 @@ bound is the throughput if generation and training overlapped completely, each o
 the machine: samples per step / max(generation + reward alone, training alone), both measured by
 a `sync` run restricted to one thread (the separated modes score rewards inside the rollout replica).
 
+Medians over the repeats, and each repeat's ratio to the `sync` run just before it (the machine
+drifts between repeats; neighbouring runs see about the same conditions).
+
 Run: .venv/bin/python benchmarks/bench_workflows.py [--steps 12] [--repeats 2] [--quick] [--prompts 32]
 """
 
@@ -121,11 +124,13 @@ def main() -> None:
     base = statistics.median(s for s, _ in results["sync"])
     print(f"\nworkload: tiny-llama, {args.prompts} prompts x 8 samples per step, max 64 new tokens, mean response "
           f"{statistics.mean(lengths):.1f} tokens; {CORES} cores; {args.steps} steps, {args.repeats} repeats")
-    print(f"{'mode':12s} {'samples/s':>10s} {'tokens/s':>10s} {'vs sync':>8s} {'vs bound':>9s}")
+    print(f"{'mode':12s} {'samples/s':>10s} {'tokens/s':>10s} {'vs sync':>8s} {'vs bound':>9s}   per repeat vs that repeat's sync")
     for mode, values in results.items():
         samples = statistics.median(s for s, _ in values)
         tokens = statistics.median(t for _, t in values)
-        print(f"{mode:12s} {samples:10.1f} {tokens:10.0f} {samples / base:7.2f}x {samples / bound:8.2f}")
+        paired = [s / sync for (s, _), (sync, _) in zip(values, results["sync"])]
+        print(f"{mode:12s} {samples:10.1f} {tokens:10.0f} {samples / base:7.2f}x {samples / bound:8.2f}   "
+              f"{', '.join(f'{r:.2f}x' for r in paired)} (median {statistics.median(paired):.2f}x)")
     print(f"{'bound':12s} {bound:10.1f} {'':>10s} {bound / base:7.2f}x   (generation+reward {generate_s:.2f} s, "
           f"training {train_s:.2f} s per step, each on {BOUND_RUN[1]} core(s))")
 
