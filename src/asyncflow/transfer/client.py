@@ -1,9 +1,10 @@
 """Client: the one API every worker uses, whether the queue runs in-process or as Ray actors.
 
 Owns: `TransferQueue` (append rows, write columns into existing rows, request batch metadata,
-read the data straight from the storage units, stream micro-batches, lifecycle, checkpoints,
-metrics) and the in-process deployment (`TransferQueue.local`, threads sharing one controller and
-N storage units). `asyncflow.transfer.ray_queue` builds the same client over Ray actors.
+read the data straight from the storage units, stream micro-batches, optionally prefetched one
+ahead by a thread, lifecycle, checkpoints, metrics) and the in-process deployment
+(`TransferQueue.local`, threads sharing one controller and N storage units).
+`asyncflow.transfer.ray_queue` builds the same client over Ray actors.
 
 Invariants:
 - The client keeps no state of its own (bar a round-robin counter): the controller decides, the
