@@ -81,7 +81,9 @@ def compare(label: str, hf_fn, ours_fn, max_new: int, reps: int) -> None:
         ours_runs.append(timed(lambda: ours_fn(max_new)))
     (hf_s, hf_tok), (ours_s, ours_tok) = min(hf_runs), min(ours_runs)
     hf_tps, ours_tps = hf_tok / hf_s, ours_tok / ours_s
-    print(f"{label:<34} {hf_tok:>7} {hf_tps:>9.0f} {ours_tok:>7} {ours_tps:>9.0f} {ours_tps / hf_tps:>6.2f}x", flush=True)
+    print(
+        f"{label:<34} {hf_tok:>7} {hf_tps:>9.0f} {ours_tok:>7} {ours_tps:>9.0f} {ours_tps / hf_tps:>6.2f}x", flush=True
+    )
 
 
 def main() -> None:
@@ -95,12 +97,16 @@ def main() -> None:
     parser.add_argument("--tail-requests", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument(
-        "--threads", type=int, default=1,
+        "--threads",
+        type=int,
+        default=1,
         help="torch intra-op threads (0 = torch default). 1 keeps numbers stable on a shared machine, where a "
         "preempted OpenMP worker stalls every op; these tiny models gain little from more.",
     )
     parser.add_argument(
-        "--clock", choices=["wall", "cpu"], default="wall",
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
         help="wall time, or this process's CPU time (steadier on a busy shared machine; with --threads 1 it "
         "leaves out the time the process waited for a core)",
     )
@@ -113,7 +119,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock; sampling T=1, prompt {args.prompt_len}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock; "
+        f"sampling T=1, prompt {args.prompt_len}"
+    )
     print(f"{'workload':<34} {'hf tok':>7} {'hf tok/s':>9} {'our tok':>7} {'our tok/s':>9} {'ratio':>7}")
     with tempfile.TemporaryDirectory() as cache_dir:
         for preset in args.presets.split(","):

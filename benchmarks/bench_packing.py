@@ -124,7 +124,9 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=2, help="groups per micro-batch")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--preset", default="small-llama")
-    parser.add_argument("--shape", action="append", help="PROMPT,RESPONSE,G (repeatable); default: 512,64,8 and 64,256,8")
+    parser.add_argument(
+        "--shape", action="append", help="PROMPT,RESPONSE,G (repeatable); default: 512,64,8 and 64,256,8"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--check", action="store_true", help="first print packed-vs-unpacked differences")
@@ -150,8 +152,10 @@ def main() -> None:
         for prompt_len, response_len, group_size in shapes:
             samples = make_samples(prompt_len, response_len, group_size, args.groups, model.config.vocab_size)
             logprob_diff, grad_diff = check_equal(model, samples)
-            print(f"check P={prompt_len} R={response_len} G={group_size}: rel diff log-probs {logprob_diff:.2e}, "
-                  f"worst parameter gradient {grad_diff:.2e}")
+            print(
+                f"check P={prompt_len} R={response_len} G={group_size}: rel diff log-probs {logprob_diff:.2e}, "
+                f"worst parameter gradient {grad_diff:.2e}"
+            )
     header = f"{'prompt':>6} {'resp':>5} {'G':>2} {'tok unpacked':>12} {'tok packed':>10} " + " ".join(
         f"{name + ' s':>13}" for name in variants
     )
@@ -179,6 +183,7 @@ def main() -> None:
             f"{str(should_pack(samples)):>11}",
             flush=True,
         )
+
 
 if __name__ == "__main__":
     main()

@@ -22,7 +22,7 @@ import torch
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 sys.path.insert(0, SRC)
 
-from asyncflow.workflow.weight_sync import DEFAULT_BUCKET_BYTES, make_weight_sync, plan_buckets  # noqa: E402
+from asyncflow.weights import DEFAULT_BUCKET_BYTES, make_weight_sync, plan_buckets  # noqa: E402
 
 TIMEOUT_S = 120.0
 

@@ -28,14 +28,13 @@ Run: .venv/bin/python benchmarks/bench_workflows.py [--steps 12] [--repeats 2] [
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from asyncflow.workflow.compare import throughput, train_run
 
 ROOT = Path(__file__).resolve().parents[1]
 CORES = os.cpu_count() or 2
@@ -69,25 +68,11 @@ BOUND_RUN = (["workflow.mode=sync"], CORES // 2)  # each stage alone on its shar
 
 
 def train(overrides: list[str], threads: int, out: Path, steps: int) -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "asyncflow.cli", "train", *WORKLOAD, f"train.steps={steps}", *overrides,
-           "--output", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "rollout/samples" in r]
+    return train_run([*WORKLOAD, f"train.steps={steps}", *overrides], out, threads=threads, timeout_s=1800)
 
 
 def max_staleness(overrides: list[str]) -> int:
     return next((int(o.split("=")[1]) for o in overrides if o.startswith("workflow.max_staleness=")), 0)
-
-
-def throughput(rows: list[dict], warmup: int, staleness: int) -> tuple[float, float]:
-    """(samples/s, tokens/s) over steps warmup+1 .. last-1-staleness."""
-    window = rows[warmup : len(rows) - 1 - staleness]
-    seconds = window[-1]["wall_s"] - rows[warmup - 1]["wall_s"]
-    return sum(r["rollout/samples"] for r in window) / seconds, sum(r["rollout/tokens"] for r in window) / seconds
 
 
 def main() -> None:
@@ -96,7 +81,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="6 steps, 1 repeat")
-    parser.add_argument("--prompts", type=int, default=32, help="prompts per step (x 8 samples; the engine has 128 slots)")
+    parser.add_argument(
+        "--prompts", type=int, default=32, help="prompts per step (x 8 samples; the engine has 128 slots)"
+    )
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {list(MODES)}")
     args = parser.parse_args()
     modes = {name: MODES[name] for name in args.modes.split(",")}
@@ -113,26 +100,39 @@ def main() -> None:
                 rows = train(workload + overrides, threads, Path(tmp) / f"{mode.replace(' ', '_')}_{rep}", args.steps)
                 results[mode].append(throughput(rows, args.warmup, max_staleness(overrides)))
                 lengths += [r["response_length/mean"] for r in rows]
-                print(f"[{rep}] {mode:10s} {results[mode][-1][0]:7.1f} samples/s  ({time.time() - t0:.0f} s)", flush=True)
+                print(
+                    f"[{rep}] {mode:10s} {results[mode][-1][0]:7.1f} samples/s  ({time.time() - t0:.0f} s)", flush=True
+                )
             rows = train(workload + BOUND_RUN[0], BOUND_RUN[1], Path(tmp) / f"bound_{rep}", args.steps)
-            stage_times += [(r["time/generate_s"] + r["time/reward_s"], r["time/train_s"]) for r in rows[args.warmup : -1]]
+            stage_times += [
+                (r["time/generate_s"] + r["time/reward_s"], r["time/train_s"]) for r in rows[args.warmup : -1]
+            ]
             print(f"[{rep}] stages on {BOUND_RUN[1]} core(s) measured", flush=True)
     samples_per_step = rows[0]["rollout/samples"]
     generate_s = statistics.median(g for g, _ in stage_times)
     train_s = statistics.median(t for _, t in stage_times)
     bound = samples_per_step / max(generate_s, train_s)
     base = statistics.median(s for s, _ in results["sync"])
-    print(f"\nworkload: tiny-llama, {args.prompts} prompts x 8 samples per step, max 64 new tokens, mean response "
-          f"{statistics.mean(lengths):.1f} tokens; {CORES} cores; {args.steps} steps, {args.repeats} repeats")
-    print(f"{'mode':12s} {'samples/s':>10s} {'tokens/s':>10s} {'vs sync':>8s} {'vs bound':>9s}   per repeat vs that repeat's sync")
+    print(
+        f"\nworkload: tiny-llama, {args.prompts} prompts x 8 samples per step, max 64 new tokens, mean response "
+        f"{statistics.mean(lengths):.1f} tokens; {CORES} cores; {args.steps} steps, {args.repeats} repeats"
+    )
+    print(
+        f"{'mode':12s} {'samples/s':>10s} {'tokens/s':>10s} {'vs sync':>8s} {'vs bound':>9s}   "
+        "per repeat vs that repeat's sync"
+    )
     for mode, values in results.items():
         samples = statistics.median(s for s, _ in values)
         tokens = statistics.median(t for _, t in values)
         paired = [s / sync for (s, _), (sync, _) in zip(values, results["sync"])]
-        print(f"{mode:12s} {samples:10.1f} {tokens:10.0f} {samples / base:7.2f}x {samples / bound:8.2f}   "
-              f"{', '.join(f'{r:.2f}x' for r in paired)} (median {statistics.median(paired):.2f}x)")
-    print(f"{'bound':12s} {bound:10.1f} {'':>10s} {bound / base:7.2f}x   (generation+reward {generate_s:.2f} s, "
-          f"training {train_s:.2f} s per step, each on {BOUND_RUN[1]} core(s))")
+        print(
+            f"{mode:12s} {samples:10.1f} {tokens:10.0f} {samples / base:7.2f}x {samples / bound:8.2f}   "
+            f"{', '.join(f'{r:.2f}x' for r in paired)} (median {statistics.median(paired):.2f}x)"
+        )
+    print(
+        f"{'bound':12s} {bound:10.1f} {'':>10s} {bound / base:7.2f}x   (generation+reward {generate_s:.2f} s, "
+        f"training {train_s:.2f} s per step, each on {BOUND_RUN[1]} core(s))"
+    )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from asyncflow.workers.cores import CoreLending, create_core_lending
+from asyncflow.runtime.cores import create_core_lending
 
 
 @pytest.mark.parametrize(("shares", "total", "busy", "expected"), [

@@ -146,3 +146,28 @@ def test_eval_of_a_missing_checkpoint_is_a_clear_error(tmp_path, capsys):
     code = main(["eval", EXAMPLE, *TINY, "--output", str(tmp_path), "--checkpoint", str(tmp_path / "nope")])
     assert code == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_sft_writes_a_model_that_transformers_loads(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    assert main(["sft", EXAMPLE, *TINY, "--output", str(tmp_path)]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert Path(out["sft_model"]) == tmp_path / "sft"
+    model = AutoModelForCausalLM.from_pretrained(out["sft_model"])
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_bench_compares_modes_against_sync(tmp_path, capsys):
+    args = [*TINY, "sft.before_rl=false", "runtime.kind=inline", "rollout.prompts_per_step=2"]
+    code = main(["bench", EXAMPLE, *args, "--modes", "sync", "async:1", "--steps", "4", "--warmup", "1"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(result) == {"sync", "async:1"}
+    assert result["sync"]["vs_sync"] == 1.0
+    assert result["async:1"]["samples_per_s"] > 0
+
+
+def test_bench_rejects_an_unknown_mode(capsys):
+    assert main(["bench", EXAMPLE, *TINY, "--modes", "sync", "async:0"]) == 1
+    assert "async:K" in capsys.readouterr().err

@@ -40,7 +40,9 @@ def model(request):
 
 def make_requests(n: int, seed: int = 0, lengths=(2, 30)) -> list[GenerationRequest]:
     rng = random.Random(seed)
-    return [GenerationRequest(i, [1] + [rng.randrange(3, 98) for _ in range(rng.randrange(*lengths))]) for i in range(n)]
+    return [
+        GenerationRequest(i, [1] + [rng.randrange(3, 98) for _ in range(rng.randrange(*lengths))]) for i in range(n)
+    ]
 
 
 def run(engine, requests, **params):
@@ -53,18 +55,29 @@ def assert_logprobs_match_training_side(model, completions, temperature):
         reference = response_logprobs(model, samples, temperature=temperature)
     for i, c in enumerate(completions):
         assert len(c.logprobs) == len(c.response_ids)
-        torch.testing.assert_close(torch.tensor(c.logprobs), reference.logprobs[i, : len(c.response_ids)], rtol=0, atol=1e-4)
+        torch.testing.assert_close(
+            torch.tensor(c.logprobs), reference.logprobs[i, : len(c.response_ids)], rtol=0, atol=1e-4
+        )
 
 
 def test_greedy_equals_transformers_generate(model):
     requests = make_requests(6, seed=1)
-    completions = run(TorchInferenceEngine(model, max_batch_size=4), requests, temperature=0.0, max_new_tokens=12, stop_token_ids=(2,))
+    completions = run(
+        TorchInferenceEngine(model, max_batch_size=4), requests, temperature=0.0, max_new_tokens=12, stop_token_ids=(2,)
+    )
     by_id = {c.request_id: c for c in completions}
     assert sorted(by_id) == list(range(6))
     for r in requests:
         ids = torch.tensor([r.prompt_ids])
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12, eos_token_id=2, pad_token_id=0)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=12,
+                eos_token_id=2,
+                pad_token_id=0,
+            )
         assert by_id[r.request_id].response_ids == out[0, ids.shape[1] :].tolist()
     assert_logprobs_match_training_side(model, completions, temperature=1.0)  # greedy reports T=1 log-probs
 
@@ -73,14 +86,18 @@ def test_sampled_logprobs_match_training_side(model):
     """Temperature, top-k, top-p, stop tokens and slot reuse (10 requests, 3 slots) against `response_logprobs`."""
     requests = make_requests(10, seed=2)
     engine = TorchInferenceEngine(model, max_batch_size=3, seed=3)
-    completions = run(engine, requests, temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=24, stop_token_ids=(2, 50, 51, 52))
+    completions = run(
+        engine, requests, temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=24, stop_token_ids=(2, 50, 51, 52)
+    )
     assert sorted(c.request_id for c in completions) == list(range(10))
     assert {c.finish_reason for c in completions} == {"stop", "length"}
     assert_logprobs_match_training_side(model, completions, temperature=0.7)
 
 
 def test_stop_tokens_and_max_new_tokens(llama):
-    completions = run(TorchInferenceEngine(llama, seed=1), make_requests(16), max_new_tokens=6, stop_token_ids=STOP_MANY)
+    completions = run(
+        TorchInferenceEngine(llama, seed=1), make_requests(16), max_new_tokens=6, stop_token_ids=STOP_MANY
+    )
     for c in completions:
         stops = [i for i, t in enumerate(c.response_ids) if t in STOP_MANY]
         if c.finish_reason == "stop":
@@ -93,7 +110,12 @@ def test_stop_tokens_and_max_new_tokens(llama):
 
 def test_completions_come_back_in_completion_order(llama):
     """All requests start together, so a shorter response must be handed back no later than a longer one."""
-    completions = run(TorchInferenceEngine(llama, max_batch_size=16, seed=4), make_requests(12), max_new_tokens=20, stop_token_ids=STOP_MANY)
+    completions = run(
+        TorchInferenceEngine(llama, max_batch_size=16, seed=4),
+        make_requests(12),
+        max_new_tokens=20,
+        stop_token_ids=STOP_MANY,
+    )
     lengths = [len(c.response_ids) for c in completions]
     assert lengths == sorted(lengths)
     by_request = [len(c.response_ids) for c in sorted(completions, key=lambda c: c.request_id)]
@@ -105,7 +127,12 @@ def test_continuous_batching_refills_slots_lazily(llama):
     # Stop on the last token of two unconstrained greedy responses, so samples end at different steps.
     free = run(TorchInferenceEngine(llama), make_requests(5, seed=5), **greedy)
     stop = (free[0].response_ids[-1], free[3].response_ids[-1])
-    alone = {c.request_id: c for c in run(TorchInferenceEngine(llama, max_batch_size=8), make_requests(5, seed=5), **greedy, stop_token_ids=stop)}
+    alone = {
+        c.request_id: c
+        for c in run(
+            TorchInferenceEngine(llama, max_batch_size=8), make_requests(5, seed=5), **greedy, stop_token_ids=stop
+        )
+    }
     pulled, completions, in_flight_at_yield = [], [], []
 
     def requests():
@@ -113,7 +140,9 @@ def test_continuous_batching_refills_slots_lazily(llama):
             pulled.append(r.request_id)
             yield r
 
-    for c in TorchInferenceEngine(llama, max_batch_size=2).generate(requests(), SamplingParams(**greedy, stop_token_ids=stop)):
+    for c in TorchInferenceEngine(llama, max_batch_size=2).generate(
+        requests(), SamplingParams(**greedy, stop_token_ids=stop)
+    ):
         in_flight_at_yield.append(len(pulled) - len(completions))
         completions.append(c)
     assert sorted(c.request_id for c in completions) == list(range(5))
@@ -141,7 +170,9 @@ def test_top_k_one_is_greedy(qwen2):
     requests = make_requests(5)
     greedy = run(TorchInferenceEngine(qwen2, seed=1), requests, temperature=0.0, max_new_tokens=10)
     top1 = run(TorchInferenceEngine(qwen2, seed=2), requests, temperature=1.0, top_k=1, max_new_tokens=10)
-    assert [(c.request_id, c.response_ids, c.logprobs) for c in greedy] == [(c.request_id, c.response_ids, c.logprobs) for c in top1]
+    assert [(c.request_id, c.response_ids, c.logprobs) for c in greedy] == [
+        (c.request_id, c.response_ids, c.logprobs) for c in top1
+    ]
 
 
 def test_update_weights_changes_outputs_and_version(tiny_llama_path):
@@ -150,7 +181,10 @@ def test_update_weights_changes_outputs_and_version(tiny_llama_path):
     requests = make_requests(4)
     before = run(engine, requests, temperature=0.0, max_new_tokens=8)
     assert {c.weight_version for c in before} == {3}
-    perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(0)) for k, v in model.state_dict().items()}
+    perturbed = {
+        k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(0))
+        for k, v in model.state_dict().items()
+    }
     engine.update_weights(perturbed, version=4)
     after = run(engine, requests, temperature=0.0, max_new_tokens=8)
     assert engine.weight_version == 4 and {c.weight_version for c in after} == {4}

@@ -6,7 +6,9 @@ from asyncflow.models.logprobs import TrainSample, response_logprobs
 from asyncflow.models.presets import build_preset
 
 
-@pytest.mark.parametrize("fixture, arch", [("tiny_llama_path", "LlamaForCausalLM"), ("tiny_qwen2_path", "Qwen2ForCausalLM")])
+@pytest.mark.parametrize(
+    "fixture, arch", [("tiny_llama_path", "LlamaForCausalLM"), ("tiny_qwen2_path", "Qwen2ForCausalLM")]
+)
 def test_presets_load_through_the_hf_path(fixture, arch, request):
     path = request.getfixturevalue(fixture)
     model = load_model(path)

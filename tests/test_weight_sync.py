@@ -14,19 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncflow.workflow.weight_sync import (
-    RaySpec,
-    TorchDistributedSpec,
-    WeightSyncError,
-    WeightSyncTimeout,
-    _BackgroundSender,
-    allocate_payload,
-    bucket_views,
-    make_weight_sync,
-    pack,
-    plan_buckets,
-    unpack,
-)
+from asyncflow.weights import WeightSyncError, WeightSyncTimeout, make_weight_sync
+from asyncflow.weights.background import BackgroundSender
+from asyncflow.weights.buckets import allocate_payload, bucket_views, pack, plan_buckets, unpack
+from asyncflow.weights.ray_transport import RaySpec
+from asyncflow.weights.torch_distributed import TorchDistributedSpec
 
 SPAWN = mp.get_context("spawn")
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -221,7 +213,7 @@ def test_a_publish_while_one_is_pending_supersedes_it():
         release.wait(5)
         sent.append((version, float(buckets[0][0])))
 
-    sender = _BackgroundSender("test", slow_send, bucket_bytes=1 << 20)
+    sender = BackgroundSender("test", slow_send, bucket_bytes=1 << 20)
     try:
         sender.publish({"w": torch.full((4,), 1.0)}, 1)
         time.sleep(0.05)  # the thread has taken version 1 and is blocked sending it
@@ -242,7 +234,7 @@ def test_a_failed_background_send_is_raised_to_the_publisher():
     def broken_send(version, manifest, buckets):
         raise OSError("link down")
 
-    sender = _BackgroundSender("test", broken_send, bucket_bytes=1 << 20)
+    sender = BackgroundSender("test", broken_send, bucket_bytes=1 << 20)
     sender.publish({"w": torch.ones(2)}, 1)
     with pytest.raises(WeightSyncError, match="link down"):
         sender.wait_published(timeout=5)

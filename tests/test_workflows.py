@@ -27,7 +27,7 @@ from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.models.loading import load_model
 from asyncflow.transfer import GroupSampler, TransferQueue
 from asyncflow.workers.trainer import PolicyTrainer
-from asyncflow.workflow import make_workflow
+from asyncflow.workflow.pipeline import make_workflow
 from asyncflow.workflow.run import RLRun
 
 GROUP, GROUPS, MAX_NEW = 4, 6, 12
@@ -292,7 +292,8 @@ def test_stale_rows_use_their_behaviour_policy(tiny_llama_path, setting, row_ver
     algo = AlgoConfig(stale_old_logprobs=setting)
     groups = [[r for r in rows if r.group_id == g] for g in range(GROUPS)]
     assign_advantages(groups, algo, MAX_NEW)
-    trainer = PolicyTrainer(TorchTrainEngine(load_model(tiny_llama_path), lr=1e-4), algo, micro_batch_size=8, temperature=1.0)
+    engine = TorchTrainEngine(load_model(tiny_llama_path), lr=1e-4)
+    trainer = PolicyTrainer(engine, algo, micro_batch_size=8, temperature=1.0)
     trainer.accumulate(rows, policy_version=1)
     stats = trainer.finish_step()
     assert (stats["clip_fraction"] > 0.1) == clipped, stats["clip_fraction"]  # ratio 1 clips nothing

@@ -44,7 +44,7 @@ def sft_output(config: Config) -> Path:
 
 def cmd_train(args) -> int:
     config = _config(args)
-    from asyncflow.workflow import make_workflow
+    from asyncflow.workflow.pipeline import make_workflow
     from asyncflow.workflow.run import RLRun
     from asyncflow.workflow.sft import run_sft
 
@@ -76,11 +76,13 @@ def cmd_eval(args) -> int:
 
     checkpoint = Path(args.checkpoint)
     if not checkpoint.is_dir():
-        raise FileNotFoundError(f"checkpoint folder {str(checkpoint)!r} does not exist (expected RUN_DIR/checkpoints/step_N)")
+        raise FileNotFoundError(
+            f"checkpoint folder {str(checkpoint)!r} does not exist (expected RUN_DIR/checkpoints/step_N)"
+        )
     weights = load_weights(checkpoint)
     eval_dir = Path(config.run.output_dir) / "eval"
     run = RLRun(config.model_copy(update={"run": config.run.model_copy(update={"output_dir": str(eval_dir)})}))
-    run.train_engine.model.load_state_dict(weights)  # `evaluate` reads the policy's weights
+    run.train_engine.load_state_dict(weights)  # `evaluate` reads the policy's weights
     result = run.evaluate()
     run.metrics.close()
     print(json.dumps({"checkpoint": args.checkpoint, **result}))
@@ -88,15 +90,29 @@ def cmd_eval(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    config = _config(args)
-    from asyncflow.workflow.bench import run_benchmark
+    config = _config(args)  # validated here, before any run starts
+    from asyncflow.workflow.compare import compare, mode_overrides
 
-    run_benchmark(config, modes=args.modes, repeats=args.repeats)
+    for mode in args.modes:
+        mode_overrides(mode)
+    base_args = [a for a in (args.config, *args.overrides) if a]
+    result = compare(
+        base_args,
+        args.modes,
+        steps=args.steps,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        threads=args.threads,
+        sft_first=config.sft.before_rl,
+    )
+    print(json.dumps(result))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="asyncflow", description="Asynchronous streaming RL post-training of language models.")
+    parser = argparse.ArgumentParser(
+        prog="asyncflow", description="Asynchronous streaming RL post-training of language models."
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -114,9 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--checkpoint", required=True, help="checkpoint folder (RUN_DIR/checkpoints/step_N)")
     ev.set_defaults(func=cmd_eval)
 
-    bench = sub.add_parser("bench", help="compare workflows side by side on one workload")
+    bench = sub.add_parser("bench", help="train one config in several workflow modes and compare samples/s")
     _add_common(bench)
-    bench.add_argument("--modes", nargs="+", default=["sync", "stream", "async1", "async2"])
+    bench.add_argument("--modes", nargs="+", default=["sync", "stream", "async:1"], help="sync, stream, async:K")
+    bench.add_argument("--steps", type=int, default=10, help="training steps per run")
+    bench.add_argument("--warmup", type=int, default=2, help="steps left out of the throughput window")
     bench.add_argument("--repeats", type=int, default=1)
     bench.set_defaults(func=cmd_bench)
     return parser
@@ -129,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = list(getattr(args, "overrides", [])) + extra
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     for noisy in ("transformers", "httpx", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if getattr(args, "threads", 0) > 0:

@@ -102,7 +102,8 @@ class RolloutConfig(Section):
 
 class AlgoConfig(Section):
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
-    """Advantage estimator (`gae` trains a value head: PPO with a critic)."""
+    """Advantage estimator. `gae` (PPO with a critic) is rejected until a training engine trains a value
+    model; its math (`asyncflow.algos.gae`, `value_loss`) is in place."""
     clip_low: float = Field(0.2, ge=0)
     """Lower PPO clip range (ratio >= 1 - clip_low)."""
     clip_high: float = Field(0.28, ge=0)
@@ -132,6 +133,14 @@ class AlgoConfig(Section):
     log-probs its generating policy recorded (ratio and clip against the behaviour policy, which corrects
     for staleness), or `policy`, the current policy (ratio 1: trained as if on-policy). Rows of the
     current version always use the current policy."""
+
+    @field_validator("advantage")
+    @classmethod
+    def _no_critic_yet(cls, value: str) -> str:
+        if value == "gae":
+            raise ValueError("gae needs a critic (value model), which no training engine trains yet: "
+                             "use grpo, dr_grpo, rloo or reinforce_pp")
+        return value
 
 
 class TrainConfig(Section):
@@ -224,7 +233,7 @@ class RuntimeConfig(Section):
     units spread the bytes of a large cluster; on one machine each extra unit adds a round trip per call."""
     lend_idle_cores: bool = True
     """`ray` on a local CPU cluster: the trainer runs torch on the replicas' cores while they wait for weights
-    (`asyncflow.workers.cores`); `false` keeps each worker on its own CPUs. The thread count of a micro-batch
+    (`asyncflow.runtime.cores`); `false` keeps each worker on its own CPUs. The thread count of a micro-batch
     then depends on timing, and with it the float summation order: turn it off for bit-identical reruns."""
     call_timeout_s: float = Field(600.0, gt=0)
     """Timeout of every remote call and weight sync."""
@@ -251,7 +260,9 @@ class Config(Section):
         if self.data.task is None and self.data.path is None:
             raise ValueError("data.task is null and data.path is not set: give a built-in task or a data file")
         if self.reward.weights is not None and len(self.reward.weights) != len(self.reward.fns):
-            raise ValueError(f"reward.weights has {len(self.reward.weights)} entries but reward.fns has {len(self.reward.fns)}")
+            raise ValueError(
+                f"reward.weights has {len(self.reward.weights)} entries but reward.fns has {len(self.reward.fns)}"
+            )
         return self
 
 
@@ -277,7 +288,11 @@ def parse_overrides(overrides: list[str]) -> dict:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like section.key=value")
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({err.problem})") from None
+        _set_dotted(tree, key.strip(), value)
     return tree
 
 

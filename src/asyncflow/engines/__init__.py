@@ -2,10 +2,21 @@
 
 from asyncflow.engines import torch_inference, torch_train  # noqa: F401  (registration)
 from asyncflow.engines.base import (
-    Completion, GenerationRequest, InferenceEngine, SamplingParams, TrainEngine, make_inference_engine, make_train_engine,
+    Completion,
+    GenerationRequest,
+    InferenceEngine,
+    SamplingParams,
+    TrainEngine,
+    make_inference_engine,
+    make_train_engine,
 )
 
 __all__ = [
-    "Completion", "GenerationRequest", "InferenceEngine", "SamplingParams", "TrainEngine",
-    "make_inference_engine", "make_train_engine",
+    "Completion",
+    "GenerationRequest",
+    "InferenceEngine",
+    "SamplingParams",
+    "TrainEngine",
+    "make_inference_engine",
+    "make_train_engine",
 ]

@@ -13,11 +13,15 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, runtime_checkable
 
 import torch
 
+from asyncflow.models.logprobs import TrainSample
+from asyncflow.models.tri_model import TriLogProbs
+
+LossFn = Callable[[TriLogProbs], tuple[torch.Tensor, dict[str, float]]]
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -67,13 +71,35 @@ class InferenceEngine(Protocol):
 
 @runtime_checkable
 class TrainEngine(Protocol):
-    """Policy training: log-probs of packed micro-batches, accumulation, optimizer steps."""
+    """Policy training, as the trainer worker drives it: gradients accumulate over micro-batches until
+    one `optimizer_step`; the loss is the caller's (`loss_fn` maps the tri-model log-probs of a micro-batch
+    to a loss and float stats)."""
 
-    def state_dict(self) -> dict[str, torch.Tensor]: ...
+    device: torch.device
 
-    def optimizer_step(self) -> dict[str, float]:
-        """Clip gradients, step the optimizer and LR schedule, zero gradients; returns grad norm and lr."""
+    def backward_micro_batch(
+        self, samples: list[TrainSample], loss_fn: LossFn, *, temperature: float = 1.0
+    ) -> dict[str, float]:
+        """Forward one micro-batch (policy with grad; reference and old policy without), call `loss_fn`,
+        backpropagate; returns its stats plus `loss` (NaN when not finite: no gradient then)."""
         ...
+
+    def optimizer_step(self, grad_scale: float = 1.0) -> dict[str, float]:
+        """Scale accumulated gradients by `grad_scale`, clip, step optimizer and LR schedule, zero them;
+        returns `grad_norm`, `lr` and `skipped` (1.0 when a non-finite loss or gradient skipped the step)."""
+        ...
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy weights (detached; for weight sync and checkpoints)."""
+        ...
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None: ...
+
+    def training_state(self) -> dict:
+        """Optimizer and schedule state for checkpoints."""
+        ...
+
+    def load_training_state(self, state: dict) -> None: ...
 
 
 INFERENCE_ENGINES: dict[str, Callable[..., InferenceEngine]] = {}

@@ -9,8 +9,9 @@ and fed response tokens at positions `0 .. length_r - 1`. The active slots are a
 `0 .. n-1`, so one decode step runs the unmodified Hugging Face model on `input_ids [n, 1]` at
 `position_ids [n, 1] = length`, writes each row's new key/value at its own position, and attends
 over `[:n, :, :max(length) + 1]` under an additive `[n, 1, 1, L]` mask that hides each row's
-positions beyond its own length (no mask at all when every row has the same length). A finished sample is handed back at once; the survivors are
-compacted into the leading rows, and waiting prompts, pulled lazily from the request iterator,
+positions beyond its own length (no mask at all when every row has the same length). A finished
+sample is handed back at once; the survivors are compacted into the leading rows, and waiting
+prompts, pulled lazily from the request iterator,
 are prefilled together (right-padded, causal: a real token never sees the padding after it) into
 the rows behind them. The cache plugs into the model only through `Cache.update`, so no
 modelling code is forked.
@@ -88,7 +89,9 @@ class SlotKVCache(Cache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if layer_idx == len(self.keys):
             self.keys.append(key_states.new_zeros(self.rows, key_states.shape[1], self.capacity, key_states.shape[3]))
-            self.values.append(value_states.new_zeros(self.rows, value_states.shape[1], self.capacity, value_states.shape[3]))
+            self.values.append(
+                value_states.new_zeros(self.rows, value_states.shape[1], self.capacity, value_states.shape[3])
+            )
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         if self._positions is None:  # fresh prompts have no past: they attend to their own keys only
             end, q = self._start + key_states.shape[0], key_states.shape[2]
@@ -188,7 +191,8 @@ class TorchInferenceEngine:
         layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
         if layer_types != {"full_attention"}:
             raise ValueError(
-                f"TorchInferenceEngine supports full-attention models only; this model has layer types {sorted(layer_types)}"
+                "TorchInferenceEngine supports full-attention models only; this model has layer types "
+                f"{sorted(layer_types)}"
             )
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
@@ -331,7 +335,9 @@ class TorchInferenceEngine:
     def _additive(self, visible: torch.Tensor) -> torch.Tensor:
         """bool mask -> additive float mask in the model's dtype (SDPA would otherwise convert it per layer)."""
         dtype = self.model.dtype
-        return torch.zeros(visible.shape, dtype=dtype, device=self.device).masked_fill_(~visible, torch.finfo(dtype).min)
+        return torch.zeros(visible.shape, dtype=dtype, device=self.device).masked_fill_(
+            ~visible, torch.finfo(dtype).min
+        )
 
     def _append(self, slots: list[_Slot], logits: torch.Tensor, params: SamplingParams) -> None:
         tokens, logprobs = sample_tokens(logits, params, self.generator)

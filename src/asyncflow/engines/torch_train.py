@@ -18,15 +18,13 @@ Invariants:
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
-from asyncflow.engines.base import register_train_engine
+from asyncflow.engines.base import LossFn, register_train_engine
 from asyncflow.models.logprobs import TrainSample
-from asyncflow.models.tri_model import TriLogProbs, make_reference, tri_model_logprobs
-
-LossFn = Callable[[TriLogProbs], tuple[torch.Tensor, dict[str, float]]]
+from asyncflow.models.tri_model import make_reference, tri_model_logprobs
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
@@ -125,8 +123,15 @@ class TorchTrainEngine:
         self._nonfinite_in_step = False
         return {"grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "skipped": float(skipped)}
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state_dict)
 
     def training_state(self) -> dict:
         """Optimizer and schedule state for checkpoints (weights go separately, as safetensors)."""

@@ -6,7 +6,7 @@ Owns: starting or joining the Ray cluster (`runtime.address`; a local cluster wi
 default), the rollout actors (CPUs/GPUs from config, each loads the policy through the normal HF
 loading code and builds its engine from the registry), the weight-sync transport options of
 `runtime.weight_sync`, idle-core lending between the trainer and the replicas on a local CPU
-cluster (`runtime.lend_idle_cores`, see `asyncflow.workers.cores`), and a supervisor thread that
+cluster (`runtime.lend_idle_cores`, see `asyncflow.runtime.cores`), and a supervisor thread that
 watches the replicas.
 
 Invariants:
@@ -19,7 +19,7 @@ Invariants:
   process cannot rejoin the existing process group.)
 - A replica starts a partition only with weights of version >= step - k (see `workers.loops`).
 - Every remote call is bounded by `runtime.call_timeout_s`.
-- This module and `ray_weight_sync` are the only runtime code that imports `ray`.
+- This module is the only runtime code that imports `ray`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from asyncflow.observe import Timeline
 from asyncflow.transfer.ray_queue import RayTransferQueue
-from asyncflow.workers.cores import CoreLending, create_core_lending
+from asyncflow.runtime.cores import CoreLending, create_core_lending
 from asyncflow.workers.loops import rollout_loop
 from asyncflow.workers.rollout import RESPONSE_COLUMNS
 
@@ -145,7 +145,8 @@ class RayRuntime:
         self.queue: RayTransferQueue | None = None
         self.timeline: Timeline | None = None
         self._loop_args: dict[str, tuple] = {}
-        self._reward_counts: dict[str, tuple[str, int, int]] = {}  # replica -> last polled (incarnation, errors, timeouts)
+        # replica -> last polled (incarnation, errors, timeouts)
+        self._reward_counts: dict[str, tuple[str, int, int]] = {}
         self._retired_reward_counts = (0, 0)  # summed over the replicas' dead incarnations
         self._stop = threading.Event()
         self._supervisor: threading.Thread | None = None
@@ -158,7 +159,7 @@ class RayRuntime:
 
     @property
     def weight_sync_options(self) -> dict:
-        """Options of `asyncflow.workflow.weight_sync.make_weight_sync` for `self.weight_sync`."""
+        """Options of `asyncflow.weights.make_weight_sync` for `self.weight_sync`."""
         if self.weight_sync == "ray":
             return {"timeout_s": self.timeout}
         if self.weight_sync == "torch_distributed":
@@ -178,14 +179,26 @@ class RayRuntime:
         for r in range(cfg.rollout.replicas):
             name = f"rollout_{r}"
             spec = RolloutSpec(
-                model_path, cfg.model.dtype, "cuda" if rt.rollout_gpus > 0 else "cpu", cfg.rollout.engine,
-                cfg.rollout.max_batch_size, run.params, cfg.rollout.group_size, cfg.run.seed + 1000 * r,
+                model_path,
+                cfg.model.dtype,
+                "cuda" if rt.rollout_gpus > 0 else "cpu",
+                cfg.rollout.engine,
+                cfg.rollout.max_batch_size,
+                run.params,
+                cfg.rollout.group_size,
+                cfg.run.seed + 1000 * r,
                 max(1, int(rt.rollout_cpus)),
             )
             self.actors[name] = actor_cls.remote(spec, name, make_scorer)
             spec_r = receiver_spec.for_rank(r + 1) if self.weight_sync == "torch_distributed" else receiver_spec
             self._loop_args[name] = (
-                queue, spec_r, steps, max_staleness, cfg.rollout.max_batch_size, self.timeout, self._cores_spec
+                queue,
+                spec_r,
+                steps,
+                max_staleness,
+                cfg.rollout.max_batch_size,
+                self.timeout,
+                self._cores_spec,
             )
             self.calls[name] = self.actors[name].run.remote(*self._loop_args[name])
         self._supervisor = threading.Thread(target=self._supervise, name="rollout-supervisor", daemon=True)
@@ -225,11 +238,15 @@ class RayRuntime:
             )
             return
         if self.restarts > self.config.runtime.max_restarts:
-            self.error = RuntimeError(f"rollout replicas died {self.restarts} times (runtime.max_restarts); last: {name}: {err}")
+            self.error = RuntimeError(
+                f"rollout replicas died {self.restarts} times (runtime.max_restarts); last: {name}: {err}"
+            )
             return
         released = self.queue.release(ROLLOUT_TASK, name, RESPONSE_COLUMNS)
         count = sum(len(rows) for rows in released.values())
-        log.warning("rollout replica %s died (%s); %d rows it held are released; restarting it", name, type(err).__name__, count)
+        log.warning(
+            "rollout replica %s died (%s); %d rows it held are released; restarting it", name, type(err).__name__, count
+        )
         self.timeline.instant(name, "restart", released=count)
         deadline = time.monotonic() + self.timeout
         while True:  # calls fail fast with ActorUnavailableError while Ray restarts the process

@@ -122,8 +122,8 @@ class _ControllerActor:
             self.controller.record_wait(who, time.monotonic() - start)
 
 
-for _name in ("create_partition", "register_task", "seal", "ack", "clear", "reset", "release", "load_state_dict", "reserve",
-              "unreserve", "mark_ready", "status", "metrics", "state_dict"):  # fmt: skip
+for _name in ("create_partition", "register_task", "seal", "ack", "clear", "reset", "release", "load_state_dict",
+              "reserve", "unreserve", "mark_ready", "status", "metrics", "state_dict"):  # fmt: skip
     setattr(_ControllerActor, _name, _forward("controller", _name))
 
 

@@ -18,17 +18,8 @@ from typing import Iterable, Iterator
 
 import torch
 
+from asyncflow.data.prompts import Prompt
 from asyncflow.engines.base import Completion, GenerationRequest, InferenceEngine, SamplingParams
-
-
-@dataclass
-class Prompt:
-    """One prompt of the dataset, tokenized. `group_id` is unique within a run."""
-
-    group_id: int
-    prompt_ids: list[int]
-    answer: str
-    metadata: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -79,7 +70,9 @@ class RolloutWorker:
         metadata: dict[int, dict] = {}
 
         def requests():
-            for batch in queue.loader(partition, "rollout", PROMPT_COLUMNS, batch_size, timeout=timeout, consumer=consumer):
+            for batch in queue.loader(
+                partition, "rollout", PROMPT_COLUMNS, batch_size, timeout=timeout, consumer=consumer
+            ):
                 for index, prompt_ids, meta in zip(batch.meta.indices, batch.rows("prompt_ids"), batch.meta.metadata):
                     metadata[index] = meta
                     yield GenerationRequest(index, prompt_ids.tolist())
@@ -94,12 +87,18 @@ class RolloutWorker:
                 "rollout_logprobs": [torch.tensor(c.logprobs, dtype=torch.float32) for c in finished],
             }
             if scorer is not None:
-                columns["reward"] = scorer.score_ids([c.response_ids for c in finished], [metadata[c.request_id] for c in finished])
+                columns["reward"] = scorer.score_ids(
+                    [c.response_ids for c in finished], [metadata[c.request_id] for c in finished]
+                )
             if in_flight is not None:
                 in_flight.wait()
             in_flight = queue.write(
-                partition, [c.request_id for c in finished], columns, wait=False,
-                weight_version=version, metadata=[{"finish_reason": c.finish_reason} for c in finished],
+                partition,
+                [c.request_id for c in finished],
+                columns,
+                wait=False,
+                weight_version=version,
+                metadata=[{"finish_reason": c.finish_reason} for c in finished],
             )
             finished.clear()
 

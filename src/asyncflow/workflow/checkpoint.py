@@ -36,7 +36,12 @@ def save_checkpoint(
     # Tied embeddings share storage; safetensors refuses shared tensors, so save contiguous clones.
     save_file({k: v.detach().contiguous().clone() for k, v in weights.items()}, str(tmp / "model.safetensors"))
     torch.save(training_state, tmp / "training_state.pt")
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), "generator": generator_state}
+    rng = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "generator": generator_state,
+    }
     torch.save(rng, tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2))
     shutil.rmtree(final, ignore_errors=True)

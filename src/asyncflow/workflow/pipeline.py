@@ -35,8 +35,9 @@ import torch
 from asyncflow.transfer import GroupSampler, TransferQueue
 from asyncflow.workers.loops import BackgroundThread, partition_name, reward_loop
 from asyncflow.workers.rollout import Rollout
-from asyncflow.workflow.common import make_reward_worker
-from asyncflow.workflow.weight_sync import make_weight_sync
+from asyncflow.runtime.factory import make_runtime
+from asyncflow.weights import make_weight_sync
+from asyncflow.workflow.setup import make_reward_worker
 
 
 def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
@@ -127,7 +128,9 @@ class PipelineWorkflow:
         if not self.started:
             self._start(run)
         t0 = time.time()
-        rollouts, stats = self._train(run, partition_name(run.step), groups_per_batch=max(1, cfg.train.micro_batch_size // cfg.rollout.group_size))
+        rollouts, stats = self._train(
+            run, partition_name(run.step), groups_per_batch=max(1, cfg.train.micro_batch_size // cfg.rollout.group_size)
+        )
         t1 = time.time()
         next_feed = run.step + self.k + 1
         if next_feed < cfg.train.steps:
@@ -143,9 +146,18 @@ class PipelineWorkflow:
     def _train(self, run, partition: str, groups_per_batch: int):
         cfg = run.config
         rollouts, stats = run.trainer.train_partition(
-            self.queue, partition, policy_version=run.version, max_staleness=self.k, group_size=cfg.rollout.group_size,
-            groups_per_batch=groups_per_batch, max_new_tokens=cfg.rollout.max_new_tokens, timeout=self.timeout,
-            sampler=self.sampler, timeline=run.timeline, cores=self.runtime.trainer_cores, alive=self._workers_alive,
+            self.queue,
+            partition,
+            policy_version=run.version,
+            max_staleness=self.k,
+            group_size=cfg.rollout.group_size,
+            groups_per_batch=groups_per_batch,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            timeout=self.timeout,
+            sampler=self.sampler,
+            timeline=run.timeline,
+            cores=self.runtime.trainer_cores,
+            alive=self._workers_alive,
         )
         with run.timeline.span("trainer", "optimizer_step", step=run.step):
             stats.update(run.trainer.finish_step())
@@ -172,3 +184,8 @@ class PipelineWorkflow:
         self.runtime.close()
         if self.publisher is not None:
             self.publisher.close()
+
+
+def make_workflow(config, run) -> PipelineWorkflow:
+    """The workflow of `config.workflow.mode` (sync, stream or async) over the configured runtime."""
+    return PipelineWorkflow(run, make_runtime(config))

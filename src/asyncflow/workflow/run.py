@@ -5,7 +5,7 @@ trainer, datasets), the run folder contract (config.yaml, metrics.jsonl, checkpo
 TensorBoard), resuming from the latest checkpoint, and the non-finite-loss policy.
 
 The workflow (`sync`, `stream`, `async`) only decides how one step's rollouts are produced and
-consumed; see `asyncflow.workflow.modes`.
+consumed; see `asyncflow.workflow.pipeline`.
 
 Invariants:
 - A step is one optimizer update and bumps the policy's weight version by one.
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+
 from asyncflow.config import Config, dump_config
 from asyncflow.engines.base import make_inference_engine
 from asyncflow.engines.torch_train import TorchTrainEngine
@@ -36,9 +37,8 @@ from asyncflow.workers.reward import RewardWorker
 from asyncflow.workers.rollout import Prompt, RolloutWorker
 from asyncflow.workers.trainer import PolicyTrainer
 from asyncflow.workflow.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from asyncflow.workflow.common import (
-    PromptEncoder, build_reward_runner, evaluate, open_datasets, sampling_params, seed_everything,
-)
+from asyncflow.workflow.evaluation import evaluate
+from asyncflow.workflow.setup import build_reward_runner, datasets, prompt_encoder, sampling_params, seed_everything
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +55,9 @@ class RLRun:
         dump_config(config, self.run_dir / "config.yaml")
         seed_everything(config.run.seed)
 
-        model_path = resolve_model_path(config.model.path, seed=config.run.seed)
-        self.tokenizer = load_tokenizer(model_path)
-        policy = load_model(model_path, dtype=config.model.dtype, device=config.model.device)
+        self.model_path = resolve_model_path(config.model.path, seed=config.run.seed)
+        self.tokenizer = load_tokenizer(self.model_path)
+        policy = self._load_policy()
         self.train_engine = TorchTrainEngine(
             policy,
             lr=config.train.lr,
@@ -83,8 +83,8 @@ class RLRun:
             self.train_engine, config.algo, micro_batch_size=config.train.micro_batch_size,
             temperature=config.rollout.temperature,
         )
-        self.train_set, self.test_set = open_datasets(config)
-        self.encoder = PromptEncoder(self.tokenizer, config)
+        self.train_set, self.test_set = datasets(config)
+        self.encoder = prompt_encoder(config, self.tokenizer)
 
         self.step = 0
         self.version = 0
@@ -98,6 +98,9 @@ class RLRun:
         if resume:
             self._resume()
         self.metrics = MetricsLogger(self.run_dir, resume_from_step=self.step if resume else None)
+
+    def _load_policy(self) -> torch.nn.Module:
+        return load_model(self.model_path, dtype=self.config.model.dtype, device=self.config.model.device)
 
     # ---------------------------------------------------------------- data
     def next_prompts(self, n: int) -> list[Prompt]:
@@ -116,7 +119,8 @@ class RLRun:
                 skipped_in_a_row += 1
                 if skipped_in_a_row >= len(self.train_set.examples):
                     raise ValueError(
-                        f"every training prompt is longer than data.max_prompt_tokens={self.config.data.max_prompt_tokens} "
+                        "every training prompt is longer than data.max_prompt_tokens="
+                        f"{self.config.data.max_prompt_tokens} "
                         f"tokens: nothing left to train on (raise data.max_prompt_tokens)"
                     )
         return prompts
@@ -124,15 +128,24 @@ class RLRun:
     # ---------------------------------------------------------------- checkpoints
     def _state(self) -> dict:
         return {
-            "version": self.version, "data_position": self.data_position, "next_group_id": self.next_group_id,
-            "nan_streak": self.nan_streak, "samples_seen": self.samples_seen, "wall_s": self.wall_s(),
+            "version": self.version,
+            "data_position": self.data_position,
+            "next_group_id": self.next_group_id,
+            "nan_streak": self.nan_streak,
+            "samples_seen": self.samples_seen,
+            "wall_s": self.wall_s(),
         }
 
     def save(self) -> Path:
         generator = getattr(self.inference_engine, "generator", None)
         return save_checkpoint(
-            self.run_dir, self.step, self.train_engine.state_dict(), self.train_engine.training_state(),
-            self._state(), generator.get_state() if generator is not None else None, keep=self.config.checkpoint.keep,
+            self.run_dir,
+            self.step,
+            self.train_engine.state_dict(),
+            self.train_engine.training_state(),
+            self._state(),
+            generator.get_state() if generator is not None else None,
+            keep=self.config.checkpoint.keep,
         )
 
     def _resume(self) -> None:
@@ -141,7 +154,7 @@ class RLRun:
             log.warning("--resume: no checkpoint in %s, starting from scratch", self.run_dir)
             return
         weights, training_state, state, rng = load_checkpoint(checkpoint)
-        self.train_engine.model.load_state_dict(weights)
+        self.train_engine.load_state_dict(weights)
         self.train_engine.load_training_state(training_state)
         self.step = state["step"]
         self.version = state["version"]
@@ -169,8 +182,11 @@ class RLRun:
             return {}
         if self.eval_engine is None:
             self.eval_engine = make_inference_engine(
-                self.config.rollout.engine, model=copy.deepcopy(self.train_engine.model).eval().requires_grad_(False),
-                max_batch_size=self.config.rollout.max_batch_size, device=self.config.model.device, seed=self.config.run.seed,
+                self.config.rollout.engine,
+                model=self._load_policy().eval().requires_grad_(False),
+                max_batch_size=self.config.rollout.max_batch_size,
+                device=self.config.model.device,
+                seed=self.config.run.seed,
             )
         self.eval_engine.update_weights(self.train_engine.state_dict(), self.version)
         t0 = time.time()
@@ -185,7 +201,19 @@ class RLRun:
         self.start_wall = time.perf_counter()
         if self.step == 0:
             history.append(self._log({"samples": 0, **self.evaluate()}))
-        with TrainProgress(cfg.train.steps, initial=self.step, description=f"{cfg.workflow.mode} RL", enabled=cfg.run.progress) as bar:
+        show = {"reward": "reward/mean", "acc": "eval/accuracy", "loss": "loss", "entropy": "entropy"}
+        if cfg.algo.kl_coef > 0:  # `kl` is measured only against a reference model
+            show["kl"] = "kl"
+        if cfg.workflow.mode == "async":
+            show["stale"] = "staleness/mean"
+        bar = TrainProgress(
+            cfg.train.steps,
+            initial=self.step,
+            description=f"{cfg.workflow.mode} RL",
+            enabled=cfg.run.progress,
+            show=show,
+        )
+        with bar:
             while self.step < cfg.train.steps:
                 t0 = time.perf_counter()
                 metrics = workflow.step(self)
@@ -226,7 +254,9 @@ class RLRun:
     def _check_finite(self, metrics: dict) -> None:
         if metrics.get("train/skipped_step", 0.0) > 0:
             self.nan_streak += 1
-            log.warning("step %d: non-finite loss or gradient, update skipped (%d in a row)", self.step, self.nan_streak)
+            log.warning(
+                "step %d: non-finite loss or gradient, update skipped (%d in a row)", self.step, self.nan_streak
+            )
             if self.nan_streak >= self.config.train.max_nan_steps:
                 raise NonFiniteLossError(
                     f"{self.nan_streak} consecutive steps had a non-finite loss (train.max_nan_steps="
@@ -236,12 +266,16 @@ class RLRun:
             self.nan_streak = 0
 
     def _log(self, metrics: dict) -> dict:
-        if "loss" in metrics:  # a training step: `kl` is always logged, NaN (null in metrics.jsonl) without a reference model
+        if (
+            "loss" in metrics
+        ):  # a training step: `kl` is always logged, NaN (null in metrics.jsonl) without a reference model
             metrics.setdefault("kl", math.nan)
         metrics = {
-            "wall_s": self.wall_s(), "weight_version": float(self.version),
+            "wall_s": self.wall_s(),
+            "weight_version": float(self.version),
             "data/skipped_long_prompts": float(self.encoder.skipped),
-            "reward/errors": float(self.rewards.errors), "reward/timeouts": float(self.rewards.timeouts),
+            "reward/errors": float(self.rewards.errors),
+            "reward/timeouts": float(self.rewards.timeouts),
             **metrics,
         }
         self.metrics.log(self.step, metrics)

@@ -21,7 +21,7 @@ from asyncflow.engines.torch_train import lr_lambda
 from asyncflow.models.loading import load_model, load_tokenizer, render_prompt, resolve_model_path
 from asyncflow.models.logprobs import TrainSample, response_logprobs
 from asyncflow.observe.progress import TrainProgress
-from asyncflow.workflow.common import open_datasets, seed_everything
+from asyncflow.workflow.setup import datasets, seed_everything
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def run_sft(config: Config, output: str | Path) -> Path:
     tokenizer = load_tokenizer(model_path)
     model = load_model(model_path, dtype=config.model.dtype, device=config.model.device)
     model.train()
-    train_set, _ = open_datasets(config)
+    train_set, _ = datasets(config)
     rng = random.Random(config.run.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.sft.lr, betas=(0.9, 0.98), weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda("cosine", 10, config.sft.steps))

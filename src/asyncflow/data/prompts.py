@@ -1,0 +1,95 @@
+"""Training prompts: the seed-determined order of a run's examples, and their tokenized form.
+
+Owns: `TrainSet` (examples in a resumable, seed-determined order), `open_datasets` (built-in task or
+files -> a `TrainSet` and the held-out list), `Prompt` (one tokenized prompt of a run) and
+`PromptEncoder` (example -> `Prompt`, with the long-prompt policy).
+
+Invariant: the order of training prompts is a pure function of (seed, position), so a run
+resumed at data position P sees exactly the prompts the uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from asyncflow.data.files import load_examples
+from asyncflow.data.records import Example
+from asyncflow.data.tasks import make_task
+
+TRAIN_POOL_SIZE = 50_000  # built-in tasks: distinct training problems drawn per run
+
+
+@dataclass
+class TrainSet:
+    examples: list[Example]
+    seed: int
+    _epoch: int | None = field(default=None, init=False, repr=False, compare=False)
+    _order: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if not self.examples:
+            raise ValueError("the training set is empty")
+
+    def sample(self, rng: random.Random) -> Example:
+        return self.examples[rng.randrange(len(self.examples))]
+
+    def at(self, position: int) -> Example:
+        """The example served at global position `position` (epochs reshuffled by seed)."""
+        epoch, offset = divmod(position, len(self.examples))
+        if self._epoch != epoch:  # the order of one epoch is computed once, not per example
+            self._order = np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
+            self._epoch = epoch
+        return self.examples[int(self._order[offset])]
+
+
+def open_datasets(data, seed: int) -> tuple[TrainSet, list[Example]]:
+    """The training set and the held-out examples of `data` (a `DataConfig`: a built-in task or files)."""
+    task = make_task(data.task, difficulty=data.difficulty, seed=seed) if data.task else None
+    if data.path:
+        train = load_examples(data.path, prompt_field=data.prompt_field, answer_field=data.answer_field)
+    else:
+        train = task.examples("train", TRAIN_POOL_SIZE)
+    if data.test_path:
+        test = load_examples(data.test_path, prompt_field=data.prompt_field, answer_field=data.answer_field)
+    elif task is not None:
+        test = task.examples("test", data.test_size)
+    else:
+        test = []
+    return TrainSet(train, seed), test[: data.test_size]
+
+
+@dataclass
+class Prompt:
+    """One prompt of the dataset, tokenized. `group_id` is unique within a run."""
+
+    group_id: int
+    prompt_ids: list[int]
+    answer: str
+    metadata: dict = field(default_factory=dict)
+
+
+class PromptEncoder:
+    """Tokenizes examples into `Prompt`s with `render` (text -> token ids, chat template included), applying
+    the long-prompt policy: `on_long="skip"` skips and counts a prompt over `max_tokens`, `"error"` stops."""
+
+    def __init__(self, render: Callable[[str], list[int]], max_tokens: int, on_long: str):
+        self.render = render
+        self.max_tokens = max_tokens
+        self.on_long = on_long
+        self.skipped = 0
+
+    def encode(self, example: Example, group_id: int) -> Prompt | None:
+        ids = self.render(example.prompt)
+        if len(ids) > self.max_tokens:
+            if self.on_long == "error":
+                raise ValueError(
+                    f"prompt of {example.source or 'example'} has {len(ids)} tokens > data.max_prompt_tokens="
+                    f"{self.max_tokens} (set data.on_long_prompt=skip to skip such prompts)"
+                )
+            self.skipped += 1
+            return None
+        return Prompt(group_id, ids, example.answer, dict(example.metadata))

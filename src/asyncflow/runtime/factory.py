@@ -1,0 +1,19 @@
+"""`make_runtime`: the runtime of `runtime.kind` (`auto`: inline for `sync`, Ray for the separated
+workflows). The Ray runtime is imported only when asked for, so `ray` stays unimported otherwise."""
+
+from __future__ import annotations
+
+from asyncflow.config import Config
+
+
+def make_runtime(config: Config):
+    kind = config.runtime.kind
+    if kind == "auto":
+        kind = "inline" if config.workflow.mode == "sync" else "ray"
+    if kind == "ray":
+        from asyncflow.runtime.ray_runtime import RayRuntime
+
+        return RayRuntime(config)
+    from asyncflow.runtime.inline import InlineRuntime
+
+    return InlineRuntime(config)

@@ -1,0 +1,45 @@
+"""Weight transports: the trainer publishes versioned state dicts, inference engines receive them.
+
+This package sits below the engines and workers and imports nothing else of asyncflow, so an
+engine adapter can use a transport without importing workflow code. One module per concern:
+`buckets` (bucketing), `base` (protocols, errors), `background` (the remote transports' sender
+thread), one module per transport, and `factory` (`make_weight_sync`):
+
+| kind                | reaches               | publish                                  |
+|---------------------|-----------------------|------------------------------------------|
+| `inprocess`         | the same process      | packs into a fresh buffer, swaps a reference |
+| `shared_memory`     | processes, one host   | packs into the idle slot of a 2-slot file in /dev/shm, flips |
+| `ray`               | a Ray cluster         | packs, then `ray.put`s buckets on a background thread |
+| `torch_distributed` | a process group       | packs, then broadcasts buckets (gloo / NCCL) on a background thread |
+
+Receivers are built in any process from `publisher.receiver_spec` (a small picklable dataclass;
+`spec.open()`), except `inprocess`, whose spec only works inside the publishing process.
+
+Invariants:
+- A receiver returns whole versions only: every tensor of one published version, never a mix.
+- Weights travel as a few large buckets: same-dtype tensors flattened into contiguous buffers of
+  at most `bucket_bytes` (a larger tensor gets a bucket of its own), plus a `Manifest` (names,
+  shapes, dtypes, offsets) that rebuilds the state dict. No transport makes a call per tensor.
+- `publish` never waits for receivers. It costs one local copy of the weights (the snapshot: the
+  trainer may step as soon as it returns); the remote part (`ray`, `torch_distributed`) runs on a
+  background thread. A publish while an earlier version is still waiting to be sent **supersedes**
+  it: that version is never sent and receivers skip it; the version already being sent completes.
+  Receivers therefore converge to the newest version but may skip intermediate ones.
+- Versions published by one publisher strictly increase.
+- Every blocking call takes a timeout and ends in `WeightSyncTimeout` (transport, version, what was
+  awaited); a closed or broken transport raises `WeightSyncError`. Nothing hangs silently.
+- Received tensors are read-only snapshots: the transport never writes them again; callers copy
+  them into their model (`load_state_dict`) and must not modify them in place.
+- `publish` and `wait_published` are called from one thread (the trainer's).
+"""
+
+from asyncflow.weights.base import (
+    ReceiverSpec, Received, WeightPublisher, WeightReceiver, WeightSyncError, WeightSyncTimeout,
+)
+from asyncflow.weights.buckets import DEFAULT_BUCKET_BYTES, Manifest, StateDict, pack, plan_buckets, unpack
+from asyncflow.weights.factory import TransportKind, make_weight_sync
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES", "Manifest", "ReceiverSpec", "Received", "StateDict", "TransportKind", "WeightPublisher",
+    "WeightReceiver", "WeightSyncError", "WeightSyncTimeout", "make_weight_sync", "pack", "plan_buckets", "unpack",
+]

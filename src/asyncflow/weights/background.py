@@ -1,0 +1,134 @@
+"""Background sending for the remote transports (`ray`, `torch_distributed`).
+
+Owns: `BackgroundSender`, double-buffered staging plus one sender thread, so that `publish` costs
+one local copy and never waits for receivers.
+
+Invariant: a publish while an earlier version is still waiting to be sent supersedes it (that
+version is never sent); the version already being sent completes. The first failure is sticky.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncflow.weights.base import WeightSyncError, WeightSyncTimeout, check_increasing
+from asyncflow.weights.buckets import Manifest, allocate_payload, bucket_views, pack, plan_buckets
+
+
+@dataclass
+class _Staged:
+    manifest: Manifest
+    payload: torch.Tensor
+    buckets: list[torch.Tensor] = field(default_factory=list)
+    version: int = -1
+
+
+class BackgroundSender:
+    """Double-buffered staging plus one sender thread.
+
+    `publish` packs into a free staging payload and queues it; the thread sends it with
+    `send(version, manifest, buckets)`. Two payloads circulate: one being sent, the other pending
+    or free. A publish while one is pending supersedes it (reuses its payload; that version is
+    never sent). The first failure is sticky: every later call raises it.
+    """
+
+    def __init__(
+        self,
+        transport: str,
+        send: Callable[[int, Manifest, list[torch.Tensor]], None],
+        *,
+        bucket_bytes: int,
+        staging_device: torch.device | str = "cpu",
+        connect: Callable[[], None] | None = None,
+    ):
+        self.transport, self.bucket_bytes = transport, bucket_bytes
+        self.staging_device = torch.device(staging_device)
+        self._send, self._connect = send, connect
+        self._cond = threading.Condition()
+        self._free: list[_Staged] = []
+        self._pending: _Staged | None = None
+        self._sending = False
+        self._failure: BaseException | None = None
+        self._closing = False
+        self.last_version: int | None = None
+        self.superseded = 0
+        self._thread = threading.Thread(target=self._run, name=f"weight-sync-{transport}", daemon=True)
+        self._thread.start()
+
+    def _raise_if_unusable(self) -> None:
+        if self._failure is not None:
+            if isinstance(self._failure, WeightSyncError):
+                raise self._failure
+            raise WeightSyncError(f"{self.transport}: background send failed: {self._failure!r}") from self._failure
+        if self._closing:
+            raise WeightSyncError(f"{self.transport}: publisher closed")
+
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        manifest = plan_buckets(state_dict, self.bucket_bytes)
+        with self._cond:
+            self._raise_if_unusable()
+            check_increasing(self.transport, self.last_version, version)
+            if self._pending is not None:
+                staged, self._pending = self._pending, None
+                self.superseded += 1
+            else:
+                staged = self._free.pop() if self._free else None
+        if staged is None or staged.manifest != manifest:
+            payload = allocate_payload(manifest, self.staging_device)
+            staged = _Staged(manifest, payload, bucket_views(manifest, payload))
+        pack(state_dict, manifest, staged.buckets)
+        if staged.payload.is_cuda:  # the sender thread must not read the payload before the copy lands
+            torch.cuda.current_stream(staged.payload.device).synchronize()
+        staged.version = version
+        with self._cond:
+            self._pending = staged
+            self.last_version = version
+            self._cond.notify_all()
+
+    def wait_published(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._failure is None and (self._pending is not None or self._sending):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WeightSyncTimeout(
+                        self.transport, self.last_version, "the background send to reach receivers", timeout
+                    )
+                self._cond.wait(left)
+            self._raise_if_unusable()
+
+    def _run(self) -> None:
+        try:
+            if self._connect is not None:
+                self._connect()
+            while True:
+                with self._cond:
+                    while self._pending is None and not self._closing:
+                        self._cond.wait()
+                    if self._closing:
+                        return
+                    staged, self._pending, self._sending = self._pending, None, True
+                self._send(staged.version, staged.manifest, staged.buckets)
+                with self._cond:
+                    self._sending = False
+                    if len(self._free) < 2:
+                        self._free.append(staged)
+                    self._cond.notify_all()
+        except BaseException as err:  # handed to the trainer thread on its next call
+            with self._cond:
+                self._failure, self._sending = err, False
+                self._cond.notify_all()
+
+    def close(self, timeout: float) -> bool:
+        """Stop after the send in flight (a pending, unsent version is dropped); False if that
+        send is still running after `timeout` (it ends with its own transport timeout)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()

@@ -1,0 +1,39 @@
+"""`make_weight_sync`: a publisher of the named transport (each imported only when asked for, so
+`ray` is imported only by a run that uses the `ray` transport)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from asyncflow.weights.base import WeightPublisher
+from asyncflow.weights.buckets import DEFAULT_BUCKET_BYTES
+
+TransportKind = Literal["inprocess", "shared_memory", "ray", "torch_distributed"]
+
+
+def make_weight_sync(
+    kind: TransportKind, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **options: Any
+) -> WeightPublisher:
+    """A publisher of the given transport; receivers: `publisher.receiver_spec.open()` (for
+    `torch_distributed`, `receiver_spec.for_rank(r).open()` with r in 1..num_receivers).
+
+    options: inprocess: `device`; shared_memory: `path`; ray: `store_name`, `namespace`, `timeout_s`;
+    torch_distributed: `num_receivers` (required), `host`, `port`, `backend`, `device`, `timeout_s`.
+    """
+    if kind == "inprocess":
+        from asyncflow.weights.inprocess import InProcessPublisher
+
+        return InProcessPublisher(bucket_bytes, **options)
+    if kind == "shared_memory":
+        from asyncflow.weights.shared_memory import SharedMemoryPublisher
+
+        return SharedMemoryPublisher(bucket_bytes, **options)
+    if kind == "ray":
+        from asyncflow.weights.ray_transport import RayWeightPublisher
+
+        return RayWeightPublisher(bucket_bytes, **options)
+    if kind == "torch_distributed":
+        from asyncflow.weights.torch_distributed import TorchDistributedPublisher
+
+        return TorchDistributedPublisher(bucket_bytes=bucket_bytes, **options)
+    raise ValueError(f"unknown weight-sync transport {kind!r}: inprocess, shared_memory, ray or torch_distributed")

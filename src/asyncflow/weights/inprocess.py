@@ -1,0 +1,82 @@
+"""The `inprocess` transport: publisher and receivers in one process (the inline runtime).
+
+Owns: `InProcessPublisher` (packs into a fresh payload per version and swaps a reference under a
+lock) and its receiver. Its spec only works inside the publishing process.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from asyncflow.weights.base import PollingReceiver, Received, WeightSyncError, check_increasing
+from asyncflow.weights.buckets import (
+    DEFAULT_BUCKET_BYTES, Manifest, allocate_payload, bucket_views, pack, plan_buckets, unpack,
+)
+
+
+class _InProcessSlot:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.latest: tuple[int, Manifest, list[torch.Tensor]] | None = None
+        self.closed = False
+
+
+@dataclass(frozen=True)
+class InProcessSpec:
+    slot: _InProcessSlot
+
+    def open(self) -> InProcessReceiver:
+        return InProcessReceiver(self.slot)
+
+
+class InProcessPublisher:
+    """Packs into a fresh payload per version and swaps the reference under a lock."""
+
+    transport = "inprocess"
+
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: str = "cpu"):
+        self.bucket_bytes, self.device = bucket_bytes, device
+        self._slot = _InProcessSlot()
+        self.receiver_spec = InProcessSpec(self._slot)
+
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        manifest = plan_buckets(state_dict, self.bucket_bytes)
+        payload = allocate_payload(manifest, self.device)
+        buckets = bucket_views(manifest, payload)
+        pack(state_dict, manifest, buckets)
+        with self._slot.lock:
+            if self._slot.closed:
+                raise WeightSyncError("inprocess: publish after close")
+            latest = self._slot.latest
+            check_increasing(self.transport, None if latest is None else latest[0], version)
+            self._slot.latest = (version, manifest, buckets)
+
+    def wait_published(self, timeout: float) -> None:
+        """A publish is visible when it returns."""
+
+    def close(self) -> None:
+        with self._slot.lock:
+            self._slot.closed = True
+
+
+class InProcessReceiver(PollingReceiver):
+    transport = "inprocess"
+
+    def __init__(self, slot: _InProcessSlot):
+        self._slot = slot
+
+    def poll(self, have_version: int) -> Received | None:
+        with self._slot.lock:
+            latest, closed = self._slot.latest, self._slot.closed
+        if latest is not None and latest[0] > have_version:
+            return latest[0], unpack(latest[1], latest[2])
+        if closed:
+            raise WeightSyncError("inprocess: publisher closed")
+        return None
+
+    def close(self) -> None:
+        """Nothing to release."""

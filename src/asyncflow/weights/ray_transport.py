@@ -1,0 +1,187 @@
+"""The `ray` transport: weights through Ray's object store; the only weights module that imports `ray`.
+
+Owns: `RayWeightPublisher` (`ray.put`s each bucket on a background thread, then records the refs in
+a named `WeightStore` actor), `RayWeightReceiver` (asks the store for refs newer than its version
+and `ray.get`s them), and the store actor itself.
+
+Invariants:
+- The store holds the refs of the newest version only, so older bucket objects are freed as soon
+  as no receiver holds them; a version is recorded only after all its buckets are in the store.
+- Objects are owned by the publishing process (`ray.put` there): they live as long as it does.
+- Every remote call is bounded: a timeout raises `WeightSyncTimeout`, an unreachable store or lost
+  object `WeightSyncError`.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayError
+
+from asyncflow.weights.background import BackgroundSender
+from asyncflow.weights.base import PollingReceiver, Received, WeightSyncError, WeightSyncTimeout
+from asyncflow.weights.buckets import DEFAULT_BUCKET_BYTES, Manifest, allocate_payload, bucket_views, unpack
+
+
+# --------------------------------------------------------------------------- the store actor
+@ray.remote(num_cpus=0)
+class WeightStore:
+    """The newest (version, manifest bytes, bucket refs); refs arrive nested so Ray keeps them as refs."""
+
+    def __init__(self) -> None:
+        self._latest: tuple[int, bytes, list[ray.ObjectRef]] | None = None
+
+    def put(self, version: int, manifest: bytes, refs: list[ray.ObjectRef]) -> None:
+        if self._latest is None or version > self._latest[0]:
+            self._latest = (version, manifest, refs)
+
+    def newer_than(self, have_version: int) -> tuple[int, bytes, list[ray.ObjectRef]] | None:
+        if self._latest is None or self._latest[0] <= have_version:
+            return None
+        return self._latest
+
+
+def _get(refs: Any, timeout_s: float, what: str) -> Any:
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except GetTimeoutError as err:
+        raise TimeoutError(what) from err
+    except RayError as err:
+        raise ConnectionError(f"{what}: {err}") from err
+
+
+def create_weight_store(name: str, namespace: str | None) -> Any:
+    return WeightStore.options(name=name, namespace=namespace).remote()
+
+
+def find_weight_store(name: str, namespace: str | None, timeout_s: float) -> Any:
+    """The store actor by name, retrying until it is registered or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"weight store {name!r} to be registered") from None
+            time.sleep(0.05)
+
+
+def store_version(store: Any, version: int, manifest: bytes, buckets: list[np.ndarray], timeout_s: float) -> None:
+    refs = [ray.put(bucket) for bucket in buckets]
+    _get(store.put.remote(version, manifest, refs), timeout_s, "the weight store to record a version")
+
+
+def fetch_newer(store: Any, have_version: int, timeout_s: float) -> tuple[int, bytes, list[np.ndarray]] | None:
+    """(version, manifest, read-only bucket arrays) of the stored version if newer than `have_version`."""
+    latest = _get(store.newer_than.remote(have_version), timeout_s, "the weight store's reply")
+    if latest is None:
+        return None
+    version, manifest, refs = latest
+    return version, manifest, _get(refs, timeout_s, f"the {len(refs)} bucket objects of version {version}")
+
+
+def kill_weight_store(store: Any) -> None:
+    ray.kill(store)
+
+
+# ------------------------------------------------------------------- publisher, receiver
+@dataclass(frozen=True)
+class RaySpec:
+    store_name: str
+    namespace: str | None
+    timeout_s: float
+
+    def open(self) -> RayWeightReceiver:
+        return RayWeightReceiver(self)
+
+
+class RayWeightPublisher:
+    """`ray.put`s each bucket, then records the refs in a named weight-store actor.
+
+    Ray must be initialised. Receivers ask the store for refs newer than theirs and `ray.get` them.
+    The store holds the latest version only; older objects are freed once no receiver holds them.
+    """
+
+    transport = "ray"
+
+    def __init__(
+        self,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        *,
+        store_name: str | None = None,
+        namespace: str | None = None,
+        timeout_s: float = 60.0,
+    ):
+        self.timeout_s = timeout_s
+        name = store_name or f"asyncflow-weight-store-{uuid.uuid4().hex[:12]}"
+        self._store = create_weight_store(name, namespace)
+        self.receiver_spec = RaySpec(name, namespace, timeout_s)
+        self._sender = BackgroundSender(self.transport, self._send, bucket_bytes=bucket_bytes)
+
+    def _send(self, version: int, manifest: Manifest, buckets: list[torch.Tensor]) -> None:
+        arrays = [b.view(torch.uint8).numpy() for b in buckets]
+        try:
+            store_version(self._store, version, pickle.dumps(manifest), arrays, self.timeout_s)
+        except TimeoutError as err:
+            raise WeightSyncTimeout(
+                self.transport, version, f"the weight store to record it ({err})", self.timeout_s
+            ) from err
+        except ConnectionError as err:
+            raise WeightSyncError(f"ray: storing version {version} failed: {err}") from err
+
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        self._sender.publish(state_dict, version)
+
+    def wait_published(self, timeout: float) -> None:
+        self._sender.wait_published(timeout)
+
+    @property
+    def superseded(self) -> int:
+        return self._sender.superseded
+
+    def close(self) -> None:
+        self._sender.close(self.timeout_s)
+        kill_weight_store(self._store)
+
+
+class RayWeightReceiver(PollingReceiver):
+    transport = "ray"
+
+    def __init__(self, spec: RaySpec):
+        self._spec = spec
+        try:
+            self._store = find_weight_store(spec.store_name, spec.namespace, spec.timeout_s)
+        except TimeoutError as err:
+            raise WeightSyncTimeout(self.transport, None, f"weight store {spec.store_name!r}", spec.timeout_s) from err
+
+    def poll(self, have_version: int) -> Received | None:
+        try:
+            latest = fetch_newer(self._store, have_version, self._spec.timeout_s)
+        except TimeoutError as err:
+            raise WeightSyncTimeout(
+                self.transport, have_version + 1, f"weights from the store ({err})", self._spec.timeout_s
+            ) from err
+        except ConnectionError as err:
+            raise WeightSyncError(
+                f"ray: weight store {self._spec.store_name!r} unreachable (publisher closed?): {err}"
+            ) from err
+        if latest is None:
+            return None
+        version, manifest_bytes, arrays = latest
+        manifest: Manifest = pickle.loads(manifest_bytes)
+        payload = allocate_payload(manifest)
+        buckets = bucket_views(manifest, payload)
+        for bucket, array in zip(buckets, arrays, strict=True):
+            bucket.view(torch.uint8).numpy()[:] = array  # out of the read-only object-store mapping
+        return version, unpack(manifest, buckets)
+
+    def close(self) -> None:
+        """Holds no objects between polls."""

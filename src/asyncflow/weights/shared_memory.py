@@ -1,0 +1,202 @@
+"""The `shared_memory` transport: processes on one host, through a 2-slot file in /dev/shm.
+
+Owns: `SharedMemoryPublisher` (packs into the idle slot, then flips the active one) and
+`SharedMemoryReceiver` (a seqlock reader that copies the active slot out).
+
+Invariant: a reader never returns a torn version: it keeps a copy only if the slot's sequence
+number was even and unchanged across the copy.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import struct
+import tempfile
+import uuid
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from asyncflow.weights.base import PollingReceiver, Received, WeightSyncError, check_increasing
+from asyncflow.weights.buckets import (
+    DEFAULT_BUCKET_BYTES, Manifest, align, allocate_payload, bucket_views, pack, plan_buckets, unpack,
+)
+
+
+# File layout (all integers little-endian int64):
+#   [0, 64)               control: magic, active slot, closed, manifest bytes, slot stride
+#   [64, 64 + m)          pickled Manifest, written once before the file becomes visible
+#   slot i at data_start + i * stride: [seq, version] (64-byte header) then the payload
+# Seqlock: the writer makes the idle slot's seq odd, writes payload and version, makes seq even,
+# then points `active` at it. A reader copies the active slot and keeps the copy only if seq was
+# even and unchanged across the copy (else it re-reads `active` and retries). Store/load order
+# across processes comes from x86-64 TSO; on weakly ordered CPUs from the barriers of the GIL
+# hand-off around each torch copy.
+_MAGIC = 0x57534E43_41464C57
+_CONTROL = struct.Struct("<5q")
+_SLOT = struct.Struct("<2q")
+_SLOT_HEADER = 64
+_TORN_READ_RETRIES = 100
+
+
+def _shared_memory_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+@dataclass(frozen=True)
+class SharedMemorySpec:
+    path: str
+
+    def open(self) -> SharedMemoryReceiver:
+        return SharedMemoryReceiver(self.path)
+
+
+def _unlink_quietly(path: str) -> None:
+    for p in (path, path + ".tmp"):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+
+class SharedMemoryPublisher:
+    """Two payload slots in one memory-mapped file; the layout is fixed by the first publish."""
+
+    transport = "shared_memory"
+
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, path: str | None = None):
+        self.bucket_bytes = bucket_bytes
+        self.path = path or os.path.join(
+            _shared_memory_dir(), f"asyncflow-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        )
+        self.receiver_spec = SharedMemorySpec(self.path)
+        self._mm: mmap.mmap | None = None
+        self._bytes: torch.Tensor | None = None
+        self._manifest: Manifest | None = None
+        self._active = 1  # so the first publish writes slot 0
+        self._last_version: int | None = None
+        self._data_start = self._stride = 0
+        self._unlink = weakref.finalize(self, _unlink_quietly, self.path)
+
+    def _create(self, manifest: Manifest) -> None:
+        manifest_bytes = pickle.dumps(manifest)
+        self._data_start = align(_CONTROL.size + len(manifest_bytes))
+        self._stride = align(_SLOT_HEADER + manifest.payload_bytes)
+        size = self._data_start + 2 * self._stride
+        fd = os.open(self.path + ".tmp", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            try:  # reserve the pages now: a full tmpfs must fail here, not SIGBUS on a later write
+                os.posix_fallocate(fd, 0, size)
+            except AttributeError:
+                os.ftruncate(fd, size)
+            except OSError as err:
+                raise WeightSyncError(f"shared_memory: cannot reserve {size} bytes in {self.path}: {err}") from err
+            self._mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._mm[_CONTROL.size : _CONTROL.size + len(manifest_bytes)] = manifest_bytes
+        _CONTROL.pack_into(self._mm, 0, _MAGIC, -1, 0, len(manifest_bytes), self._stride)
+        self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._manifest = manifest
+
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        check_increasing(self.transport, self._last_version, version)
+        manifest = plan_buckets(state_dict, self.bucket_bytes)
+        first = self._mm is None
+        if first:
+            self._create(manifest)
+        elif self._bytes is None:
+            raise WeightSyncError("shared_memory: publish after close")
+        elif manifest != self._manifest:
+            raise ValueError(
+                "shared_memory: the state dict layout differs from the first publish (fixed per publisher)"
+            )
+        slot = 1 - self._active
+        start = self._data_start + slot * self._stride
+        seq, _ = _SLOT.unpack_from(self._mm, start)
+        seq |= 1  # odd: being written (already odd if an earlier publish into this slot raised)
+        _SLOT.pack_into(self._mm, start, seq, version)
+        payload = self._bytes[start + _SLOT_HEADER : start + _SLOT_HEADER + manifest.payload_bytes]
+        pack(state_dict, manifest, bucket_views(manifest, payload))
+        del payload
+        _SLOT.pack_into(self._mm, start, seq + 1, version)
+        magic, _, closed, manifest_len, stride = _CONTROL.unpack_from(self._mm, 0)
+        _CONTROL.pack_into(self._mm, 0, magic, slot, closed, manifest_len, stride)
+        self._active, self._last_version = slot, version
+        if first:
+            os.rename(self.path + ".tmp", self.path)
+
+    def wait_published(self, timeout: float) -> None:
+        """A publish is visible when it returns."""
+
+    def close(self) -> None:
+        if self._mm is not None and self._bytes is not None:
+            values = list(_CONTROL.unpack_from(self._mm, 0))
+            values[2] = 1
+            _CONTROL.pack_into(self._mm, 0, *values)
+            self._bytes = None
+            self._mm.close()
+        self._bytes = None
+        self._unlink()
+
+
+class SharedMemoryReceiver(PollingReceiver):
+    transport = "shared_memory"
+
+    def __init__(self, path: str):
+        self.path = path
+        self._mm: mmap.mmap | None = None
+        self._bytes: torch.Tensor | None = None
+        self._manifest: Manifest | None = None
+        self._data_start = self._stride = 0
+
+    def _attach(self) -> bool:
+        try:
+            # read-write only because torch.frombuffer wants a writable buffer; receivers never write
+            fd = os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            return False
+        try:
+            self._mm = mmap.mmap(fd, 0)
+        finally:
+            os.close(fd)
+        magic, _, _, manifest_len, self._stride = _CONTROL.unpack_from(self._mm, 0)
+        if magic != _MAGIC:
+            raise WeightSyncError(f"shared_memory: {self.path} is not a weight-sync file")
+        self._manifest = pickle.loads(self._mm[_CONTROL.size : _CONTROL.size + manifest_len])
+        self._data_start = align(_CONTROL.size + manifest_len)
+        self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+        return True
+
+    def poll(self, have_version: int) -> Received | None:
+        if self._mm is None and not self._attach():
+            return None
+        if self._bytes is None or self._manifest is None:
+            raise WeightSyncError("shared_memory: receiver used after close")
+        manifest = self._manifest
+        for _ in range(_TORN_READ_RETRIES):
+            _, slot, closed, _, _ = _CONTROL.unpack_from(self._mm, 0)
+            start = self._data_start + slot * self._stride
+            seq_before, version = _SLOT.unpack_from(self._mm, start)
+            if seq_before % 2:
+                continue
+            if version <= have_version:
+                if closed:
+                    raise WeightSyncError(f"shared_memory: publisher of {self.path} closed")
+                return None
+            payload = allocate_payload(manifest)
+            payload.copy_(self._bytes[start + _SLOT_HEADER : start + _SLOT_HEADER + manifest.payload_bytes])
+            seq_after, _ = _SLOT.unpack_from(self._mm, start)
+            if seq_after == seq_before:
+                return version, unpack(manifest, bucket_views(manifest, payload))
+        return None  # the writer kept overwriting what we read; wait_for retries until its deadline
+
+    def close(self) -> None:
+        self._bytes = self._manifest = None
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None

@@ -1,0 +1,219 @@
+"""The `torch_distributed` transport: rank 0 publishes, ranks 1..N receive, over gloo or NCCL.
+
+Owns: `TorchDistributedPublisher` (broadcasts buckets from a background thread over a private
+TCPStore and process group that never touches the default process group) and its receiver.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import torch
+
+from asyncflow.weights.background import BackgroundSender
+from asyncflow.weights.base import PollingReceiver, Received, WeightSyncError, WeightSyncTimeout
+from asyncflow.weights.buckets import DEFAULT_BUCKET_BYTES, Manifest, allocate_payload, bucket_views, unpack
+
+
+# ------------------------------------------------------------------------- torch.distributed
+# Protocol (rank 0 publishes, ranks 1..N receive), over a private TCPStore + process group that
+# never touches the default process group:
+#   join:      each receiver bumps store key "joined"; rank 0 builds the group once all N joined.
+#   announce:  for its k-th send rank 0 sets "announce/k" = (version, manifest id) (and
+#              "manifest/<id>" when the layout changes), then broadcasts every bucket from rank 0.
+#   receive:   a receiver that has taken k-1 sends sees "announce/k" and joins exactly those
+#              broadcasts, in order; `poll` drains every announced send and returns the newest.
+# Broadcasts are collective: a send completes only when every receiver has polled. Each
+# broadcast waits at most `timeout_s`; after a timeout the group is out of step and the
+# transport is broken (WeightSyncError on every later call): close it and build a new one.
+def _make_group(store: Any, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    raise ValueError(f"torch_distributed: unknown backend {backend!r} (gloo or nccl)")
+
+
+def _broadcast(group: Any, tensor: torch.Tensor, timeout_s: float, version: int, what: str) -> None:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        group.broadcast(tensor, 0, timeout).wait(timeout)
+    except RuntimeError as err:
+        if "timed out" in str(err).lower() or "timeout" in str(err).lower():
+            raise WeightSyncTimeout(
+                "torch_distributed", version, f"{what} (every receiver must poll)", timeout_s
+            ) from err
+        raise WeightSyncError(f"torch_distributed: {what} of version {version} failed: {err}") from err
+
+
+@dataclass(frozen=True)
+class TorchDistributedSpec:
+    host: str
+    port: int
+    world_size: int
+    backend: str
+    device: str
+    timeout_s: float
+    rank: int | None = None
+
+    def for_rank(self, rank: int) -> TorchDistributedSpec:
+        return replace(self, rank=rank)
+
+    def open(self) -> TorchDistributedReceiver:
+        """Join the group; blocks (at most `timeout_s`) until the publisher is there too."""
+        return TorchDistributedReceiver(self)
+
+
+class TorchDistributedPublisher:
+    """Rank 0 of a private process group; broadcasts buckets on a background thread."""
+
+    transport = "torch_distributed"
+
+    def __init__(
+        self,
+        num_receivers: int,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        backend: Literal["gloo", "nccl"] = "gloo",
+        device: str = "cpu",
+        timeout_s: float = 60.0,
+    ):
+        import torch.distributed as dist
+
+        if num_receivers < 1:
+            raise ValueError("torch_distributed needs at least one receiver")
+        if backend == "nccl" and not device.startswith("cuda"):
+            raise ValueError(f"torch_distributed: nccl moves CUDA tensors; got device {device!r}")
+        self.num_receivers, self.timeout_s, self.backend = num_receivers, timeout_s, backend
+        self._store = dist.TCPStore(
+            host, port, is_master=True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+        self.receiver_spec = TorchDistributedSpec(host, self._store.port, num_receivers + 1, backend, device, timeout_s)
+        self._group: Any = None
+        self._closed = threading.Event()
+        self._sends = 0
+        self._manifests: dict[Manifest, int] = {}
+        self._sender = BackgroundSender(
+            self.transport, self._send, bucket_bytes=bucket_bytes, staging_device=device, connect=self._connect
+        )
+
+    def _connect(self) -> None:
+        import torch.distributed as dist
+
+        deadline = time.monotonic() + self.timeout_s
+        while self._store.add("joined", 0) < self.num_receivers:
+            if self._closed.is_set():
+                return
+            if time.monotonic() >= deadline:
+                raise WeightSyncTimeout(
+                    self.transport,
+                    None,
+                    f"{self.num_receivers} receivers to join port {self._store.port}",
+                    self.timeout_s,
+                )
+            time.sleep(0.01)
+        self._group = _make_group(
+            dist.PrefixStore("group", self._store), 0, self.num_receivers + 1, self.backend, self.timeout_s
+        )
+
+    def _send(self, version: int, manifest: Manifest, buckets: list[torch.Tensor]) -> None:
+        manifest_id = self._manifests.get(manifest)
+        if manifest_id is None:
+            manifest_id = self._manifests[manifest] = len(self._manifests)
+            self._store.set(f"manifest/{manifest_id}", pickle.dumps(manifest))
+        self._sends += 1
+        self._store.set(f"announce/{self._sends}", pickle.dumps((version, manifest_id)))
+        for i, bucket in enumerate(buckets):
+            _broadcast(self._group, bucket, self.timeout_s, version, f"broadcast of bucket {i + 1}/{len(buckets)}")
+
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        self._sender.publish(state_dict, version)
+
+    def wait_published(self, timeout: float) -> None:
+        self._sender.wait_published(timeout)
+
+    @property
+    def superseded(self) -> int:
+        return self._sender.superseded
+
+    def close(self) -> None:
+        self._closed.set()
+        if not self._sender.close(self.timeout_s):
+            return  # a broadcast is still stuck; it ends with its own timeout
+        self._store.set("closed", b"1")
+        if self._group is not None:
+            self._group.shutdown()
+            self._group = None
+
+
+class TorchDistributedReceiver(PollingReceiver):
+    transport = "torch_distributed"
+
+    def __init__(self, spec: TorchDistributedSpec):
+        import torch.distributed as dist
+
+        if spec.rank is None or not 1 <= spec.rank < spec.world_size:
+            raise ValueError(f"torch_distributed: receiver rank must be in 1..{spec.world_size - 1} (spec.for_rank)")
+        self._spec = spec
+        timeout = datetime.timedelta(seconds=spec.timeout_s)
+        try:
+            self._store = dist.TCPStore(spec.host, spec.port, is_master=False, timeout=timeout)
+            self._store.add("joined", 1)
+            self._group = _make_group(
+                dist.PrefixStore("group", self._store), spec.rank, spec.world_size, spec.backend, spec.timeout_s
+            )
+        except RuntimeError as err:  # DistStoreError and gloo's connect errors are RuntimeErrors
+            raise WeightSyncTimeout(
+                self.transport, None, f"the group at {spec.host}:{spec.port} to form ({err})", spec.timeout_s
+            ) from err
+        self._taken = 0
+        self._manifests: dict[int, Manifest] = {}
+
+    def _receive(self, key: str) -> tuple[int, Manifest, list[torch.Tensor]]:
+        version, manifest_id = pickle.loads(self._store.get(key))
+        manifest = self._manifests.get(manifest_id)
+        if manifest is None:
+            manifest = self._manifests[manifest_id] = pickle.loads(self._store.get(f"manifest/{manifest_id}"))
+        buckets = bucket_views(manifest, allocate_payload(manifest, self._spec.device))
+        for i, bucket in enumerate(buckets):
+            _broadcast(
+                self._group, bucket, self._spec.timeout_s, version, f"broadcast of bucket {i + 1}/{len(buckets)}"
+            )
+        return version, manifest, buckets
+
+    def poll(self, have_version: int) -> Received | None:
+        newest = None
+        try:
+            while self._store.check([f"announce/{self._taken + 1}"]):
+                newest = self._receive(f"announce/{self._taken + 1}")
+                self._taken += 1
+            closed = newest is None and self._store.check(["closed"])
+        except RuntimeError as err:
+            if isinstance(err, WeightSyncError):
+                raise
+            raise WeightSyncError(
+                f"torch_distributed: store at {self._spec.host}:{self._spec.port} failed: {err}"
+            ) from err
+        if newest is not None and newest[0] > have_version:
+            return newest[0], unpack(newest[1], newest[2])
+        if closed:
+            raise WeightSyncError("torch_distributed: publisher closed")
+        return None
+
+    def close(self) -> None:
+        if self._group is not None:
+            self._group.shutdown()
+            self._group = None
