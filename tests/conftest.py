@@ -1,8 +1,44 @@
-"""Shared fixtures: tiny preset models built once per session into a temporary cache."""
+"""Shared fixtures: tiny preset models built once per session into a temporary cache, and one local Ray
+cluster for the whole session.
+
+Markers (pyproject): `ray` (needs a Ray cluster; set on every test that uses `ray_cluster`), `slow` (over
+~10 s on a 2-core CPU), `gpu` (needs CUDA; left out of the default run). The tests mirror the package
+layout, so one layer runs alone in seconds: `pytest tests/algos`, `pytest -m "not slow and not ray"`.
+"""
 
 import os
+from pathlib import Path
 
 import pytest
+
+TESTS = Path(__file__).resolve().parent
+SRC = TESTS.parent / "src"
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(_isolated_cache):
+    """A local 2-CPU Ray cluster shared by every test that asks for it. Its workers import `src` and every
+    test folder (actors unpickle functions defined in test modules); runtimes join it instead of starting
+    their own."""
+    ray = pytest.importorskip("ray")
+    folders = [SRC, TESTS, *sorted(p for p in TESTS.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))]
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([*map(str, folders), *([saved] if saved else [])])  # workers inherit
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 @pytest.fixture(scope="session", autouse=True)

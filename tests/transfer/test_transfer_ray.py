@@ -1,8 +1,6 @@
 """The Ray deployment: the shared scenarios through actors, a checkpoint moved from Ray to in-process, and
 Ray actors as concurrent producers, rollout workers and trainers, each holding a pickled copy of the client."""
 
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,22 +17,15 @@ from asyncflow.transfer import TransferQueue
 ray = pytest.importorskip("ray")
 from asyncflow.transfer.ray_queue import RayTransferQueue  # noqa: E402
 
-SRC = Path(__file__).resolve().parents[2] / "src"
-TESTS = Path(__file__).resolve().parent
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
 
 
 @pytest.fixture(scope="module")
-def queue():
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = f"{SRC}:{TESTS}"  # Ray workers inherit it (faster than a runtime_env)
-    try:
-        ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
-        q = RayTransferQueue.create(num_storage_units=2, tasks=("rollout", "trainer"), timeout=60)
-        yield q
-        q.shutdown()
-    finally:
-        ray.shutdown()
-        os.environ.pop("PYTHONPATH") if saved is None else os.environ.__setitem__("PYTHONPATH", saved)
+def queue(ray_cluster):
+    q = RayTransferQueue.create(num_storage_units=2, tasks=("rollout", "trainer"), timeout=60)
+    yield q
+    q.shutdown()
 
 
 def test_round_trip(queue):

@@ -4,7 +4,6 @@ Real threads, processes (spawn), a Ray actor and a two-process gloo group; no mo
 """
 
 import multiprocessing as mp
-import os
 import pickle
 import socket
 import threading
@@ -21,7 +20,7 @@ from asyncflow.weights.ray_transport import RaySpec
 from asyncflow.weights.torch_distributed import TorchDistributedSpec
 
 SPAWN = mp.get_context("spawn")
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 TESTS = str(Path(__file__).resolve().parent)
 
 
@@ -244,24 +243,8 @@ def test_a_failed_background_send_is_raised_to_the_publisher():
 
 
 # ------------------------------------------------------------------------------------- ray
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = f"{SRC}:{TESTS}"  # Ray workers inherit it (faster than a runtime_env)
-    try:
-        ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
-        yield ray
-    finally:
-        ray.shutdown()
-        if saved is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = saved
-
-
-def test_ray_actor_receives_exact_weights_and_newest_version(ray_session):
-    ray = ray_session
+def test_ray_actor_receives_exact_weights_and_newest_version(ray_cluster):
+    ray = ray_cluster
 
     @ray.remote(num_cpus=0)
     class InferenceSide:
@@ -296,7 +279,7 @@ def test_ray_actor_receives_exact_weights_and_newest_version(ray_session):
     ray.kill(actor)
 
 
-def test_ray_missing_store_times_out_quickly(ray_session):
+def test_ray_missing_store_times_out_quickly(ray_cluster):
     start = time.monotonic()
     with pytest.raises(WeightSyncTimeout, match="ray.*weight store 'no-such-store'"):
         RaySpec("no-such-store", None, 0.3).open()

@@ -1,4 +1,4 @@
-"""End-to-end runs through the command line entry point (`asyncflow.cli.main`), on tiny settings.
+"""Every CLI subcommand run through the entry point (`asyncflow.cli.main`), on tiny settings.
 
 Covers the run-folder contract (config.yaml, metrics.jsonl keys, checkpoints, TensorBoard, PNG),
 `--resume` continuing the step numbering (and matching an uninterrupted run), `asyncflow eval`

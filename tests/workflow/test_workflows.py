@@ -11,11 +11,9 @@
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -175,18 +173,6 @@ def test_on_policy_modes_train_fresh_rows(tmp_path, mode):
 
 
 # ---------------------------------------------------------------- faults on the Ray runtime
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    python_path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
-    ray.init(  # replicas import this module's reward functions
-        num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": python_path}},
-    )
-    yield ray
-    ray.shutdown()
-
-
 def kill_replica_at_step(ray_cluster, run, workflow, step: int, *, restart: bool) -> tuple[threading.Thread, dict]:
     """Kill replica `rollout_0` from a thread once `run` reaches `step`; the dict gets the kill's wall time as "at"."""
     killed = {}
