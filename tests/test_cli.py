@@ -54,6 +54,7 @@ def without_timing(metrics: list[dict]) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith(TIMING_KEYS)} for row in metrics]
 
 
+@pytest.mark.slow
 def test_train_resume_eval_and_run_folder(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert train(run_dir) == 0
@@ -126,6 +127,7 @@ def test_unknown_config_key_stops_before_any_work(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_long_prompts_error_or_skip_and_count(tmp_path, capsys):
     # "<s>12+34=" is 7 tokens; with max_prompt_tokens=6 only prompts with a 1-digit operand fit.
     code = train(tmp_path / "err", "sft.before_rl=false", "data.max_prompt_tokens=6", "data.on_long_prompt=error")
@@ -158,6 +160,7 @@ def test_sft_writes_a_model_that_transformers_loads(tmp_path, capsys):
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
+@pytest.mark.slow
 def test_bench_compares_modes_against_sync(tmp_path, capsys):
     args = [*TINY, "sft.before_rl=false", "runtime.kind=inline", "rollout.prompts_per_step=2"]
     code = main(["bench", EXAMPLE, *args, "--modes", "sync", "async:1", "--steps", "4", "--warmup", "1"])

@@ -163,7 +163,8 @@ class TrainConfig(Section):
     max_nan_steps: int = Field(3, ge=1)
     """Stop after this many consecutive steps with a non-finite loss (each is skipped and logged)."""
     packing: Literal["auto", "on", "off"] = "auto"
-    """Shared-prompt packing of GRPO groups in the training forward (`auto`: by the measured rule)."""
+    """Shared-prompt packing of GRPO groups in the training forward (`auto`: by the rule
+    `models.tri_model.should_pack`)."""
 
     @field_validator("packing", mode="before")
     @classmethod

@@ -183,6 +183,7 @@ def _shared_memory_child(spec, last, ready, results):
     receiver.close()
 
 
+@pytest.mark.slow
 def test_shared_memory_process_reader_never_sees_a_torn_version():
     publisher = make_weight_sync("shared_memory", bucket_bytes=16 << 10)
     publisher.publish(uniform_state_dict(0), 0)
@@ -243,6 +244,7 @@ def test_a_failed_background_send_is_raised_to_the_publisher():
 
 
 # ------------------------------------------------------------------------------------- ray
+@pytest.mark.slow
 def test_ray_actor_receives_exact_weights_and_newest_version(ray_cluster):
     ray = ray_cluster
 
@@ -308,6 +310,7 @@ def _gloo_child(spec, last, results):
         results.put(("error", repr(err), None))
 
 
+@pytest.mark.slow
 def test_torch_distributed_gloo_two_processes():
     publisher = make_weight_sync("torch_distributed", num_receivers=1, bucket_bytes=4096, timeout_s=30)
     results = SPAWN.Queue()

@@ -94,6 +94,7 @@ def train_one_step(model_path, rows, *, stream: bool) -> tuple[dict[str, torch.T
     return grads, {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_stream_step_equals_sync_step(tiny_llama_path):
     vocab = load_model(tiny_llama_path).config.vocab_size
     rows = fixed_rollouts(vocab)
@@ -147,6 +148,7 @@ def short_config(tmp_path, *overrides: str):
     ])  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2])
 def test_async_respects_staleness_bound_under_random_delays(tmp_path, k):
     steps = 10
@@ -164,6 +166,7 @@ def test_async_respects_staleness_bound_under_random_delays(tmp_path, k):
     assert run.version == steps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "stream"])
 def test_on_policy_modes_train_fresh_rows(tmp_path, mode):
     config = short_config(tmp_path, "train.steps=3", f"workflow.mode={mode}")
@@ -188,6 +191,7 @@ def kill_replica_at_step(ray_cluster, run, workflow, step: int, *, restart: bool
     return thread, killed
 
 
+@pytest.mark.slow
 def test_killed_rollout_replica_is_restarted_and_no_row_is_lost(tmp_path, ray_cluster):
     steps, per_step = 6, 16
     config = short_config(
@@ -213,6 +217,7 @@ def test_killed_rollout_replica_is_restarted_and_no_row_is_lost(tmp_path, ray_cl
     assert errors[-1] > 0 and errors == sorted(errors), f"reward errors carry over the restart: {errors}"
 
 
+@pytest.mark.slow
 def test_replica_past_its_restarts_fails_the_run_at_once(tmp_path, ray_cluster):
     config = short_config(
         tmp_path, "train.steps=50", "workflow.mode=async", "runtime.kind=ray", "runtime.max_restarts=0",
@@ -226,6 +231,7 @@ def test_replica_past_its_restarts_fails_the_run_at_once(tmp_path, ray_cluster):
     assert time.time() - killed["at"] < 15, "the trainer stops waiting for rows as soon as the replica is gone"
 
 
+@pytest.mark.slow
 def test_torch_distributed_weight_sync_runs_and_refuses_a_restarted_replica(tmp_path, ray_cluster):
     """Weights reach the replica by gloo broadcast for the first steps; a killed replica could not rejoin the
     process group, so the run stops at once with an error that names the transports that survive restarts."""
@@ -243,6 +249,7 @@ def test_torch_distributed_weight_sync_runs_and_refuses_a_restarted_replica(tmp_
     assert run.step >= 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_separated_stream_trainer_borrows_the_waiting_replicas_core(tmp_path, ray_cluster, replicas):
     config = short_config(

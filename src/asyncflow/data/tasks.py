@@ -28,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import itertools
 import json
@@ -45,6 +46,7 @@ TEST_SIZE = 256
 HELD_OUT_PERCENT = 10
 # a held-out stream that draws this many times in a row without a new prompt is exhausted
 _EXHAUSTION_DRAWS = 5_000
+_TRAIN_PREFIXES: dict[str, list[Example]] = {}  # task label -> the first examples of its train stream
 _KEYWORDS = ("rev", "sort")
 TASK_ALPHABET = "".join(sorted(set("0123456789+-*/=:,>()" + "".join(_KEYWORDS))))
 
@@ -64,7 +66,8 @@ def is_held_out(prompt: str) -> bool:
     return int.from_bytes(digest, "big") % 100 < HELD_OUT_PERCENT
 
 
-def evaluate_expression(expression: str) -> tuple[Fraction, list[int]]:
+@functools.lru_cache(maxsize=1 << 16)  # tasks draw the same small expressions many times
+def evaluate_expression(expression: str) -> tuple[Fraction, tuple[int, ...]]:
     """Exact value of an expression of non-negative integers, + - * / and parentheses, and the
     integer literals it uses. Raises ValueError for anything else; ZeroDivisionError on x/0."""
     if not set(expression) <= _EXPRESSION_CHARS:
@@ -79,7 +82,7 @@ def evaluate_expression(expression: str) -> tuple[Fraction, list[int]]:
             return Fraction(node.value)
         raise ValueError(f"expression {expression!r}: {type(node).__name__} is not allowed")
 
-    return visit(ast.parse(expression, mode="eval").body), used
+    return visit(ast.parse(expression, mode="eval").body), tuple(used)
 
 
 def countdown_reward(completion: str, ground_truth: str, **metadata: Any) -> float:
@@ -142,8 +145,10 @@ class Task(ABC):
         if split == "train":
             if n is None or n < 0:
                 raise ValueError(f"{self.label}: the train split is an infinite stream; pass n >= 0, got {n!r}")
-            stream = self.iter_train()
-            return [next(stream) for _ in range(n)]
+            cached = _TRAIN_PREFIXES.setdefault(self.label, [])
+            if len(cached) < n:  # the stream is deterministic: extend the process-wide prefix, never redraw it
+                cached.extend(itertools.islice(self.iter_train(), len(cached), n))
+            return cached[:n]
         if split == "test":
             if n is not None and n < 0:
                 raise ValueError(f"{self.label}: n must be >= 0, got {n}")

@@ -5,7 +5,7 @@ schedule, micro-batch forward/backward with gradient accumulation, non-finite lo
 and the state that checkpoints save. Every micro-batch goes through the tri-model forward
 (`asyncflow.models.tri_model`): policy log-probs with grad, reference log-probs without, and the
 old policy taken as the policy itself (one update per step), packed by shared prompt according
-to `packing` (`auto`: the measured rule `should_pack`; `on`; `off`).
+to `packing` (`auto`: the rule `should_pack`; `on`; `off`).
 
 Invariants:
 - One `optimizer_step` per call; gradients accumulate across `backward_micro_batch` calls until

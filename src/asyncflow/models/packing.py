@@ -15,14 +15,9 @@ Attention never materialises a T x T mask. Per layer it runs two batched calls o
 keys/values ("index gather"): prompts attend causally to themselves (`[groups, Pmax]`), and each
 response's queries attend to `[its prompt ; itself]` (`[N, Pmax + Rmax]` keys) with the causal
 part bottom-right aligned. This costs `G*R*(P+R)` per group instead of `(P+G*R)^2` for a dense
-block mask (benchmarks/bench_packing.py --dense, small-llama, 2 groups of G=8, fwd+bwd, 1 thread:
-at prompt 64 / response 256 unpacked 5.95 s, gather 4.78 s, dense block mask 11.48 s; at prompt
-512 / response 64 unpacked 10.43 s, gather 2.55 s, dense 3.34 s).
+block mask (`benchmarks/bench_packing.py --dense` compares the two).
 On CUDA with `flash_attn` installed and half precision, one `flash_attn_varlen_func` call does
 the same without padding (cu_seqlens over query segments, causal bottom-right); otherwise SDPA.
-The SDPA path was checked on one H100 (benchmarks/bench_packing.py --device cuda --check): packed
-equals unpacked to 7e-8 (log-probs) and 1.2e-6 (worst parameter gradient) in fp32. The varlen
-branch has not run here (flash_attn was not installed on that machine).
 
 Logits: response token j of sample i is predicted by the hidden state before it; for j = 0 that
 is the LAST PROMPT position, shared by all G responses of the group, so the lm_head is applied to

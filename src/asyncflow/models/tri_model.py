@@ -9,30 +9,12 @@ the policy" (one update per iteration): the old log-probs are then the policy's,
 second forward runs. All three use the same path (packed or not), so their values agree in the
 same float summation order.
 
-Packing rule (`should_pack`, measured): pack when shared-prompt packing removes at least
+Packing rule (`should_pack`): pack when shared-prompt packing removes at least
 `PACK_MIN_TOKEN_SAVING` = 10% of the tokens the unpacked path runs, i.e.
 `1 - sum_groups(P + sum R) / (N * max_i(P_i + R_i)) >= 0.10` (the unpacked count includes its
 right padding, so mixed response lengths count too). Below that, the index gathers and the second
-attention call per layer cost more than the tokens saved. Measured on this 2-core CPU, small-llama,
-one thread, fwd+bwd, median speed-up (unpacked / packed process CPU time) of 5 interleaved runs:
-
-    tokens saved   shape (P, R, G) x groups, or ragged batch        speed-up
-    0.00           (512, 64, 1) x2, (64, 64, 1) x2                 0.92, 0.95
-    0.05           (8, 128, 8) x2, (16, 256, 8) x2, (16, 128, 2) x2 0.96, 0.94, 1.02
-    0.10-0.12      (16, 64, 2) x2, (24, 128, 4) x2                 1.07, 1.08
-    0.14-0.18      (32, 128, 4) x2, (64, 256, 8) x2, (64, 128, 2) x2, G=2 P=32 R=100-128 x4
-                                                                    1.16, 1.16, 1.02, 1.14
-    0.20-0.38      ragged responses: G=8 R=200-256, G=1 R=16-256, G=4  1.22, 1.25, 1.44
-    0.78           (512, 64, 8) x2                                 4.25
-
-Timings are noisy (the CPU is shared); the threshold sits where the median turns above 1.
-Re-checked with benchmarks/bench_packing.py (2 groups, 9 interleaved repeats, medians): CPU-time
-speed-up 4.49x at (512, 64, 8), 1.20x at (64, 256, 8); see BENCHMARKS.md.
-
-The rule was measured on CPU only. On one H100 (gathered-SDPA path, flash_attn not installed,
-base-llama bf16, 8 groups) the tiny presets are launch-bound and the packed path's extra gathers
-cost more than the tokens saved at small shapes: wall speed-up 0.82x at (512, 64, 8), 0.61x at
-(64, 256, 8), 2.08x at (2048, 256, 8). On a GPU set `train.packing` explicitly until the rule is
+attention call per layer cost more than the tokens saved. The threshold was measured on CPU
+(docs/benchmark-log.md, "packing rule"); on a GPU set `train.packing` explicitly until it is
 measured there with a model of real size.
 """
 
@@ -71,7 +53,7 @@ def packing_token_saving(samples: list[TrainSample]) -> float:
 
 
 def should_pack(samples: list[TrainSample]) -> bool:
-    """The measured rule of the module docstring; False for samples that cannot be packed."""
+    """The packing rule of the module docstring; False for samples that cannot be packed."""
     try:
         return packing_token_saving(samples) >= PACK_MIN_TOKEN_SAVING
     except PackingError:

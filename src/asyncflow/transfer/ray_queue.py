@@ -34,8 +34,8 @@ from asyncflow.transfer.storage import StorageUnit
 
 
 def _to_wire(columns: dict[str, Packed]) -> dict:
-    """Packed columns with numpy values where the dtype has one: Ray ships numpy arrays out of band, about
-    10x faster than pickled tensors. Other dtypes (bfloat16) travel as tensors."""
+    """Packed columns with numpy values where the dtype has one: Ray ships numpy arrays out of band, much
+    faster than pickled tensors (docs/benchmark-log.md). Other dtypes (bfloat16) travel as tensors."""
     out = {}
     for column, (values, lengths) in columns.items():
         try:

@@ -25,7 +25,9 @@ class RewardWorker:
         """Set `reward` and `response_text` on each rollout."""
         for r in rollouts:
             r.response_text = self.tokenizer.decode(r.response_ids, skip_special_tokens=True)
-        rewards = self._score([r.response_text for r in rollouts], [r.answer for r in rollouts], [r.metadata for r in rollouts])
+        rewards = self._score(
+            [r.response_text for r in rollouts], [r.answer for r in rollouts], [r.metadata for r in rollouts]
+        )
         for r, value in zip(rollouts, rewards):
             r.reward = float(value)
 

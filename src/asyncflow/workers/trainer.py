@@ -187,13 +187,14 @@ class PolicyTrainer:
     def finish_step(self) -> dict[str, float]:
         """Apply the batch normaliser, take one optimizer step, and report per-token averages."""
         acc, self.acc = self.acc, StepAccumulator()
-        if acc.sequences == 0:
-            self.engine.optimizer_step(grad_scale=0.0)
-            return {"train/sequences": 0.0}
-        denom = acc.tokens if self.algo.loss_agg == "token_mean" else acc.sequences
-        result = self.engine.optimizer_step(grad_scale=1.0 / denom)
-        metrics = {k: v / acc.tokens for k, v in acc.stats.items() if k != "loss"}
-        metrics["loss"] = acc.stats.get("loss", 0.0) / denom
+        if acc.sequences == 0:  # every row filtered out (e.g. dynamic sampling): a zero update, still a step
+            result = self.engine.optimizer_step(grad_scale=0.0)
+            metrics = {"loss": 0.0}
+        else:
+            denom = acc.tokens if self.algo.loss_agg == "token_mean" else acc.sequences
+            result = self.engine.optimizer_step(grad_scale=1.0 / denom)
+            metrics = {k: v / acc.tokens for k, v in acc.stats.items() if k != "loss"}
+            metrics["loss"] = acc.stats.get("loss", 0.0) / denom
         metrics.update({"grad_norm": result["grad_norm"], "lr": result["lr"], "train/skipped_step": result["skipped"]})
         metrics.update({"train/sequences": float(acc.sequences), "train/tokens": float(acc.tokens)})
         return metrics
