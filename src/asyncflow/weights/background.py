@@ -132,3 +132,19 @@ class BackgroundSender:
             self._cond.notify_all()
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+
+class BackgroundPublisher:
+    """The `WeightPublisher` calls of a transport that sends through `self._sender` (a `BackgroundSender`)."""
+
+    _sender: BackgroundSender
+
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        self._sender.publish(state_dict, version)
+
+    def wait_published(self, timeout: float) -> None:
+        self._sender.wait_published(timeout)
+
+    @property
+    def superseded(self) -> int:
+        return self._sender.superseded

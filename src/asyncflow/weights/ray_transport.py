@@ -17,7 +17,6 @@ from __future__ import annotations
 import pickle
 import time
 import uuid
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +25,7 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayError
 
-from asyncflow.weights.background import BackgroundSender
+from asyncflow.weights.background import BackgroundPublisher, BackgroundSender
 from asyncflow.weights.base import PollingReceiver, Received, WeightSyncError, WeightSyncTimeout
 from asyncflow.weights.buckets import DEFAULT_BUCKET_BYTES, Manifest, allocate_payload, bucket_views, unpack
 
@@ -103,7 +102,7 @@ class RaySpec:
         return RayWeightReceiver(self)
 
 
-class RayWeightPublisher:
+class RayWeightPublisher(BackgroundPublisher):
     """`ray.put`s each bucket, then records the refs in a named weight-store actor.
 
     Ray must be initialised. Receivers ask the store for refs newer than theirs and `ray.get` them.
@@ -136,16 +135,6 @@ class RayWeightPublisher:
             ) from err
         except ConnectionError as err:
             raise WeightSyncError(f"ray: storing version {version} failed: {err}") from err
-
-    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        self._sender.publish(state_dict, version)
-
-    def wait_published(self, timeout: float) -> None:
-        self._sender.wait_published(timeout)
-
-    @property
-    def superseded(self) -> int:
-        return self._sender.superseded
 
     def close(self) -> None:
         self._sender.close(self.timeout_s)

@@ -10,13 +10,12 @@ import datetime
 import pickle
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
 
-from asyncflow.weights.background import BackgroundSender
+from asyncflow.weights.background import BackgroundPublisher, BackgroundSender
 from asyncflow.weights.base import PollingReceiver, Received, WeightSyncError, WeightSyncTimeout
 from asyncflow.weights.buckets import DEFAULT_BUCKET_BYTES, Manifest, allocate_payload, bucket_views, unpack
 
@@ -75,7 +74,7 @@ class TorchDistributedSpec:
         return TorchDistributedReceiver(self)
 
 
-class TorchDistributedPublisher:
+class TorchDistributedPublisher(BackgroundPublisher):
     """Rank 0 of a private process group; broadcasts buckets on a background thread."""
 
     transport = "torch_distributed"
@@ -138,16 +137,6 @@ class TorchDistributedPublisher:
         self._store.set(f"announce/{self._sends}", pickle.dumps((version, manifest_id)))
         for i, bucket in enumerate(buckets):
             _broadcast(self._group, bucket, self.timeout_s, version, f"broadcast of bucket {i + 1}/{len(buckets)}")
-
-    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        self._sender.publish(state_dict, version)
-
-    def wait_published(self, timeout: float) -> None:
-        self._sender.wait_published(timeout)
-
-    @property
-    def superseded(self) -> int:
-        return self._sender.superseded
 
     def close(self) -> None:
         self._closed.set()
