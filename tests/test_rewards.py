@@ -12,6 +12,8 @@ from asyncflow.rewards import (
     REWARDS,
     CompositeReward,
     RewardFailure,
+    RewardHealth,
+    RewardHealthError,
     RewardRunner,
     RewardSpecError,
     RewardStuckError,
@@ -435,3 +437,58 @@ def test_process_isolation_reports_a_function_its_workers_cannot_load(user_modul
     finally:
         sys.path.insert(0, str(tmp_path))
         sys.modules.pop("vanishing_rewards", None)
+
+
+# ---------------------------------------------------------------- issue 15, item 5: the error-rate limit
+def test_a_reward_that_raises_on_every_sample_ends_the_run_after_the_configured_steps():
+    from asyncflow.config import load_config
+
+    config = load_config(None).reward
+    assert (config.max_error_fraction, config.max_error_steps) == (0.5, 3)  # on by default
+    health = RewardHealth(config.max_error_fraction, config.max_error_steps)
+
+    def always_raises(completion, ground_truth, **metadata):
+        raise KeyError("solution")
+
+    runner = RewardRunner(always_raises)
+    with pytest.raises(RewardHealthError) as err:
+        for step in range(1, 10):
+            result = runner.score(["a"] * 8, ["a"] * 8)
+            health.check(step, samples=8, errors=result.n_errors, timeouts=result.n_timeouts,
+                         detail=runner.last_failure)
+    assert step == 3
+    message = str(err.value)
+    for fragment in ("more than 0.5 of the samples for 3 steps in a row", "8 of 8 failed", "always_raises",
+                     "KeyError", "reward.max_error_fraction", "reward.max_error_steps"):
+        assert fragment in message
+
+
+def test_reward_health_streak_threshold_reset_and_disable():
+    health = RewardHealth(0.5, 3)
+    health.check(1, samples=10, errors=6, timeouts=0)
+    health.check(2, samples=10, errors=3, timeouts=3)
+    assert health.streak == 2
+    health.check(3, samples=10, errors=5, timeouts=0)  # exactly half: not more than half
+    assert health.streak == 0
+    health.check(4, samples=0, errors=0, timeouts=0)  # no samples: no change
+    for step in (5, 6):
+        health.check(step, samples=4, errors=0, timeouts=4)
+    with pytest.raises(RewardHealthError, match=r"step 7: 3 of 4 failed, 1 errors and 2 timeouts"):
+        health.check(7, samples=4, errors=1, timeouts=2)
+    for off in (RewardHealth(0, 3), RewardHealth(None, 3), RewardHealth(0.5, 0), RewardHealth(0.5, None)):
+        for step in range(10):
+            off.check(step, samples=4, errors=4, timeouts=0)
+    with pytest.raises(ValueError):
+        RewardHealth(1.5, 3)
+
+
+def test_reward_health_from_cumulative_counters():
+    health = RewardHealth(0.5, 2)
+    health.observe_totals(1, samples=10, errors_total=2, timeouts_total=0)  # 2 of 10 failed
+    health.observe_totals(2, samples=10, errors_total=8, timeouts_total=1)  # 6 + 1 of 10
+    assert health.streak == 1
+    health.observe_totals(3, samples=10, errors_total=3, timeouts_total=3)  # errors restarted from 0: 3 + 2
+    assert health.streak == 0
+    health.observe_totals(4, samples=10, errors_total=9, timeouts_total=3)  # 6 + 0
+    with pytest.raises(RewardHealthError, match="step 5: 7 of 10 failed"):
+        health.observe_totals(5, samples=10, errors_total=15, timeouts_total=4)  # 6 + 1
