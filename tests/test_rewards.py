@@ -492,3 +492,27 @@ def test_reward_health_from_cumulative_counters():
     health.observe_totals(4, samples=10, errors_total=9, timeouts_total=3)  # 6 + 0
     with pytest.raises(RewardHealthError, match="step 5: 7 of 10 failed"):
         health.observe_totals(5, samples=10, errors_total=15, timeouts_total=4)  # 6 + 1
+
+
+# ---------------------------------------------------------------- the reward worker's counters
+def test_reward_worker_counts_training_and_evaluation_failures_apart():
+    from types import SimpleNamespace
+
+    from asyncflow.workers.reward import RewardWorker
+
+    class Chars:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(i) for i in ids)
+
+    def fails_on_x(completion, ground_truth, **metadata):
+        if completion == "x":
+            raise ValueError("x")
+        return 1.0
+
+    worker = RewardWorker(RewardRunner(fails_on_x), Chars())
+    rewards = worker.score_ids([[ord("x")], [ord("y")]], [{"answer": "1"}, {"answer": "2"}])
+    assert rewards.tolist() == [0.0, 1.0] and (worker.samples, worker.errors, worker.timeouts) == (2, 1, 0)
+    rollouts = [SimpleNamespace(response_ids=[ord("x")], answer="1", metadata={}, reward=None, response_text=None)]
+    worker.score(rollouts)
+    assert (worker.errors, worker.eval_errors) == (1, 1) and rollouts[0].reward == 0.0
+    assert "fails_on_x" in worker.last_failure
