@@ -326,6 +326,22 @@ def test_hung_reward_calls_do_not_leak_a_thread_each():
         release.set()
 
 
+def test_concurrent_score_calls_share_the_pool():  # training and evaluation may score at the same time
+    runner = RewardRunner("numeric_match", max_workers=3)
+    results = {}
+
+    def score(name, offset):
+        completions = [str(i + offset) for i in range(400)]
+        results[name] = runner.score(completions, [str(i) for i in range(400)])
+
+    threads = [threading.Thread(target=score, args=(name, offset)) for name, offset in (("same", 0), ("off", 1))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert results["same"].rewards == [1.0] * 400 and results["off"].rewards == [0.0] * 400
+
+
 def test_thread_timeouts_keep_the_thread_count_bounded_then_stop_with_a_clear_error():
     release = threading.Event()
 

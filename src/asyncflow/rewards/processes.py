@@ -21,6 +21,11 @@ Invariants:
   `START_TIMEOUT_S` raises RuntimeError.
 - `score` calls are serialized (one lock); workers ignore SIGINT (the parent handles Ctrl-C).
 - POSIX only (pipes and shared memory are passed to the worker as inherited file descriptors).
+
+Cost, measured for `numeric_match` on 1000 samples with 4 workers on the shared 2-core machine: about
+10-55 us per sample of wall time more than calling it directly (threads: 9-19 us; the machine was loaded,
+so these vary), and a worker start of about 0.1-0.4 s (a fresh interpreter importing `asyncflow.rewards`),
+paid once and again after each kill. Use it for reward functions that may hang, not for the cheap ones.
 """
 
 from __future__ import annotations
@@ -211,7 +216,12 @@ class ProcessPool:
                 if worker.ready and worker.chunk is None and pending:
                     size = min(CHUNK, -(-len(pending) // (2 * len(self._workers))))
                     indices = [pending.popleft() for _ in range(size)]
-                    worker.send(indices, [(completions[i], ground_truths[i], metadatas[i]) for i in indices])
+                    try:
+                        worker.send(indices, [(completions[i], ground_truths[i], metadatas[i]) for i in indices])
+                    except OSError:  # it died while idle: nothing of this chunk ran
+                        worker.chunk = None
+                        pending.extendleft(reversed(indices))
+                        self._recover(worker, "died", rewards, failures, pending)
             now = time.monotonic()
             deadline = now + self.timeout_s
             for worker in self._workers:
