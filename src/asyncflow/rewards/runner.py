@@ -16,7 +16,7 @@ Invariants:
     thread is counted as stuck and a new worker takes its place. A stuck thread that returns
     exits. When more than `max_stuck_calls` threads are stuck at once, `score` raises
     `RewardStuckError` instead of starting another thread, so the process never holds more than
-    `max_workers + max_stuck_calls` reward threads (the old runner leaked one per timed-out sample).
+    `max_workers + max_stuck_calls` reward threads, however many samples time out.
   - `process`: `max_workers` worker processes; a call past its timeout is ended by killing its
     process, which is replaced; nothing leaks and nothing is stuck. Costs a process start per
     kill and needs picklable (module-level) reward functions; see `processes.py` for its cost.
