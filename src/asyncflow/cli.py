@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from asyncflow.config import Config, ConfigError, load_config
+from asyncflow.rewards import RewardHealthError, RewardStuckError
 
 log = logging.getLogger("asyncflow")
 
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"asyncflow: {err}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, RewardHealthError, RewardStuckError) as err:
         print(f"asyncflow: error: {err}", file=sys.stderr)
         return 1
 

@@ -72,9 +72,23 @@ class RewardConfig(Section):
     weights: list[float] | None = None
     """Weights of `fns` (default: all 1)."""
     timeout_s: float = Field(5.0, gt=0)
-    """Time limit per sample; a reward that raises or exceeds it scores 0 and is counted."""
+    """Time limit per sample, from the moment it starts; a reward that raises, returns something that is not a
+    finite number (None, a string, NaN, ...) or exceeds it scores 0 and is counted in `reward/errors` /
+    `reward/timeouts`."""
     workers: int = Field(4, ge=1)
-    """Threads scoring rewards concurrently."""
+    """Threads (or, with `isolation: process`, processes) scoring rewards concurrently."""
+    isolation: Literal["thread", "process"] = "thread"
+    """Where reward functions run: `thread` (cheapest; a hung call cannot be stopped, its thread is counted as
+    stuck, see `max_stuck_calls`) or `process` (worker processes, killed and replaced when a call exceeds
+    `timeout_s`; for functions that may hang; they must be module-level, importable functions)."""
+    max_stuck_calls: int = Field(8, ge=0)
+    """`thread` isolation: reward calls still running past `timeout_s` (threads that cannot be stopped) tolerated
+    at once; one more stops the run with an error instead of leaking a thread per sample."""
+    max_error_fraction: float | None = Field(0.5, ge=0, le=1)
+    """A step fails when more than this fraction of its samples failed (errors + timeouts); 0 or null disables
+    the limit."""
+    max_error_steps: int | None = Field(3, ge=0)
+    """Stop the run after this many failing steps in a row (see `max_error_fraction`); 0 or null disables."""
 
 
 class RolloutConfig(Section):

@@ -307,3 +307,77 @@ def test_countdown_reward_bad_ground_truth_raises():
 @given(st.text(alphabet=TASK_ALPHABET + " x.", max_size=40))
 def test_countdown_reward_never_raises_on_completions(completion):
     assert countdown_reward(completion, TRUTH) in (0.0, 1.0)
+
+
+# ---------------------------------------------------------------- issue 15, item 8: broken files are named
+def test_non_utf8_jsonl_names_file_line_and_column(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(json.dumps({"prompt": "a", "answer": "b"}).encode() + b"\n"
+                     + '{"prompt": "caf\u00e9", "answer": "x"}\n'.encode("latin-1"))
+    with pytest.raises(DatasetError) as err:
+        load_examples(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}:2: ") and "not valid UTF-8" in message
+    assert "byte 0xe9 at column 16" in message  # {"prompt": "caf is 15 characters
+
+
+def test_a_utf8_byte_order_mark_is_ignored(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "p", "answer": "1"}).encode() + b"\r\n")
+    assert [(e.prompt, e.answer) for e in load_examples(path)] == [("p", "1")]
+
+
+def test_empty_files_are_named(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    with pytest.raises(DatasetError, match=rf"^{re.escape(str(empty))}: the file is empty"):
+        load_examples(empty)
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n  \n")
+    with pytest.raises(DatasetError, match=rf"^{re.escape(str(blank))}: no rows \(only blank lines\)"):
+        load_examples(blank)
+    no_rows = tmp_path / "none.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "answer": pa.array([], pa.string())}), no_rows)
+    with pytest.raises(DatasetError, match=rf"^{re.escape(str(no_rows))}: no rows"):
+        load_examples(no_rows)
+
+
+def test_missing_values_and_bytes_are_not_answers(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "nan.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": [1.5, float("nan")]}), path)
+    with pytest.raises(DatasetError, match=r"nan\.parquet\[1\]: field 'answer' is nan \(a missing value\?\)"):
+        load_examples(path)
+    path = tmp_path / "bytes.parquet"
+    pq.write_table(pa.table({"prompt": ["a"], "answer": pa.array([b"\x00\x01"], pa.binary())}), path)
+    with pytest.raises(DatasetError, match=r"bytes\.parquet\[0\]: field 'answer' must be a string.*got bytes"):
+        load_examples(path)
+
+
+# ---------------------------------------------------------------- issue 15, item 7: the whole file up front
+def test_validate_data_file_checks_every_row_and_names_the_first_bad_one(tmp_path):
+    from asyncflow.data import validate_data_file
+
+    rows = [json.dumps({"question": f"q{i}", "solution": i}) for i in range(500)]
+    good = _write_jsonl(tmp_path / "good.jsonl", rows)
+    assert validate_data_file(good, prompt_field="question", answer_field="solution") == 500
+    rows[420] = json.dumps({"question": 7, "solution": 1})  # far down the file: found before any training
+    rows[430] = json.dumps({"question": "q", "answer": 1})
+    bad = _write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(DatasetError, match=rf"^{re.escape(str(bad))}:421: field 'question' must be a string, got int"):
+        validate_data_file(bad, prompt_field="question", answer_field="solution")
+    rows[420] = json.dumps({"question": "q", "solution": 1})
+    bad = _write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(DatasetError, match=r"bad\.jsonl:431: missing field 'solution'; the row has fields"):
+        validate_data_file(bad, prompt_field="question", answer_field="solution")
+    rows[430] = '{"question": "q", "solution": 1'
+    bad = _write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(DatasetError, match=r"bad\.jsonl:431: line 431 is not valid JSON \(.* at column 32\)"):
+        validate_data_file(bad, prompt_field="question", answer_field="solution")
+    with pytest.raises(DatasetError, match="no such file"):
+        validate_data_file(tmp_path / "absent.jsonl")

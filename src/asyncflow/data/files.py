@@ -1,14 +1,19 @@
 """Load prompt/answer datasets from disk: JSONL, Parquet, or a saved Hugging Face dataset folder.
 
-Owns: `load_examples`.
+Owns: `load_examples`, `iter_examples` and `validate_data_file` (the whole file checked up front,
+before any model is loaded; it applies exactly the checks of `load_examples`, which it shares).
 Invariants:
 - Every row becomes exactly one `Example`, in file order; nothing is skipped silently except
   blank JSONL lines.
-- A row that cannot be used raises `DatasetError` naming the file, the position (1-based line for
-  JSONL, 0-based row index for Parquet and HF datasets), the problem (missing/null field, bad
-  JSON, non-object row) and the fields the row does have.
-- Answers: strings are kept as is, numbers go through str(), lists/dicts through json.dumps (so a
-  structured ground truth stays machine-readable); a null answer is an error. Prompts must be
+- Every error is a `DatasetError` whose message starts with the file (and, for a row, its position:
+  1-based line for JSONL, 0-based row index for Parquet and HF datasets) and says what is wrong:
+  missing/null field (with the fields the row does have), a field of the wrong type, bad JSON (with
+  its column), a non-object row, bytes that are not UTF-8 (with their line and column), or a file
+  with no rows at all. No bare codec or parser error escapes.
+- JSONL is UTF-8; a leading byte-order mark is ignored.
+- Answers: strings are kept as is, numbers and booleans go through str(), lists/dicts through
+  json.dumps (so a structured ground truth stays machine-readable); a null, NaN or infinite answer
+  (a missing value in a Parquet float column) and a bytes answer are errors. Prompts must be
   strings. Every other field goes to `metadata` unchanged.
 - `split` selects a split of an HF `DatasetDict`; it is an error for single files and for a
   folder holding one plain `Dataset`, rather than being ignored.
@@ -17,6 +22,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +37,30 @@ def load_examples(
     split: str | None = None,
 ) -> list[Example]:
     """Examples from a `.jsonl` file, a `.parquet` file, or a folder written by `Dataset.save_to_disk`."""
+    return list(iter_examples(path, prompt_field, answer_field, split))
+
+
+def validate_data_file(
+    path: str | Path,
+    prompt_field: str = "prompt",
+    answer_field: str = "answer",
+    split: str | None = None,
+) -> int:
+    """Check every row of a data file without keeping it (as `load_examples` would, so a run can fail
+    before loading a model); returns the number of rows. Raises `DatasetError` at the first bad row."""
+    count = 0
+    for _ in iter_examples(path, prompt_field, answer_field, split):
+        count += 1
+    return count
+
+
+def iter_examples(
+    path: str | Path,
+    prompt_field: str = "prompt",
+    answer_field: str = "answer",
+    split: str | None = None,
+) -> Iterator[Example]:
+    """The examples of a data file one at a time; see the module invariants."""
     path = Path(path)
     if not path.exists():
         raise DatasetError(f"{path}: no such file or folder")
@@ -47,17 +77,37 @@ def load_examples(
             raise DatasetError(
                 f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl, .parquet or a saved HF dataset folder"
             )
-    return [_to_example(row, where, prompt_field, answer_field) for row, where in rows]
+    count = 0
+    for row, where in rows:
+        yield _to_example(row, where, prompt_field, answer_field)
+        count += 1
+    if count == 0:
+        if path.is_file() and path.stat().st_size == 0:
+            raise DatasetError(f"{path}: the file is empty (no rows)")
+        raise DatasetError(f"{path}: no rows" + (" (only blank lines)" if path.suffix == ".jsonl" else ""))
+
+
+def _decode_line(raw: bytes, path: Path, line_number: int) -> str:
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        column = len(raw[: err.start].decode("utf-8", errors="replace")) + 1
+        raise DatasetError(
+            f"{path}:{line_number}: line {line_number} is not valid UTF-8 (byte 0x{raw[err.start]:02x} at column "
+            f"{column}); a JSONL file must be UTF-8"
+        ) from None
+    return line[1:] if line_number == 1 and line.startswith("\ufeff") else line
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[dict[str, Any], str]]:
-    with path.open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
+    with path.open("rb") as lines:
+        for line_number, raw in enumerate(lines, start=1):
+            line = _decode_line(raw, path, line_number)
             if not line.strip():
                 continue
             where = f"{path}:{line_number}"
             try:
-                row = json.loads(line)
+                row = json.loads(line.rstrip("\r\n"))  # else a cut-off line is reported at column 1
             except json.JSONDecodeError as err:
                 message = f"{where}: line {line_number} is not valid JSON ({err.msg} at column {err.colno})"
                 raise DatasetError(message) from None
@@ -115,7 +165,16 @@ def _to_example(row: dict[str, Any], where: str, prompt_field: str, answer_field
         raise DatasetError(f"{where}: field {prompt_field!r} must be a string, got {type(prompt).__name__}: {prompt!r}")
     answer = row[answer_field]
     if isinstance(answer, (dict, list)):
-        answer = json.dumps(answer)
+        try:
+            answer = json.dumps(answer)
+        except (TypeError, ValueError) as err:
+            raise DatasetError(f"{where}: field {answer_field!r} cannot be written as JSON ({err})") from None
+    elif isinstance(answer, float) and not math.isfinite(answer):
+        raise DatasetError(f"{where}: field {answer_field!r} is {answer} (a missing value?); a ground truth must be "
+                           "a string, a number, a list or an object")
+    elif isinstance(answer, (bytes, bytearray)):
+        raise DatasetError(f"{where}: field {answer_field!r} must be a string, a number, a list or an object, got "
+                           f"bytes: {bytes(answer[:40])!r}")
     elif not isinstance(answer, str):
         answer = str(answer)
     metadata = {key: value for key, value in row.items() if key not in (prompt_field, answer_field)}

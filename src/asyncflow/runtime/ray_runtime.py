@@ -36,8 +36,8 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from asyncflow.observe import Timeline
-from asyncflow.transfer.ray_queue import RayTransferQueue
 from asyncflow.runtime.cores import CoreLending, create_core_lending
+from asyncflow.transfer.ray_queue import RayTransferQueue
 from asyncflow.workers.loops import rollout_loop
 from asyncflow.workers.rollout import RESPONSE_COLUMNS
 

@@ -34,7 +34,12 @@ Invariants:
 """
 
 from asyncflow.weights.base import (
-    ReceiverSpec, Received, WeightPublisher, WeightReceiver, WeightSyncError, WeightSyncTimeout,
+    Received,
+    ReceiverSpec,
+    WeightPublisher,
+    WeightReceiver,
+    WeightSyncError,
+    WeightSyncTimeout,
 )
 from asyncflow.weights.buckets import DEFAULT_BUCKET_BYTES, Manifest, StateDict, pack, plan_buckets, unpack
 from asyncflow.weights.factory import TransportKind, make_weight_sync

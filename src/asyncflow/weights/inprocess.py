@@ -14,7 +14,13 @@ import torch
 
 from asyncflow.weights.base import PollingReceiver, Received, WeightSyncError, check_increasing
 from asyncflow.weights.buckets import (
-    DEFAULT_BUCKET_BYTES, Manifest, allocate_payload, bucket_views, pack, plan_buckets, unpack,
+    DEFAULT_BUCKET_BYTES,
+    Manifest,
+    allocate_payload,
+    bucket_views,
+    pack,
+    plan_buckets,
+    unpack,
 )
 
 

@@ -23,9 +23,15 @@ import torch
 
 from asyncflow.weights.base import PollingReceiver, Received, WeightSyncError, check_increasing
 from asyncflow.weights.buckets import (
-    DEFAULT_BUCKET_BYTES, Manifest, align, allocate_payload, bucket_views, pack, plan_buckets, unpack,
+    DEFAULT_BUCKET_BYTES,
+    Manifest,
+    align,
+    allocate_payload,
+    bucket_views,
+    pack,
+    plan_buckets,
+    unpack,
 )
-
 
 # File layout (all integers little-endian int64):
 #   [0, 64)               control: magic, active slot, closed, manifest bytes, slot stride

@@ -1,9 +1,16 @@
 """Reward worker: scores rollouts with the configured verifiers.
 
-Owns: decoding responses to text and calling the `RewardRunner`, counting failures.
+Owns: decoding responses to text, calling the `RewardRunner`, and counting its failures.
 
-Invariant: a reward function that raises or times out scores 0 for that sample and is counted
-in `errors`/`timeouts`; it never stops the run.
+Invariants:
+- A reward function that raises, returns something that is not a finite number, or times out scores
+  0 for that sample and is counted: training samples (`score_ids`, `run_partition`) in `errors` /
+  `timeouts` / `samples` (the run logs them as `reward/errors` / `reward/timeouts` and feeds them to
+  its `RewardHealth`), held-out samples (`score`, used by evaluation) in `eval_errors` /
+  `eval_timeouts`, so a failing evaluation set never counts against the training error-rate limit.
+- One sample never stops the run; `RewardStuckError` (too many hung calls under thread isolation)
+  propagates.
+- `last_failure` describes the latest failing batch's first failure (function, what it did, sample).
 """
 
 from __future__ import annotations
@@ -18,29 +25,35 @@ class RewardWorker:
     def __init__(self, runner: RewardRunner, tokenizer):
         self.runner = runner
         self.tokenizer = tokenizer
+        self.samples = 0  # training samples scored
         self.errors = 0
         self.timeouts = 0
+        self.eval_errors = 0
+        self.eval_timeouts = 0
+
+    @property
+    def last_failure(self) -> str | None:
+        return self.runner.last_failure
 
     def score(self, rollouts: list[Rollout]) -> None:
-        """Set `reward` and `response_text` on each rollout."""
+        """Set `reward` and `response_text` on each rollout (held-out evaluation: counted in `eval_*`)."""
         for r in rollouts:
             r.response_text = self.tokenizer.decode(r.response_ids, skip_special_tokens=True)
-        rewards = self._score(
-            [r.response_text for r in rollouts], [r.answer for r in rollouts], [r.metadata for r in rollouts]
-        )
-        for r, value in zip(rollouts, rewards):
+        result = self.runner.score([r.response_text for r in rollouts], [r.answer for r in rollouts],
+                                   [r.metadata for r in rollouts])
+        self.eval_errors += result.n_errors
+        self.eval_timeouts += result.n_timeouts
+        for r, value in zip(rollouts, result.rewards):
             r.reward = float(value)
 
     def score_ids(self, responses: list[list[int]], metadata: list[dict]) -> torch.Tensor:
         """Rewards `[N]` float32 of token-id responses; `metadata[i]["answer"]` is the ground truth."""
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in responses]
-        return torch.tensor(self._score(texts, [m["answer"] for m in metadata], metadata), dtype=torch.float32)
-
-    def _score(self, texts: list[str], answers: list[str], metadata: list[dict]) -> list[float]:
-        result = self.runner.score(texts, answers, metadata)
+        result = self.runner.score(texts, [m["answer"] for m in metadata], metadata)
+        self.samples += len(texts)
         self.errors += result.n_errors
         self.timeouts += result.n_timeouts
-        return result.rewards
+        return torch.tensor(result.rewards, dtype=torch.float32)
 
     def run_partition(self, queue, partition: str, *, batch_size: int, timeout: float) -> int:
         """Score rows of `partition` as their responses become ready; write the `reward` column."""

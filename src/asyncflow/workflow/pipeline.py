@@ -32,11 +32,11 @@ from functools import partial
 import numpy as np
 import torch
 
+from asyncflow.runtime.factory import make_runtime
 from asyncflow.transfer import GroupSampler, TransferQueue
+from asyncflow.weights import make_weight_sync
 from asyncflow.workers.loops import BackgroundThread, partition_name, reward_loop
 from asyncflow.workers.rollout import Rollout
-from asyncflow.runtime.factory import make_runtime
-from asyncflow.weights import make_weight_sync
 from asyncflow.workflow.setup import make_reward_worker
 
 

@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-
 from asyncflow.config import Config, dump_config
 from asyncflow.engines.base import make_inference_engine
 from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.models.loading import load_model, load_tokenizer, resolve_model_path
 from asyncflow.observe import MetricsLogger, Timeline, TrainProgress, plot_metrics
+from asyncflow.rewards import RewardHealth
 from asyncflow.workers.reward import RewardWorker
 from asyncflow.workers.rollout import Prompt, RolloutWorker
 from asyncflow.workers.trainer import PolicyTrainer
@@ -79,6 +79,7 @@ class RLRun:
         self.eval_params = sampling_params(config, self.tokenizer, greedy=True)
         self.rollout = RolloutWorker(self.inference_engine, self.params, config.rollout.group_size)
         self.rewards = RewardWorker(build_reward_runner(config), self.tokenizer)
+        self.reward_health = RewardHealth(config.reward.max_error_fraction, config.reward.max_error_steps)
         self.trainer = PolicyTrainer(
             self.train_engine, config.algo, micro_batch_size=config.train.micro_batch_size,
             temperature=config.rollout.temperature,
@@ -218,6 +219,12 @@ class RLRun:
                 t0 = time.perf_counter()
                 metrics = workflow.step(self)
                 self.step += 1
+                self.reward_health.observe_totals(  # Ray: the replicas' totals are in `metrics`; inline: the worker's
+                    self.step, samples=int(metrics.get("rollout/samples", 0)),
+                    errors_total=metrics.get("reward/errors", self.rewards.errors),
+                    timeouts_total=metrics.get("reward/timeouts", self.rewards.timeouts),
+                    detail=self.rewards.last_failure,
+                )
                 metrics["time/step_s"] = time.perf_counter() - t0
                 metrics.update(self._throughput(metrics))
                 self._check_finite(metrics)
@@ -266,9 +273,7 @@ class RLRun:
             self.nan_streak = 0
 
     def _log(self, metrics: dict) -> dict:
-        if (
-            "loss" in metrics
-        ):  # a training step: `kl` is always logged, NaN (null in metrics.jsonl) without a reference model
+        if "loss" in metrics:  # a training step: `kl` is always logged, null in metrics.jsonl without a reference
             metrics.setdefault("kl", math.nan)
         metrics = {
             "wall_s": self.wall_s(),

@@ -17,7 +17,7 @@ from asyncflow.data import make_task
 from asyncflow.data.prompts import PromptEncoder, TrainSet, open_datasets
 from asyncflow.engines.base import SamplingParams
 from asyncflow.models.loading import load_tokenizer, render_prompt, resolve_model_path
-from asyncflow.rewards import RewardRunner, resolve_reward
+from asyncflow.rewards import RewardRunner
 from asyncflow.workers.reward import RewardWorker
 
 
@@ -48,9 +48,14 @@ def reward_specs(config: Config) -> list[str]:
 
 
 def build_reward_runner(config: Config) -> RewardRunner:
-    fns = [resolve_reward(spec) for spec in reward_specs(config)]
-    weights = config.reward.weights or [1.0] * len(fns)
-    return RewardRunner(list(zip(fns, weights)), timeout_s=config.reward.timeout_s, max_workers=config.reward.workers)
+    """The run's reward runner; its functions are resolved and checked (`check_reward_specs`) when it is built."""
+    specs = reward_specs(config)
+    weights = config.reward.weights or [1.0] * len(specs)
+    r = config.reward
+    return RewardRunner(
+        list(zip(specs, weights)), timeout_s=r.timeout_s, max_workers=r.workers, isolation=r.isolation,
+        max_stuck_calls=r.max_stuck_calls,
+    )
 
 
 def make_reward_worker(config: Config) -> RewardWorker:
