@@ -174,3 +174,16 @@ def test_bench_compares_modes_against_sync(tmp_path, capsys):
 def test_bench_rejects_an_unknown_mode(capsys):
     assert main(["bench", EXAMPLE, *TINY, "--modes", "sync", "async:0"]) == 1
     assert "async:K" in capsys.readouterr().err
+
+
+def broken_reward(completion: str, ground_truth: str, **metadata) -> float:
+    raise ValueError("broken verifier")
+
+
+def test_a_reward_failing_on_every_sample_stops_the_run_after_max_error_steps(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code = train(run_dir, "sft.before_rl=false", "train.steps=8", "eval.every=0", "reward.fns=[test_cli:broken_reward]")
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "broken verifier" in err and "reward.max_error_steps" in err
+    assert [r["step"] for r in rows(run_dir) if "loss" in r] == [1, 2, 3]

@@ -219,12 +219,6 @@ class RLRun:
                 t0 = time.perf_counter()
                 metrics = workflow.step(self)
                 self.step += 1
-                self.reward_health.observe_totals(  # Ray: the replicas' totals are in `metrics`; inline: the worker's
-                    self.step, samples=int(metrics.get("rollout/samples", 0)),
-                    errors_total=metrics.get("reward/errors", self.rewards.errors),
-                    timeouts_total=metrics.get("reward/timeouts", self.rewards.timeouts),
-                    detail=self.rewards.last_failure,
-                )
                 metrics["time/step_s"] = time.perf_counter() - t0
                 metrics.update(self._throughput(metrics))
                 self._check_finite(metrics)
@@ -232,6 +226,12 @@ class RLRun:
                 if last or (cfg.eval.every and self.step % cfg.eval.every == 0):
                     metrics.update(self.evaluate())
                 history.append(self._log(metrics))
+                self.reward_health.observe_totals(  # Ray: the replicas' totals are in `metrics`; inline: the worker's
+                    self.step, samples=int(metrics.get("rollout/samples", 0)),
+                    errors_total=metrics.get("reward/errors", self.rewards.errors),
+                    timeouts_total=metrics.get("reward/timeouts", self.rewards.timeouts),
+                    detail=self.rewards.last_failure,
+                )
                 bar.update(self.step, metrics)
                 if last or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                     self.save()
