@@ -1,6 +1,6 @@
 """Observability: per-step metrics (JSONL + TensorBoard), worker timelines (Chrome trace, Gantt,
-idle fractions), metric plots and a progress bar. Imports nothing of asyncflow; matplotlib loads
-only when a plot is drawn."""
+utilization, idle fractions), metric plots and a progress bar. Imports nothing of asyncflow;
+matplotlib loads only when a plot is drawn."""
 
 from asyncflow.observe.metrics import MetricsLogger, read_metrics
 from asyncflow.observe.plots import plot_curves, plot_metrics
