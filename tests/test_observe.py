@@ -89,6 +89,114 @@ def test_metrics_bad_input_errors(tmp_path):
         read_metrics(tmp_path)
 
 
+# ---------------------------------------------------------------- Weights & Biases
+
+
+def _wandb_records(path):
+    """Records of a W&B run file (`run-ID.wandb`, a LevelDB-style log of protobuf `Record`s), parsed with
+    wandb's own protobuf classes."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a W&B run file"
+    block, position, pending = 32768, 7, b""
+    while position + 7 <= len(data):
+        if block - position % block < 7:  # a block's tail too short for a chunk header is padding
+            position += block - position % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        if kind == 0:
+            break
+        chunk, position = data[position + 7 : position + 7 + length], position + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk  # full, first | middle, last
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+def _wandb_history(path):
+    """[(step, {metric: value})] of the history records of a W&B run file, W&B's own `_...` keys left out."""
+    history = []
+    for record in _wandb_records(path):
+        if record.WhichOneof("record_type") == "history":
+            items = record.history.item
+            values = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
+            history.append((record.history.step.num, {k: v for k, v in values.items() if not k.startswith("_")}))
+    return history
+
+
+def test_metrics_go_to_an_offline_wandb_run_with_the_same_names(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    wandb_dir = tmp_path / "wandb_dir"
+    for variable in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(variable, str(wandb_dir))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    options = {"project": "asyncflow-test", "name": "observe-test", "mode": "online", "config": {"train": {"lr": 0.1}}}
+    with MetricsLogger(tmp_path / "run", tensorboard=False, wandb=options) as logger:
+        logger.log(0, {"eval/accuracy": 0.25})
+        logger.log(1, {"reward/mean": 0.5, "loss": 2, "kl": float("nan")})
+        logger.log(2, {"reward/mean": 0.75, "loss": 1.5, "kl": 0.01})
+    (run_file,) = wandb_dir.glob("wandb/offline-run-*/run-*.wandb")  # WANDB_DIR and WANDB_MODE win
+    history = _wandb_history(run_file)
+    assert [step for step, _ in history] == [0, 1, 2]
+    assert history[0][1] == {"eval/accuracy": 0.25}
+    assert history[2][1] == {"reward/mean": 0.75, "loss": 1.5, "kl": 0.01}
+    assert history[1][1]["reward/mean"] == 0.5 and math.isnan(history[1][1]["kl"])
+    for step, values in history:  # the same names and values as metrics.jsonl
+        row = next(row for row in read_metrics(tmp_path / "run") if row["step"] == step)
+        assert values.keys() == row.keys() - {"step"}
+    (run_record,) = [r.run for r in _wandb_records(run_file) if r.WhichOneof("record_type") == "run"]
+    assert (run_record.project, run_record.display_name) == ("asyncflow-test", "observe-test")
+    config = {item.key: json.loads(item.value_json) for item in run_record.config.update}
+    assert config["train"] == {"lr": 0.1}
+
+
+def test_wandb_run_options_folder_mode_and_resume(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    calls = []
+
+    class FakeRun:
+        dir = str(tmp_path / "wandb" / "offline-run-x" / "files")
+
+        def log(self, values, step):
+            calls.append(("log", step, values))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    monkeypatch.setattr(wandb, "init", lambda **options: calls.append(("init", options)) or FakeRun())
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    with MetricsLogger(tmp_path, tensorboard=False, resume_from_step=4, wandb={"project": "p", "config": {"a": 1}}):
+        pass
+    assert calls[0] == ("init", {"project": "p", "entity": None, "name": None, "mode": "offline",
+                                 "dir": str(tmp_path), "config": {"a": 1, "resumed_from_step": 4}})
+    assert calls[-1] == ("finish",)
+
+
+def test_only_the_wandb_module_imports_wandb_and_a_missing_wandb_is_a_config_error(monkeypatch):
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    import asyncflow
+    from asyncflow.config import ConfigError, load_config
+
+    source = Path(asyncflow.__file__).parent
+    importers = {str(path.relative_to(source)) for path in source.rglob("*.py")
+                 if re.search(r"^\s*(import wandb|from wandb\b)", path.read_text(), re.MULTILINE)}
+    assert importers == {"observe/wandb_logger.py"}
+    config = load_config(None, ["run.name=demo"])
+    assert config.observe.wandb is False and config.observe.wandb_run(config) is None
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "wandb" else real_find_spec(name, *rest))
+    with pytest.raises(ConfigError, match=r"observe\.wandb: .*pip install 'asyncflow-rl\[wandb\]'"):
+        load_config(None, ["observe.wandb=true"])
+
+
 # ---------------------------------------------------------------- plots
 
 

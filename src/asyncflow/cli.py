@@ -79,7 +79,10 @@ def cmd_eval(args) -> int:
         raise FileNotFoundError(f"checkpoint folder {str(checkpoint)!r} does not exist (expected RUN_DIR/checkpoints/step_N)")
     weights = load_weights(checkpoint)
     eval_dir = Path(config.run.output_dir) / "eval"
-    run = RLRun(config.model_copy(update={"run": config.run.model_copy(update={"output_dir": str(eval_dir)})}))
+    run = RLRun(config.model_copy(update={
+        "run": config.run.model_copy(update={"output_dir": str(eval_dir)}),
+        "observe": config.observe.model_copy(update={"wandb": False}),  # an evaluation is no experiment run of its own
+    }))
     run.train_engine.model.load_state_dict(weights)  # `evaluate` reads the policy's weights
     result = run.evaluate()
     run.metrics.close()

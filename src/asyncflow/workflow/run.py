@@ -97,7 +97,10 @@ class RLRun:
         self.eval_engine = None  # built on first evaluation
         if resume:
             self._resume()
-        self.metrics = MetricsLogger(self.run_dir, resume_from_step=self.step if resume else None)
+        self.metrics = MetricsLogger(
+            self.run_dir, resume_from_step=self.step if resume else None, tensorboard=config.observe.tensorboard,
+            wandb=config.observe.wandb_run(config),
+        )
 
     # ---------------------------------------------------------------- data
     def next_prompts(self, n: int) -> list[Prompt]:
