@@ -105,7 +105,7 @@ def _wandb_records(path):
             position += block - position % block
             continue
         _, length, kind = struct.unpack("<IHB", data[position : position + 7])
-        if kind == 0:
+        if kind == 0 or position + 7 + length > len(data):  # the end, or a chunk still being written
             break
         chunk, position = data[position + 7 : position + 7 + length], position + 7 + length
         pending = chunk if kind in (1, 2) else pending + chunk  # full, first | middle, last
@@ -126,6 +126,18 @@ def _wandb_history(path):
     return history
 
 
+def _finished_wandb_run_file(folder, timeout_s=60.0):
+    """The W&B run file under `folder` once it holds the run's `exit` record: W&B's core process writes
+    the file, and may still be writing its last records when `finish()` has returned."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        files = list(folder.glob("wandb/offline-run-*/run-*.wandb"))
+        if len(files) == 1 and any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(files[0])):
+            return files[0]
+        assert time.monotonic() < deadline, f"no finished W&B run file under {folder} after {timeout_s}s: {files}"
+        time.sleep(0.1)
+
+
 def test_metrics_go_to_an_offline_wandb_run_with_the_same_names(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     wandb_dir = tmp_path / "wandb_dir"
@@ -138,7 +150,7 @@ def test_metrics_go_to_an_offline_wandb_run_with_the_same_names(tmp_path, monkey
         logger.log(0, {"eval/accuracy": 0.25})
         logger.log(1, {"reward/mean": 0.5, "loss": 2, "kl": float("nan")})
         logger.log(2, {"reward/mean": 0.75, "loss": 1.5, "kl": 0.01})
-    (run_file,) = wandb_dir.glob("wandb/offline-run-*/run-*.wandb")  # WANDB_DIR and WANDB_MODE win
+    run_file = _finished_wandb_run_file(wandb_dir)  # WANDB_DIR and WANDB_MODE win over the given options
     history = _wandb_history(run_file)
     assert [step for step, _ in history] == [0, 1, 2]
     assert history[0][1] == {"eval/accuracy": 0.25}

@@ -8,7 +8,9 @@ Invariants:
   inf are passed on as they are, as TensorBoard gets them.
 - The W&B run folder is `RUN_DIR/wandb/` unless `WANDB_DIR` is set; `WANDB_MODE` in the environment
   takes precedence over the configured mode (W&B's own convention). `offline` needs no account or
-  network; `wandb sync RUN_DIR/wandb/offline-run-*` uploads such a run later.
+  network; `wandb sync RUN_DIR/wandb/offline-run-*` uploads such a run later. W&B's own process
+  writes the run file: `close()` can return a moment (about 0.1 s, wandb 0.31) before its last
+  records are on disk.
 - A resumed run (`resume_from_step`) is a new W&B run with `resumed_from_step` in its config: W&B
   cannot rewind the steps of an existing run, so steps after the checkpoint are never shown twice
   within one W&B run.
