@@ -83,6 +83,7 @@ def test_train_resume_eval_and_run_folder(tmp_path, capsys):
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "curves.png").stat().st_size > 0
     assert (run_dir / "timeline.json").exists()
+    assert (run_dir / "timeline.png").stat().st_size > 0 and (run_dir / "utilization.png").stat().st_size > 0
 
     # --resume continues from step 2 to step 4: numbering continues, nothing repeated
     assert train(run_dir, "train.steps=4", resume=True) == 0

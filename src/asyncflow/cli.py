@@ -82,7 +82,10 @@ def cmd_eval(args) -> int:
         )
     weights = load_weights(checkpoint)
     eval_dir = Path(config.run.output_dir) / "eval"
-    run = RLRun(config.model_copy(update={"run": config.run.model_copy(update={"output_dir": str(eval_dir)})}))
+    run = RLRun(config.model_copy(update={
+        "run": config.run.model_copy(update={"output_dir": str(eval_dir)}),
+        "observe": config.observe.model_copy(update={"wandb": False}),  # an evaluation is no experiment run of its own
+    }))
     run.train_engine.load_state_dict(weights)  # `evaluate` reads the policy's weights
     result = run.evaluate()
     run.metrics.close()

@@ -256,6 +256,47 @@ class RuntimeConfig(Section):
     """`ray`: times a dead rollout replica is restarted (its unfinished rows are generated again)."""
 
 
+class ObserveConfig(Section):
+    tensorboard: bool = True
+    """Write TensorBoard event files to `RUN_DIR/tensorboard/`."""
+    wandb: bool = False
+    """Also log every metric of metrics.jsonl (same names and steps) and the resolved config to Weights &
+    Biases. Needs the `wandb` extra (`pip install 'asyncflow-rl[wandb]'`); without it the config is
+    rejected before any work."""
+    wandb_project: str = "asyncflow"
+    """W&B project."""
+    wandb_entity: str | None = None
+    """W&B entity (user or team); `null` = your default entity."""
+    wandb_name: str | None = None
+    """Name of the W&B run; `null` = `run.name`."""
+    wandb_mode: Literal["online", "offline"] = "offline"
+    """`offline`: the W&B run is written to `RUN_DIR/wandb/` with no account or network (upload it later
+    with `wandb sync RUN_DIR/wandb/offline-run-*`); `online`: streamed to the W&B server (needs `wandb
+    login`). `WANDB_MODE` in the environment takes precedence; `WANDB_DIR` moves the folder."""
+
+    @field_validator("wandb")
+    @classmethod
+    def _wandb_installed(cls, value: bool) -> bool:
+        if value:
+            from asyncflow.observe.wandb_logger import require_wandb
+
+            try:
+                require_wandb()
+            except ModuleNotFoundError as err:
+                raise ValueError(f"{err} (or set observe.wandb=false)") from None
+        return value
+
+    def wandb_run(self, config: Config) -> dict[str, Any] | None:
+        """Keyword arguments of `asyncflow.observe.wandb_logger.WandbWriter` for the run of `config`
+        (passed as `MetricsLogger(wandb=...)`); None when `wandb` is off."""
+        if not self.wandb:
+            return None
+        return {
+            "project": self.wandb_project, "entity": self.wandb_entity, "name": self.wandb_name or config.run.name,
+            "mode": self.wandb_mode, "config": config.model_dump(mode="json"),
+        }
+
+
 class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -269,6 +310,7 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     workflow: WorkflowConfig = Field(default_factory=WorkflowConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    observe: ObserveConfig = Field(default_factory=ObserveConfig)
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> "Config":

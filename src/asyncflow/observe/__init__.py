@@ -1,6 +1,6 @@
-"""Observability: per-step metrics (JSONL + TensorBoard), worker timelines (Chrome trace, Gantt,
-idle fractions), metric plots and a progress bar. Imports nothing of asyncflow; matplotlib loads
-only when a plot is drawn."""
+"""Observability: per-step metrics (JSONL + TensorBoard, optionally Weights & Biases), worker timelines
+(Chrome trace, Gantt, utilization, idle fractions), metric plots and a progress bar. Imports nothing
+of asyncflow; matplotlib loads only when a plot is drawn, wandb only when a W&B run is asked for."""
 
 from asyncflow.observe.metrics import MetricsLogger, read_metrics
 from asyncflow.observe.plots import plot_curves, plot_metrics

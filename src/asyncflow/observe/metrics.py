@@ -1,5 +1,6 @@
-"""Per-step scalar metrics: `RUN_DIR/metrics.jsonl` (the contract users script against) and
-TensorBoard event files under `RUN_DIR/tensorboard`.
+"""Per-step scalar metrics: `RUN_DIR/metrics.jsonl` (the contract users script against),
+TensorBoard event files under `RUN_DIR/tensorboard` and, optionally, a Weights & Biases run
+(`asyncflow.observe.wandb_logger`), all with the same metric names and steps.
 
 Owns: `MetricsLogger`, `read_metrics`, `METRICS_FILE`.
 Invariants:
@@ -9,7 +10,8 @@ Invariants:
 - Resuming with `resume_from_step=S` drops every row with step > S from metrics.jsonl (rewritten
   atomically) and tells TensorBoard to discard its events with step > S, so a resumed run never
   shows a step twice.
-- `log` is thread-safe. Only the `tensorboard` package is needed for event files (torch is not).
+- `log` is thread-safe. Only the `tensorboard` package is needed for event files (torch is not);
+  wandb is imported only when a W&B run is asked for.
 """
 
 from __future__ import annotations
@@ -30,7 +32,12 @@ TENSORBOARD_DIR = "tensorboard"
 class MetricsLogger:
     """Append-only metrics log for one run directory; use as a context manager or call `close()`."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, resume_from_step: int | None = None) -> None:
+    def __init__(
+        self, run_dir: str | Path, tensorboard: bool = True, resume_from_step: int | None = None,
+        wandb: Mapping[str, Any] | None = None,
+    ) -> None:
+        """`wandb`: keyword arguments of `asyncflow.observe.wandb_logger.WandbWriter` (project, entity,
+        name, mode, config) to also log every metric to a W&B run; None (the default) = no W&B."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
@@ -41,11 +48,15 @@ class MetricsLogger:
                 tmp = self.path.with_suffix(".jsonl.tmp")
                 tmp.write_text("".join(_encode(row["step"], row) for row in kept), encoding="utf-8")
                 os.replace(tmp, self.path)
+        self._writers: list[Any] = []  # each with write(step, values) and close()
+        if wandb is not None:
+            from asyncflow.observe.wandb_logger import WandbWriter
+
+            self._writers.append(WandbWriter(self.run_dir, resume_from_step=resume_from_step, **wandb))
+        if tensorboard:
+            self._writers.append(_TensorBoardWriter(self.run_dir / TENSORBOARD_DIR, resume_from_step))
         self._file = self.path.open("a", encoding="utf-8")
         self._lock = threading.Lock()
-        self._tensorboard = (
-            _TensorBoardWriter(self.run_dir / TENSORBOARD_DIR, resume_from_step) if tensorboard else None
-        )
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Record `metrics` (name -> number: int, float, numpy scalar, 0-d tensor) for `step`."""
@@ -57,15 +68,16 @@ class MetricsLogger:
                 raise RuntimeError(f"MetricsLogger for {self.run_dir} is closed")
             self._file.write(line)
             self._file.flush()
-            if self._tensorboard is not None:
-                self._tensorboard.write(step, values)
+            for writer in self._writers:
+                writer.write(step, values)
 
     def close(self) -> None:
         with self._lock:
             if not self._file.closed:
                 self._file.close()
-            if self._tensorboard is not None:
-                self._tensorboard.close()
+            for writer in self._writers:
+                writer.close()
+            self._writers = []
 
     def __enter__(self) -> MetricsLogger:
         return self

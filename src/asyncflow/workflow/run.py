@@ -98,7 +98,10 @@ class RLRun:
         self.eval_engine = None  # built on first evaluation
         if resume:
             self._resume()
-        self.metrics = MetricsLogger(self.run_dir, resume_from_step=self.step if resume else None)
+        self.metrics = MetricsLogger(
+            self.run_dir, resume_from_step=self.step if resume else None, tensorboard=config.observe.tensorboard,
+            wandb=config.observe.wandb_run(config),
+        )
 
     def _load_policy(self) -> torch.nn.Module:
         return load_model(self.model_path, dtype=self.config.model.dtype, device=self.config.model.device)
@@ -241,11 +244,12 @@ class RLRun:
         return history
 
     def write_reports(self) -> None:
-        """Plots of reward and accuracy, the Chrome trace and Gantt chart, and each role's idle fraction."""
+        """Plots of reward and accuracy, the Chrome trace, Gantt and utilization charts, each role's idle fraction."""
         plot_metrics(self.run_dir, keys=("reward/mean", "eval/accuracy"), out_png=self.run_dir / "curves.png")
         if self.timeline.events:
             self.timeline.to_chrome_trace(self.run_dir / "timeline.json")
             self.timeline.gantt_png(self.run_dir / "timeline.png", title=f"{self.config.workflow.mode} workers")
+            self.timeline.utilization_png(self.run_dir / "utilization.png", f"{self.config.workflow.mode} workers")
             idle = self.timeline.idle_fractions()
             log.info("idle fraction per worker: %s", {k: round(v, 3) for k, v in idle.items()})
 
