@@ -56,7 +56,7 @@ def main() -> None:
         if mode in args.rerun.split(","):
             asyncflow(["train", EXAMPLE, "sft.before_rl=false", f"model.path={sft}", f"train.steps={args.steps}",
                        f"eval.every={args.eval_every}", "checkpoint.every=0", "run.progress=false", *overrides,
-                       "--output", str(run_dir)], threads)  # fmt: skip
+                       "--output", str(run_dir), "--overwrite"], threads)  # fmt: skip
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         curves[mode] = [(r["samples"], r["wall_s"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
         print(f"{mode:10s} accuracy {curves[mode][0][2]:.3f} -> {curves[mode][-1][2]:.3f} after "

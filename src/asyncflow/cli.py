@@ -1,7 +1,16 @@
 """Command line: `asyncflow train | sft | eval | bench`.
 
-Owns: argument parsing, logging set-up, and turning config errors into a clear message and a
-non-zero exit before any work starts.
+Owns: argument parsing, logging set-up, the order of a command's work, and turning errors into
+one line and an exit code.
+
+Invariants:
+- `train` and `eval` check everything the config alone decides (`preflight`: reward spec, data,
+  prompt lengths) before the run folder is written and before any model loads; `train` settles
+  what to do with the run folder (`RunFolder.plan`) before that, reading only.
+- Exit codes: 0 done (a finished run resumed included), 2 a config error (bad key or value, a run
+  folder in use without `--resume` / `--overwrite`), 1 any other error the user can act on (a
+  missing or damaged file, bad data, a full disk, a read-only folder, a Ray cluster that does not
+  start), each one line on stderr (`-v` adds the traceback).
 """
 
 from __future__ import annotations
@@ -47,15 +56,31 @@ def cmd_train(args) -> int:
     config = _config(args)
     from asyncflow.workflow.pipeline import make_workflow
     from asyncflow.workflow.run import RLRun
+    from asyncflow.workflow.run_folder import RunFolder
+    from asyncflow.workflow.setup import preflight
     from asyncflow.workflow.sft import run_sft
 
+    folder = RunFolder(config.run.output_dir)
+    plan = folder.plan(steps=config.train.steps, resume=args.resume, overwrite=args.overwrite)
+    if plan.action == "finished":
+        log.info("the run in %s is already finished (checkpoint %s, train.steps=%d): nothing to do",
+                 folder.path, plan.checkpoint, config.train.steps)
+        print(json.dumps({"run_dir": str(folder.path), "step": plan.step, "finished": True}))
+        return 0
+    checked = preflight(config)
+    folder.prepare(plan)
     if config.sft.before_rl:
         out = sft_output(config)
         if not (out / "config.json").exists():
             run_sft(config, out)
         config = config.model_copy(update={"model": config.model.model_copy(update={"path": str(out)})})
-    run = RLRun(config, resume=args.resume)
-    history = run.train(make_workflow(config, run))
+    run = RLRun(config, plan=plan, checked=checked)
+    try:
+        workflow = make_workflow(config, run)
+    except BaseException:
+        run.metrics.close()
+        raise
+    history = run.train(workflow)
     final = {k: v for k, v in history[-1].items() if k.startswith(("eval/", "reward/mean"))}
     print(json.dumps({"run_dir": str(run.run_dir), "step": run.step, **final}))
     return 0
@@ -74,21 +99,14 @@ def cmd_eval(args) -> int:
     config = _config(args)
     from asyncflow.workflow.checkpoint import load_weights
     from asyncflow.workflow.run import RLRun
+    from asyncflow.workflow.setup import preflight
 
+    checked = preflight(config, training=False)
     checkpoint = Path(args.checkpoint)
-    if not checkpoint.is_dir():
-        raise FileNotFoundError(
-            f"checkpoint folder {str(checkpoint)!r} does not exist (expected RUN_DIR/checkpoints/step_N)"
-        )
-    weights = load_weights(checkpoint)
-    eval_dir = Path(config.run.output_dir) / "eval"
-    run = RLRun(config.model_copy(update={
-        "run": config.run.model_copy(update={"output_dir": str(eval_dir)}),
-        "observe": config.observe.model_copy(update={"wandb": False}),  # an evaluation is no experiment run of its own
-    }))
+    weights = load_weights(checkpoint)  # verified: a damaged file is named
+    run = RLRun(config, checked=checked, outputs=False)
     run.train_engine.load_state_dict(weights)  # `evaluate` reads the policy's weights
     result = run.evaluate()
-    run.metrics.close()
     print(json.dumps({"checkpoint": args.checkpoint, **result}))
     return 0
 
@@ -122,7 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="RL training (GRPO, PPO, ...) in the configured workflow")
     _add_common(train)
-    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the run folder")
+    given = train.add_mutually_exclusive_group()
+    given.add_argument(
+        "--resume", action="store_true",
+        help="continue the run in the run folder from its newest intact checkpoint (a finished run: nothing to do)",
+    )
+    given.add_argument(
+        "--overwrite", action="store_true", help="delete the run in the run folder (SFT model included), start again"
+    )
     train.set_defaults(func=cmd_train)
 
     sft = sub.add_parser("sft", help="supervised warm-up on (prompt, answer) pairs")
@@ -163,11 +188,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ConfigError as err:
+        log.debug("config error", exc_info=True)
         print(f"asyncflow: {err}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, ValueError, RewardHealthError, RewardStuckError) as err:
-        print(f"asyncflow: error: {err}", file=sys.stderr)
+    # OSError: a full disk, a read-only folder, Ray not starting, ...; the reward errors: a broken reward function
+    except (OSError, ValueError, RewardHealthError, RewardStuckError) as err:
+        log.debug("error", exc_info=True)
+        print(f"asyncflow: error: {_one_line(err)}", file=sys.stderr)
         return 1
+
+
+def _one_line(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.strerror and err.filename:  # e.g. [Errno 28] ... without the noise
+        return f"{err.strerror}: {err.filename}"
+    text = str(err).strip() or type(err).__name__
+    return text.splitlines()[0] if isinstance(err, OSError) else text
 
 
 if __name__ == "__main__":

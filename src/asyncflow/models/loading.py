@@ -2,7 +2,7 @@
 
 Owns: resolving a model reference (a local Hugging Face folder, or `preset:NAME` which is first
 materialised as such a folder) and loading it with `AutoModelForCausalLM` / `AutoTokenizer`,
-plus prompt rendering (chat template when the tokenizer has one).
+plus prompt rendering (chat template when the tokenizer has one) and prompt lengths in bulk.
 
 Invariant: presets are never special-cased after materialisation; they go through exactly the
 same `from_pretrained` calls as any user model.
@@ -73,3 +73,25 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, use_chat_temp
     if tokenizer.bos_token_id is not None:
         ids = [tokenizer.bos_token_id] + ids
     return ids
+
+
+def prompt_lengths(
+    tokenizer: PreTrainedTokenizerBase, prompts: list[str], use_chat_template: bool | None = None, batch: int = 4096
+) -> list[int]:
+    """`len(render_prompt(tokenizer, p, use_chat_template))` for every prompt, tokenized in batches (fast enough
+    to check a whole dataset before training)."""
+    if use_chat_template is None:
+        use_chat_template = bool(getattr(tokenizer, "chat_template", None))
+    bos = 1 if tokenizer.bos_token_id is not None else 0
+    lengths: list[int] = []
+    for start in range(0, len(prompts), batch):
+        chunk = list(prompts[start : start + batch])
+        if use_chat_template:
+            conversations = [[{"role": "user", "content": prompt}] for prompt in chunk]
+            ids = tokenizer.apply_chat_template(
+                conversations, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            lengths.extend(len(one) for one in ids)
+        else:
+            lengths.extend(len(one) + bos for one in tokenizer(chunk, add_special_tokens=False)["input_ids"])
+    return lengths

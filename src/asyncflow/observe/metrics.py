@@ -9,7 +9,8 @@ Invariants:
   are written as null (JSON has no NaN) and read back by `read_metrics` as NaN.
 - Resuming with `resume_from_step=S` drops every row with step > S from metrics.jsonl (rewritten
   atomically) and tells TensorBoard to discard its events with step > S, so a resumed run never
-  shows a step twice.
+  shows a step twice. A cut-off last line (a full disk, a power loss) is dropped there with a
+  warning instead of blocking the resume; damage anywhere else is still an error.
 - `log` is thread-safe. Only the `tensorboard` package is needed for event files (torch is not);
   wandb is imported only when a W&B run is asked for.
 """
@@ -17,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import threading
@@ -24,6 +26,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -44,7 +48,8 @@ class MetricsLogger:
         if resume_from_step is not None:
             _check_step(resume_from_step)
             if self.path.exists():
-                kept = [row for row in read_metrics(self.run_dir) if row["step"] <= resume_from_step]
+                rows = read_metrics(self.run_dir, drop_cut_off_last_line=True)
+                kept = [row for row in rows if row["step"] <= resume_from_step]
                 tmp = self.path.with_suffix(".jsonl.tmp")
                 tmp.write_text("".join(_encode(row["step"], row) for row in kept), encoding="utf-8")
                 os.replace(tmp, self.path)
@@ -86,8 +91,9 @@ class MetricsLogger:
         self.close()
 
 
-def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
-    """Rows of RUN_DIR/metrics.jsonl in file order (`step` an int, nulls as NaN); [] if absent."""
+def read_metrics(run_dir: str | Path, *, drop_cut_off_last_line: bool = False) -> list[dict[str, float]]:
+    """Rows of RUN_DIR/metrics.jsonl in file order (`step` an int, nulls as NaN); [] if absent.
+    `drop_cut_off_last_line`: a last line that is not valid JSON is left out with a warning."""
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return []
@@ -99,6 +105,9 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
+                if drop_cut_off_last_line and not any(rest.strip() for rest in lines):
+                    log.warning("%s:%d: cut-off last line dropped (%s)", path, line_number, err.msg)
+                    break
                 raise ValueError(f"{path}:{line_number}: not valid JSON ({err.msg})") from None
             if not isinstance(row, dict) or type(row.get("step")) is not int:
                 found = line.strip()[:80]

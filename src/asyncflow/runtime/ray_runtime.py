@@ -3,8 +3,9 @@
 beside its engine); the trainer stays in the driver.
 
 Owns: starting or joining the Ray cluster (`runtime.address`; a local cluster without dashboard by
-default), the rollout actors (CPUs/GPUs from config, each loads the policy through the normal HF
-loading code and builds its engine from the registry), the weight-sync transport options of
+default; a failed start is retried once, then a one-line `RayStartError`), the rollout actors
+(CPUs/GPUs from config, each loads the policy through the normal HF loading code and builds its
+engine from the registry), the weight-sync transport options of
 `runtime.weight_sync`, idle-core lending between the trainer and the replicas on a local CPU
 cluster (`runtime.lend_idle_cores`, see `asyncflow.runtime.cores`), and a supervisor thread that
 watches the replicas.
@@ -44,6 +45,39 @@ from asyncflow.workers.rollout import RESPONSE_COLUMNS
 log = logging.getLogger(__name__)
 
 ROLLOUT_TASK = "rollout"
+
+
+class RayStartError(ConnectionError):
+    """The Ray cluster did not start (or could not be joined), twice."""
+
+
+START_ATTEMPTS = 2
+START_RETRY_PAUSE_S = 2.0
+
+
+def start_ray(*, address: str | None, num_cpus: int | None) -> None:
+    """`ray.init`, tried `START_ATTEMPTS` times (a local cluster's start-up can time out on a loaded machine);
+    then `RayStartError` with a one-line message naming the address."""
+    attempts = START_ATTEMPTS
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address=address, num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
+            return
+        except (TimeoutError, ConnectionError, RuntimeError) as err:  # what ray.init raises when start-up fails
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            log.warning("Ray did not start (attempt %d of %d): %s", attempt, attempts, reason)
+            log.debug("ray.init failed", exc_info=True)
+            try:
+                ray.shutdown()  # leaves no half-started local cluster behind
+            except Exception:  # noqa: BLE001 - best effort before the retry or the error
+                log.debug("ray.shutdown after a failed start", exc_info=True)
+            if attempt == attempts:
+                where = f"join the Ray cluster at runtime.address={address}" if address else "start a local Ray cluster"
+                raise RayStartError(
+                    f"could not {where} ({attempts} attempts): {reason}; check free memory and /tmp/ray for a local "
+                    "cluster, that the head node is up for an address, or run without Ray (runtime.kind=inline)"
+                ) from err
+            time.sleep(START_RETRY_PAUSE_S)
 
 
 @dataclass(frozen=True)
@@ -124,10 +158,7 @@ class RayRuntime:
                 # Ray starts worker processes at nice 15, below the driver and everything else on the host;
                 # rollout replicas are on the critical path, so a local cluster runs them at normal priority.
                 os.environ.setdefault("RAY_worker_niceness", "0")
-            ray.init(
-                address=rt.address, num_cpus=rt.num_cpus if rt.address is None else None,
-                include_dashboard=False, configure_logging=False,
-            )
+            start_ray(address=rt.address, num_cpus=rt.num_cpus if rt.address is None else None)
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(max(1, int(rt.trainer_cpus)))
         self.trainer_cores: CoreLending | None = None

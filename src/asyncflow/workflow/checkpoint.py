@@ -1,20 +1,33 @@
 """Checkpoints: `RUN_DIR/checkpoints/step_N/` with everything needed to resume exactly.
 
-Owns: writing and reading a checkpoint folder:
+Owns: writing, verifying and reading a checkpoint folder:
 - `model.safetensors`: policy weights;
 - `training_state.pt`: optimizer and LR schedule state;
 - `rng.pt`: python, numpy and torch RNG states (and the inference engine's generator);
-- `state.json`: step, data position, weight version, counters.
+- `state.json`: step, data position, weight version, counters;
+- `manifest.json`: the size and sha256 of each file above, written last.
 
-Invariants: a checkpoint folder is written under a temporary name and renamed when complete, so
-`latest_checkpoint` never returns a half-written one; only the newest `keep` are kept.
+Invariants:
+- A checkpoint is written under a temporary name (`.tmp_step_N`), every file fsynced, the manifest
+  written last, then renamed to `step_N`: a `step_N` folder is complete or was damaged afterwards.
+- `verify_checkpoint` checks each file against the manifest; `load_checkpoint` verifies first and
+  reports any damage as `CheckpointError` naming the file (folders written before manifests existed
+  are checked by loading them). Nothing is restored from a checkpoint that fails.
+- A write that fails (a full disk) removes its temporary folder and raises `CheckpointWriteError`;
+  earlier checkpoints are untouched. Only the newest `keep` checkpoints up to the one just written
+  are kept; a higher step is never pruned by a lower one.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import os
 import random
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +35,20 @@ import torch
 from safetensors.torch import load_file, save_file
 
 STEP_PREFIX = "step_"
+MANIFEST = "manifest.json"
+FILES = ("model.safetensors", "training_state.pt", "rng.pt", "state.json")
+_STEP_NAME = re.compile(rf"{STEP_PREFIX}(\d+)")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder is incomplete or damaged; the message names the file."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (e.g. no space left); the message says which and what is intact."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
 
 
 def save_checkpoint(
@@ -31,32 +58,66 @@ def save_checkpoint(
     root = Path(run_dir) / "checkpoints"
     final = root / f"{STEP_PREFIX}{step}"
     tmp = root / f".tmp_{STEP_PREFIX}{step}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    # Tied embeddings share storage; safetensors refuses shared tensors, so save contiguous clones.
-    save_file({k: v.detach().contiguous().clone() for k, v in weights.items()}, str(tmp / "model.safetensors"))
-    torch.save(training_state, tmp / "training_state.pt")
+    previous = [c for c in list_checkpoints(run_dir) if checkpoint_step(c) != step]
     rng = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
         "generator": generator_state,
     }
-    torch.save(rng, tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2))
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    for old in list_checkpoints(run_dir)[:-keep]:
+    # Tied embeddings share storage; safetensors refuses shared tensors, so save contiguous clones.
+    tensors = {k: v.detach().contiguous().clone() for k, v in weights.items()}
+    writers: dict[str, Callable[[Path], object]] = {
+        "model.safetensors": lambda path: save_file(tensors, str(path)),
+        "training_state.pt": lambda path: torch.save(training_state, path),
+        "rng.pt": lambda path: torch.save(rng, path),
+        "state.json": lambda path: path.write_text(json.dumps({"step": step, **state}, indent=2)),
+    }
+    current = tmp
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        manifest = {}
+        for name, write in writers.items():
+            current = tmp / name
+            write(current)
+            manifest[name] = _fsync_and_describe(current)
+        current = tmp / MANIFEST
+        current.write_text(json.dumps({"step": step, "files": manifest}, indent=2))
+        _fsync_and_describe(current)
+        _fsync_dir(tmp)
+        current = final
+        if final.exists():  # a damaged folder of the same step: replaced, never merged
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        intact = f"the previous checkpoint {previous[-1]} is intact" if previous else "there is no earlier checkpoint"
+        what = "no space left on device" if err.errno in (errno.ENOSPC, errno.EDQUOT) else (err.strerror or str(err))
+        raise CheckpointWriteError(
+            err.errno, f"{what} while writing checkpoint {final} ({current.name}); {intact}"
+        ) from err
+    older = [c for c in list_checkpoints(run_dir) if checkpoint_step(c) < step]
+    for old in older[: max(0, len(older) - (keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def checkpoint_step(checkpoint: Path) -> int:
+    match = _STEP_NAME.fullmatch(Path(checkpoint).name)
+    if match is None:
+        raise CheckpointError(f"{checkpoint}: not a checkpoint folder (expected RUN_DIR/checkpoints/step_N)")
+    return int(match.group(1))
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Every `step_N` folder of the run, oldest first (intact or not: see `verify_checkpoint`)."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX) and (p / "state.json").exists()]
-    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP_NAME.fullmatch(p.name)]
+    return sorted(found, key=checkpoint_step)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -64,21 +125,86 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def verify_checkpoint(checkpoint: Path, files: tuple[str, ...] = FILES) -> None:
+    """Raise `CheckpointError` naming the first of `files` that is missing, cut off or altered."""
+    checkpoint = Path(checkpoint)
+    if not checkpoint.is_dir():
+        raise FileNotFoundError(
+            f"checkpoint folder {str(checkpoint)!r} does not exist (expected RUN_DIR/checkpoints/step_N)"
+        )
+    manifest_path = checkpoint / MANIFEST
+    manifest = None
+    if manifest_path.exists():
+        try:
+            manifest = json.loads(manifest_path.read_text())["files"]
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            raise CheckpointError(f"{manifest_path}: damaged (not a checkpoint manifest)") from None
+    for name in files:
+        path = checkpoint / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing")
+        if manifest is None:
+            continue  # written before manifests: `load_checkpoint` checks it by reading it
+        expected = manifest.get(name)
+        if not isinstance(expected, dict):
+            raise CheckpointError(f"{path}: not listed in {MANIFEST}")
+        size = path.stat().st_size
+        if size != expected.get("size"):
+            raise CheckpointError(f"{path}: cut off or altered ({size} bytes, {expected.get('size')} written)")
+        if _sha256(path) != expected.get("sha256"):
+            raise CheckpointError(f"{path}: damaged (sha256 differs from {MANIFEST})")
+
+
 def load_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    path = Path(checkpoint) / "model.safetensors"
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint {str(checkpoint)!r} has no model.safetensors")
-    return load_file(str(path))
+    checkpoint = Path(checkpoint)
+    verify_checkpoint(checkpoint, files=("model.safetensors",))
+    return _read(checkpoint / "model.safetensors", lambda path: load_file(str(path)))
 
 
 def load_checkpoint(checkpoint: Path) -> tuple[dict[str, torch.Tensor], dict, dict, dict]:
-    """-> (weights, training_state, state, rng); restores the global RNGs as a side effect."""
+    """-> (weights, training_state, state, rng); restores the global RNGs as a side effect, once every file
+    has been verified and read."""
     checkpoint = Path(checkpoint)
-    weights = load_weights(checkpoint)
-    training_state = torch.load(checkpoint / "training_state.pt", weights_only=False)
-    state = json.loads((checkpoint / "state.json").read_text())
-    rng = torch.load(checkpoint / "rng.pt", weights_only=False)
+    verify_checkpoint(checkpoint)
+    weights = _read(checkpoint / "model.safetensors", lambda path: load_file(str(path)))
+    training_state = _read(checkpoint / "training_state.pt", lambda path: torch.load(path, weights_only=False))
+    state = _read(checkpoint / "state.json", lambda path: json.loads(path.read_text()))
+    rng = _read(checkpoint / "rng.pt", lambda path: torch.load(path, weights_only=False))
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
     return weights, training_state, state, rng
+
+
+def _read(path: Path, load: Callable[[Path], object]):
+    try:
+        return load(path)
+    except Exception as err:  # safetensors, pickle, zip and JSON each raise their own kind
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{path}: cannot be read ({reason})") from err
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_and_describe(path: Path) -> dict:
+    """Flush `path` to disk; -> its size and sha256 for the manifest."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

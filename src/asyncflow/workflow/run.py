@@ -1,8 +1,9 @@
 """An RL training run: set-up, the step loop, evaluation, checkpoints, and outputs.
 
 Owns: building the pieces a workflow needs from the config (policy, inference engine, reward,
-trainer, datasets), the run folder contract (config.yaml, metrics.jsonl, checkpoints/, plots,
-TensorBoard), resuming from the latest checkpoint, and the non-finite-loss policy.
+trainer, datasets), writing the run's outputs (config.yaml, metrics.jsonl, checkpoints/, plots,
+TensorBoard) into a run folder claimed through `asyncflow.workflow.run_folder`, resuming from the
+checkpoint its plan names, and the non-finite-loss policy.
 
 The workflow (`sync`, `stream`, `async`) only decides how one step's rollouts are produced and
 consumed; see `asyncflow.workflow.pipeline`.
@@ -12,6 +13,8 @@ Invariants:
 - Data position, RNG states, optimizer and weights are checkpointed together; `--resume`
   continues with exactly the prompts and samples the uninterrupted run would have used.
 - After `train.max_nan_steps` consecutive skipped (non-finite) steps the run stops with an error.
+- Nothing is written before the run folder's plan is carried out (`RunFolder.prepare`): a run never
+  writes into a folder holding another run, and a finished run resumed trains no step.
 - Every training row of metrics.jsonl has `step`, `reward/mean`, `kl` (null when `algo.kl_coef` = 0:
   there is no reference model), `entropy`, `loss`, `time/step_s`, `throughput/samples_per_s` and
   `throughput/tokens_per_s`; evaluated steps (and step 0, before any update) add `eval/accuracy`.
@@ -27,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from asyncflow.config import Config, dump_config
+from asyncflow.config import Config
 from asyncflow.engines.base import make_inference_engine
 from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.models.loading import load_model, load_tokenizer, resolve_model_path
@@ -36,9 +39,17 @@ from asyncflow.rewards import RewardHealth
 from asyncflow.workers.reward import RewardWorker
 from asyncflow.workers.rollout import Prompt, RolloutWorker
 from asyncflow.workers.trainer import PolicyTrainer
-from asyncflow.workflow.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from asyncflow.workflow.checkpoint import load_checkpoint, save_checkpoint
 from asyncflow.workflow.evaluation import evaluate
-from asyncflow.workflow.setup import build_reward_runner, datasets, prompt_encoder, sampling_params, seed_everything
+from asyncflow.workflow.run_folder import Plan, RunFolder
+from asyncflow.workflow.setup import (
+    Preflight,
+    build_reward_runner,
+    datasets,
+    prompt_encoder,
+    sampling_params,
+    seed_everything,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +59,20 @@ class NonFiniteLossError(RuntimeError):
 
 
 class RLRun:
-    def __init__(self, config: Config, *, resume: bool = False):
+    """One RL run in `run.output_dir`. `resume` / `overwrite`: what to do with a run already there (see
+    `RunFolder.plan`), or `plan`: that decision, already taken and carried out by the caller. `checked`:
+    the datasets `preflight` loaded. `outputs=False` (`asyncflow eval`) builds the pieces and writes nothing."""
+
+    def __init__(
+        self, config: Config, *, resume: bool = False, overwrite: bool = False, plan: Plan | None = None,
+        checked: Preflight | None = None, outputs: bool = True,
+    ):
         self.config = config
         self.run_dir = Path(config.run.output_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        dump_config(config, self.run_dir / "config.yaml")
+        self.folder = RunFolder(self.run_dir)
+        if outputs and plan is None:
+            plan = self.folder.plan(steps=config.train.steps, resume=resume, overwrite=overwrite)
+            self.folder.prepare(plan)
         seed_everything(config.run.seed)
 
         self.model_path = resolve_model_path(config.model.path, seed=config.run.seed)
@@ -84,7 +104,7 @@ class RLRun:
             self.train_engine, config.algo, micro_batch_size=config.train.micro_batch_size,
             temperature=config.rollout.temperature,
         )
-        self.train_set, self.test_set = datasets(config)
+        self.train_set, self.test_set = (checked.train_set, checked.test_set) if checked else datasets(config)
         self.encoder = prompt_encoder(config, self.tokenizer)
 
         self.step = 0
@@ -96,12 +116,16 @@ class RLRun:
         self.start_wall = 0.0
         self.timeline = Timeline()
         self.eval_engine = None  # built on first evaluation
-        if resume:
-            self._resume()
-        self.metrics = MetricsLogger(
-            self.run_dir, resume_from_step=self.step if resume else None, tensorboard=config.observe.tensorboard,
-            wandb=config.observe.wandb_run(config),
-        )
+        resuming = plan is not None and plan.checkpoint is not None
+        if resuming:
+            self._resume(plan.checkpoint)
+        self.metrics = None
+        if outputs:
+            self.folder.write_config(config)
+            self.metrics = MetricsLogger(
+                self.run_dir, resume_from_step=self.step if resuming else None,
+                tensorboard=config.observe.tensorboard, wandb=config.observe.wandb_run(config),
+            )
 
     def _load_policy(self) -> torch.nn.Module:
         return load_model(self.model_path, dtype=self.config.model.dtype, device=self.config.model.device)
@@ -152,11 +176,7 @@ class RLRun:
             keep=self.config.checkpoint.keep,
         )
 
-    def _resume(self) -> None:
-        checkpoint = latest_checkpoint(self.run_dir)
-        if checkpoint is None:
-            log.warning("--resume: no checkpoint in %s, starting from scratch", self.run_dir)
-            return
+    def _resume(self, checkpoint: Path) -> None:
         weights, training_state, state, rng = load_checkpoint(checkpoint)
         self.train_engine.load_state_dict(weights)
         self.train_engine.load_training_state(training_state)
@@ -202,6 +222,12 @@ class RLRun:
         """Run `workflow.step(self)` until `train.steps`; returns the logged metrics rows."""
         cfg = self.config
         history = []
+        if self.step >= cfg.train.steps:
+            log.info("the run in %s is finished (step %d, train.steps=%d): nothing to train", self.run_dir,
+                     self.step, cfg.train.steps)
+            workflow.close()
+            self.metrics.close()
+            return history
         self.start_wall = time.perf_counter()
         if self.step == 0:
             history.append(self._log({"samples": 0, **self.evaluate()}))

@@ -1,23 +1,29 @@
-"""The pieces of a run built from its config: seeding, datasets, prompt encoder, rewards, sampling.
+"""The pieces of a run built from its config: seeding, datasets, prompt encoder, rewards, sampling;
+and `preflight`, every check of a command's input that needs only the config.
 
 Owns the translation from `Config` sections to the constructor arguments of the layers below, so
 that those layers never read the config themselves. Everything here is a pure function of the
 config (and a tokenizer), so a Ray actor can rebuild the same piece in its own process.
+
+Invariant: `preflight` writes nothing and loads no model (a tokenizer at most): `asyncflow train` and
+`eval` run it before the run folder is touched, so bad input stops a command in seconds with a
+message naming it, never hours into a run or after a model has loaded.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from asyncflow.config import Config
-from asyncflow.data import make_task
+from asyncflow.data import DatasetError, Example, make_task
 from asyncflow.data.prompts import PromptEncoder, TrainSet, open_datasets
 from asyncflow.engines.base import SamplingParams
-from asyncflow.models.loading import load_tokenizer, render_prompt, resolve_model_path
-from asyncflow.rewards import RewardRunner
+from asyncflow.models.loading import load_tokenizer, prompt_lengths, render_prompt, resolve_model_path
+from asyncflow.rewards import RewardRunner, check_reward_specs
 from asyncflow.workers.reward import RewardWorker
 
 
@@ -73,3 +79,53 @@ def sampling_params(config: Config, tokenizer, *, greedy: bool = False) -> Sampl
             stop_token_ids=stop,
         )
     return SamplingParams(r.temperature, r.top_p, r.top_k, r.max_new_tokens, stop)
+
+
+# ---------------------------------------------------------------- preflight
+@dataclass
+class Preflight:
+    """What `preflight` loaded while checking, handed to the run so it is not loaded twice."""
+
+    train_set: TrainSet
+    test_set: list[Example]
+
+
+def preflight(config: Config, *, training: bool = True) -> Preflight:
+    """Every check that needs only the config, in the order a user would fix them. `training=False`
+    (`asyncflow eval`) checks the held-out prompts only. Raises ValueError subclasses naming the input."""
+    check_reward_spec(config)
+    train_set, test_set = check_data(config)
+    tokenizer = load_tokenizer(resolve_model_path(config.model.path, seed=config.run.seed))
+    if config.data.on_long_prompt == "error":
+        sets = {"training": train_set.examples if training else [], "held-out": test_set}
+        check_prompt_lengths(config, tokenizer, sets)
+    return Preflight(train_set, test_set)
+
+
+def check_reward_spec(config: Config) -> None:
+    """Every reward function of `reward.fns` resolves and takes `(completion, ground_truth, **metadata)`,
+    every weight is finite (and, with `reward.isolation=process`, every function can go to a worker process)."""
+    check_reward_specs(reward_specs(config), config.reward.weights, isolation=config.reward.isolation)
+
+
+def check_data(config: Config) -> tuple[TrainSet, list[Example]]:
+    """The training and held-out sets, read whole: a bad row stops here, named by file, line and field
+    (`load_examples` applies the checks of `validate_data_file` as it reads)."""
+    return datasets(config)
+
+
+def check_prompt_lengths(config: Config, tokenizer, sets: dict[str, list[Example]]) -> None:
+    """With `data.on_long_prompt=error`: no prompt of `sets` (name -> examples) is longer than
+    `data.max_prompt_tokens` once rendered as the rollout renders it (every prompt tokenized, in bulk)."""
+    limit = config.data.max_prompt_tokens
+    for name, examples in sets.items():
+        lengths = prompt_lengths(tokenizer, [ex.prompt for ex in examples], config.model.use_chat_template)
+        long = [i for i, n in enumerate(lengths) if n > limit]
+        if long:
+            first = examples[long[0]]
+            where = first.source or f"{name} example {long[0]}"
+            raise DatasetError(
+                f"{len(long)} of {len(examples)} {name} prompts are longer than data.max_prompt_tokens={limit} tokens, "
+                f"the first {where} ({first.prompt[:60]!r}, {lengths[long[0]]} tokens): set "
+                "data.on_long_prompt=skip to skip them, or raise data.max_prompt_tokens"
+            )

@@ -1,0 +1,189 @@
+"""The run folder (`run.output_dir`): what it holds, what state the run in it is in, and whether a
+command may write into it.
+
+Owns: the decision taken before anything is written (`RunFolder.plan`: start fresh, resume from a
+checkpoint, or nothing to do), carrying it out (`RunFolder.prepare`: create and probe the folder,
+clear it for `--overwrite`, set damaged checkpoints aside), and writing `config.yaml` atomically.
+What the files themselves hold is owned by `checkpoint.py` and `asyncflow.observe`.
+
+Invariants:
+- A new run starts only in an empty folder: missing, empty, or holding only the SFT warm-up model
+  `sft/`. A folder holding a run (config.yaml, metrics.jsonl or checkpoints/) is written into only
+  with `--resume` (continue it) or `--overwrite` (delete its contents first); a non-empty folder
+  that holds no run is never written into nor cleared. So one folder never mixes two runs' steps,
+  config or checkpoints.
+- `--resume` continues from the newest checkpoint that verifies; newer damaged ones are set aside
+  as `checkpoints/damaged_step_N` with a warning naming the bad file. A run whose newest intact
+  checkpoint is at or past `train.steps` is finished: resuming it changes nothing.
+- `--resume` of a run that stopped before its first checkpoint starts again from step 0 and drops
+  that attempt's outputs (no step is logged twice); `--resume` of a run whose checkpoints are all
+  damaged stops with an error naming them.
+- `plan` only reads; `prepare` is the first write, and it probes that the folder is writable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from asyncflow.config import Config, ConfigError, dump_config
+from asyncflow.observe.metrics import METRICS_FILE
+from asyncflow.workflow.checkpoint import (
+    STEP_PREFIX,
+    CheckpointError,
+    checkpoint_step,
+    list_checkpoints,
+    verify_checkpoint,
+)
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.yaml"
+CHECKPOINTS_DIR = "checkpoints"
+SFT_DIR = "sft"  # the SFT warm-up model: written before the RL run, kept when a run starts over
+RUN_MARKERS = (CONFIG_FILE, METRICS_FILE, CHECKPOINTS_DIR)  # a folder holding one of these holds a run
+DAMAGED_PREFIX = "damaged_"
+
+
+class RunFolderInUse(ConfigError):
+    """The run folder holds a run (or other files) and the command did not say what to do with it."""
+
+
+class RunFolderNotWritable(OSError):
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a command does with its run folder, decided before anything is written.
+
+    action: `fresh` (step 0), `resume` (from `checkpoint`, at `step`) or `finished` (nothing to do).
+    clear: entries of the folder deleted before a fresh start. damaged: (checkpoint, why) set aside."""
+
+    path: Path
+    action: Literal["fresh", "resume", "finished"]
+    checkpoint: Path | None = None
+    step: int = 0
+    clear: tuple[str, ...] = ()
+    damaged: tuple[tuple[Path, str], ...] = field(default=())
+
+
+class RunFolder:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def entries(self) -> list[str]:
+        """Names in the folder, SFT model and hidden files aside; [] when it does not exist."""
+        if not self.path.is_dir():
+            return []
+        return sorted(p.name for p in self.path.iterdir() if p.name != SFT_DIR and not p.name.startswith("."))
+
+    def plan(self, *, steps: int, resume: bool = False, overwrite: bool = False) -> Plan:
+        """Decide (reading only) what a `train` of `steps` steps does here; raises `RunFolderInUse` when the
+        folder holds something the flags do not cover, `CheckpointError` when no checkpoint is intact."""
+        if resume and overwrite:
+            raise ConfigError("--resume and --overwrite exclude each other: continue the run, or delete it")
+        entries = self.entries()
+        if not entries:
+            if resume:
+                log.warning("--resume: no run in %s, starting from scratch", self.path)
+            return Plan(self.path, "fresh")
+        if not any(name in entries for name in RUN_MARKERS):
+            shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+            raise RunFolderInUse(
+                f"run folder {self.path} is not empty and holds no run ({shown}): choose an empty or new folder "
+                "with --output (it is neither resumed nor cleared)"
+            )
+        checkpoints = list_checkpoints(self.path)
+        if overwrite:
+            log.warning("--overwrite: deleting the run in %s", self.path)
+            sft = (SFT_DIR,) if (self.path / SFT_DIR).exists() else ()
+            return Plan(self.path, "fresh", clear=tuple(entries) + sft)
+        if not resume:
+            where = f"checkpoints up to step {checkpoint_step(checkpoints[-1])}" if checkpoints else "no checkpoint"
+            raise RunFolderInUse(
+                f"run folder {self.path} already holds a run ({where}): pass --resume to continue it, --overwrite "
+                "to delete it and start again, or choose another folder with --output"
+            )
+        if not checkpoints:
+            log.warning("--resume: %s has no checkpoint (the run stopped before its first): starting from step 0",
+                        self.path)
+            return Plan(self.path, "fresh", clear=tuple(entries))
+        damaged: list[tuple[Path, str]] = []
+        for checkpoint in reversed(checkpoints):
+            try:
+                verify_checkpoint(checkpoint)
+            except CheckpointError as err:
+                log.warning("checkpoint %s is damaged (%s): falling back to an earlier one", checkpoint, err)
+                damaged.append((checkpoint, str(err)))
+                continue
+            step = checkpoint_step(checkpoint)
+            if step >= steps:
+                return Plan(self.path, "finished", checkpoint, step, damaged=tuple(damaged))
+            return Plan(self.path, "resume", checkpoint, step, damaged=tuple(damaged))
+        raise CheckpointError(
+            f"--resume: no intact checkpoint in {self.path / CHECKPOINTS_DIR}: "
+            + "; ".join(why for _, why in damaged)
+            + " (pass --overwrite to start the run again)"
+        )
+
+    def prepare(self, plan: Plan) -> None:
+        """Carry out `plan`: create the folder and check it is writable, delete what a fresh start clears,
+        set damaged checkpoints aside and remove half-written ones. The first write of a command."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            probe = self.path / f".write-test-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as err:
+            raise RunFolderNotWritable(
+                err.errno, f"cannot write to run folder {self.path}: {err.strerror or err}"
+            ) from err
+        for name in plan.clear:
+            target = self.path / name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            else:
+                target.unlink(missing_ok=True)
+        for checkpoint, _ in plan.damaged:
+            aside = checkpoint.with_name(DAMAGED_PREFIX + checkpoint.name)
+            shutil.rmtree(aside, ignore_errors=True)
+            checkpoint.rename(aside)
+            log.warning("damaged checkpoint set aside as %s", aside)
+        root = self.path / CHECKPOINTS_DIR
+        if root.is_dir():
+            for half_written in root.glob(f".tmp_{STEP_PREFIX}*"):
+                shutil.rmtree(half_written, ignore_errors=True)
+
+    def write_config(self, config: Config) -> None:
+        """`config.yaml` (written whole, then renamed into place); on a resume, logs what changed."""
+        path = self.path / CONFIG_FILE
+        if path.exists():
+            try:
+                before = _flatten(yaml.safe_load(path.read_text()) or {})
+                after = _flatten(config.model_dump(mode="json"))
+                changed = [f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in after if before.get(k) != after[k]]
+                if changed:
+                    log.info("config changed since this run was started: %s", "; ".join(changed))
+            except (OSError, yaml.YAMLError, AttributeError):
+                pass
+        tmp = path.with_name(f".{CONFIG_FILE}.tmp")
+        dump_config(config, tmp)
+        os.replace(tmp, path)
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
