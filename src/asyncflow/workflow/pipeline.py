@@ -37,6 +37,7 @@ from asyncflow.workers.loops import BackgroundThread, partition_name, reward_loo
 from asyncflow.workers.rollout import Rollout
 from asyncflow.runtime.factory import make_runtime
 from asyncflow.weights import make_weight_sync
+from asyncflow.weights.segments import sweep_dead_segments
 from asyncflow.workflow.setup import make_reward_worker
 
 
@@ -187,5 +188,7 @@ class PipelineWorkflow:
 
 
 def make_workflow(config, run) -> PipelineWorkflow:
-    """The workflow of `config.workflow.mode` (sync, stream or async) over the configured runtime."""
+    """The workflow of `config.workflow.mode` (sync, stream or async) over the configured runtime. Removes
+    first the shared-memory segments that killed runs left behind (`asyncflow.weights.segments`)."""
+    sweep_dead_segments()
     return PipelineWorkflow(run, make_runtime(config))
