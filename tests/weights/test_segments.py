@@ -72,7 +72,9 @@ def test_owner_is_dead_tells_a_recycled_pid_and_other_namespaces_apart():
     assert owner_is_dead(f"asyncflow-weights-{pid}.{start}.{ns}-0123456789ab") is False  # this very process
     assert owner_is_dead(f"asyncflow-cores-{pid}.{int(start) + 1}.{ns}-0123456789ab.tmp") is True  # pid reused
     assert owner_is_dead(f"asyncflow-weights-{pid}.{int(start) + 1}.{int(ns) + 1}-0123456789ab") is False
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     dead = int(gone.stdout)
     assert owner_is_dead(f"asyncflow-weights-{dead}-0123456789ab") is True  # the older name form
     assert owner_is_dead(f"asyncflow-weights-{pid}-0123456789ab") is False
