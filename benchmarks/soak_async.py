@@ -185,7 +185,8 @@ def main() -> int:
     print(f"staleness: max {max(staleness)} (bound {k}), mean {statistics.mean(staleness):.3f}; "
           f"per step max {max(h['staleness/max'] for h in steps):.0f}")
     print(f"replica restarts: {workflow.runtime.restarts}; reward errors {errors:.0f} "
-          f"({errors / max(1, sum(trained.values())):.2%} of the rows trained; rows scored twice after a kill count twice)")
+          f"({errors / max(1, sum(trained.values())):.2%} of the rows trained; rows regenerated after a kill "
+          "are scored again, and a dead replica's last unpolled counts are lost)")
     print(f"driver threads ({len(warm)} samples from step {warm[0]['step']}): {span('driver_threads')}")
     print(f"replica threads (while alive): {span('replica_threads')}")
     print(f"/dev/shm, this run's segments: bytes {span('shm_mine')}; files {span('shm_files')}; "
