@@ -85,7 +85,8 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def kill_at_random_step(run_dir: Path, args: list[str], seed: int, started: dict | None = None) -> int:
     """Run `asyncflow train` in a subprocess and SIGKILL it at a random point after checkpoint `step_k`
-    (k random in 1..STEPS-2); returns k. `started["pid"]` gets the process id."""
+    (k random in 1..STEPS-2) and at the latest when checkpoint `step_k+1` is written; returns k.
+    `started["pid"]` gets the process id."""
     rng = random.Random(seed)
     after = rng.randint(1, STEPS - 2)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(HERE)])}
@@ -101,7 +102,9 @@ def kill_at_random_step(run_dir: Path, args: list[str], seed: int, started: dict
             assert proc.poll() is None, f"the run ended before checkpoint {after}: {proc.stderr.read()[-3000:]}"
             assert time.monotonic() < deadline, "no checkpoint within 240 s"
             time.sleep(0.01)
-        time.sleep(rng.random() * 0.3)  # anywhere in the next step(s)
+        kill_at = time.monotonic() + rng.random() * 0.5  # anywhere in the next step
+        while time.monotonic() < kill_at and not (run_dir / "checkpoints" / f"step_{after + 1}").exists():
+            time.sleep(0.002)
         os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait(30) == -signal.SIGKILL
     finally:
