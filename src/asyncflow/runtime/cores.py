@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import mmap
 import os
-import tempfile
-import uuid
 import weakref
 from dataclasses import dataclass
 
 import torch
+
+from asyncflow.weights.segments import segment_path
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,7 @@ def create_core_lending(shares: dict[str, int], total: int) -> tuple[CoreLending
     """Create the flags file (every role idle). Returns its spec and a finalizer that unlinks it."""
     if any(share < 1 for share in shares.values()):
         raise ValueError(f"every role needs a share of at least one core, got {shares}")
-    directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    path = os.path.join(directory, f"asyncflow-cores-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    path = segment_path("cores")
     with open(path, "wb") as f:
         f.write(bytes(len(shares)))
     spec = CoreLendingSpec(path, dict(shares), total)

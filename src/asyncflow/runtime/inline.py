@@ -4,13 +4,16 @@ Owns: the in-process TransferQueue, the in-process weight channel, and the rollo
 for debugging, tests, and the colocated `sync` baseline.
 
 Invariant: once the rollout thread runs, only it touches the rollout engine; new weights reach it
-through the weight channel, never by a direct call from the trainer thread.
+through the weight channel, never by a direct call from the trainer thread (its sampling generator is
+read through the loop's `SamplerHistory`).
 """
 
 from __future__ import annotations
 
 from asyncflow.transfer import TransferQueue
-from asyncflow.workers.loops import BackgroundThread, rollout_loop
+from asyncflow.workers.loops import BackgroundThread, SamplerHistory, restore_sampler, rollout_loop
+
+REPLICA = "rollout"
 
 
 class InlineRuntime:
@@ -23,18 +26,31 @@ class InlineRuntime:
         self.config = config
         self.thread = None
         self.receiver = None
+        self.history: SamplerHistory | None = None
 
     def make_queue(self, tasks):
         rt = self.config.runtime
         return TransferQueue.local(num_storage_units=rt.storage_units, tasks=tasks, timeout=rt.call_timeout_s)
 
-    def start_rollout(self, run, queue, receiver_spec, steps, *, max_staleness: int, make_scorer=None) -> None:
+    def start_rollout(
+        self, run, queue, receiver_spec, steps, *, max_staleness: int, make_scorer=None, sampler_states=None
+    ) -> None:
+        """Run the rollout loop over `steps` on a thread; `sampler_states` (replica -> generator state, from
+        `sampler_states` of an earlier run) sets the engine's sampling generator first."""
         self.receiver = receiver_spec.open()
+        restore_sampler(run.rollout.engine, (sampler_states or {}).get(REPLICA))
+        self.history = SamplerHistory(keep=max_staleness + 4)
         self.thread = BackgroundThread(
-            "rollout", rollout_loop, run.rollout, queue, self.receiver, steps, max_staleness=max_staleness,
+            REPLICA, rollout_loop, run.rollout, queue, self.receiver, steps, max_staleness=max_staleness,
             batch_size=self.config.rollout.max_batch_size, timeout=self.config.runtime.call_timeout_s,
-            timeline=run.timeline,
+            timeline=run.timeline, history=self.history,
         )
+
+    def sampler_states(self, step: int, timeout: float) -> dict:
+        """Replica -> the engine's generator state after partition `step` (what partition `step + 1` starts from)."""
+        if self.history is None:
+            return {}
+        return {REPLICA: self.history.after(step, timeout, alive=self.check)}
 
     def check(self) -> None:
         if self.thread is not None:

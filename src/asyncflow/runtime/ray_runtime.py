@@ -19,6 +19,8 @@ Invariants:
   `torch_distributed` weight sync a dead replica ends the run with a clear error instead: a new
   process cannot rejoin the existing process group.)
 - A replica starts a partition only with weights of version >= step - k (see `workers.loops`).
+- A replica records its sampling generator after each partition (`sampler_states`), and a resumed run
+  hands each replica the state it had in the checkpointed run (`start_rollout(sampler_states=...)`).
 - Every remote call is bounded by `runtime.call_timeout_s`.
 - This module is the only runtime code that imports `ray`.
 """
@@ -34,12 +36,12 @@ from dataclasses import dataclass
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from asyncflow.observe import Timeline
 from asyncflow.runtime.cores import CoreLending, create_core_lending
 from asyncflow.transfer.ray_queue import RayTransferQueue
-from asyncflow.workers.loops import rollout_loop
+from asyncflow.workers.loops import SamplerHistory, restore_sampler, rollout_loop
 from asyncflow.workers.rollout import RESPONSE_COLUMNS
 
 log = logging.getLogger(__name__)
@@ -112,17 +114,19 @@ class RolloutActor:
         self.scorer = make_scorer()
         self.name = name
         self.incarnation = uuid.uuid4().hex  # new after every restart
+        self.history = SamplerHistory()
 
     def run(self, queue, receiver_spec, steps: range, max_staleness: int, batch_size: int, timeout: float, cores_spec):
         """Generate partitions `steps`; returns (rows generated, timeline events of this replica)."""
         timeline = Timeline()
         receiver = receiver_spec.open()
         cores = cores_spec.open(self.name) if cores_spec is not None else None
+        self.history.keep = max_staleness + 4
         try:
             generated = rollout_loop(
                 self.worker, queue, receiver, steps, max_staleness=max_staleness, batch_size=batch_size,
                 timeout=timeout, timeline=timeline, name=self.name, consumer=self.name, scorer=self.scorer,
-                cores=cores,
+                cores=cores, history=self.history,
             )
         finally:
             receiver.close()
@@ -132,6 +136,14 @@ class RolloutActor:
 
     def ping(self) -> bool:
         return True
+
+    def restore_sampler(self, state) -> None:
+        """Set the engine's sampling generator (before `run`), as a resumed run found it in its checkpoint."""
+        restore_sampler(self.worker.engine, state)
+
+    def sampler_state(self, step: int, timeout: float):
+        """The engine's generator state after partition `step` (waits for the loop to finish it)."""
+        return self.history.after(step, timeout)
 
     def reward_failures(self) -> tuple[str, int, int]:
         """(incarnation, errors, timeouts): the reward functions' failures in this incarnation of the replica."""
@@ -198,7 +210,11 @@ class RayRuntime:
             return {"num_receivers": self.config.rollout.replicas, "timeout_s": self.timeout, "backend": backend}
         return {}
 
-    def start_rollout(self, run, queue, receiver_spec, steps, *, max_staleness: int, make_scorer) -> None:
+    def start_rollout(
+        self, run, queue, receiver_spec, steps, *, max_staleness: int, make_scorer, sampler_states=None
+    ) -> None:
+        """Start one actor per replica running the rollout loop over `steps`; `sampler_states` (replica name
+        -> generator state, from `sampler_states` of an earlier run) sets each engine's sampling generator."""
         from asyncflow.models.loading import resolve_model_path
 
         cfg, rt = self.config, self.config.runtime
@@ -231,6 +247,9 @@ class RayRuntime:
                 self.timeout,
                 self._cores_spec,
             )
+            state = (sampler_states or {}).get(name)
+            if state is not None:  # set before the loop runs: a threaded actor may run two calls at once
+                ray.get(self.actors[name].restore_sampler.remote(state), timeout=self.timeout)
             self.calls[name] = self.actors[name].run.remote(*self._loop_args[name])
         self._supervisor = threading.Thread(target=self._supervise, name="rollout-supervisor", daemon=True)
         self._supervisor.start()
@@ -292,6 +311,18 @@ class RayRuntime:
                 time.sleep(0.2)
         with self._lock:
             self.calls[name] = self.actors[name].run.remote(*self._loop_args[name])
+
+    def sampler_states(self, step: int, timeout: float) -> dict:
+        """Replica name -> its engine's generator state after partition `step`. A replica that is dead or
+        restarting is left out (it will sample from a fresh seed after a resume)."""
+        refs = {name: actor.sampler_state.remote(step, timeout) for name, actor in self.actors.items()}
+        states = {}
+        for name, ref in refs.items():
+            try:
+                states[name] = ray.get(ref, timeout=timeout + self.timeout)
+            except (RayActorError, RayTaskError, GetTimeoutError) as err:
+                log.warning("checkpoint: no sampler state of rollout replica %s (%s)", name, err)
+        return states
 
     def reward_failures(self) -> dict[str, float]:
         """Reward errors and timeouts summed over the replicas, polled once per step. A replica's counts

@@ -3,7 +3,8 @@
 This package sits below the engines and workers and imports nothing else of asyncflow, so an
 engine adapter can use a transport without importing workflow code. One module per concern:
 `buckets` (bucketing), `base` (protocols, errors), `background` (the remote transports' sender
-thread), one module per transport, and `factory` (`make_weight_sync`):
+thread), `segments` (naming /dev/shm files after their owner, sweeping those of dead owners), one
+module per transport, and `factory` (`make_weight_sync`):
 
 | kind                | reaches               | publish                                  |
 |---------------------|-----------------------|------------------------------------------|

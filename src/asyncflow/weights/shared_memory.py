@@ -3,8 +3,11 @@
 Owns: `SharedMemoryPublisher` (packs into the idle slot, then flips the active one) and
 `SharedMemoryReceiver` (a seqlock reader that copies the active slot out).
 
-Invariant: a reader never returns a torn version: it keeps a copy only if the slot's sequence
-number was even and unchanged across the copy.
+Invariants:
+- A reader never returns a torn version: it keeps a copy only if the slot's sequence number was even
+  and unchanged across the copy.
+- The file is named after its owner (`asyncflow.weights.segments`) and unlinked by its publisher's
+  `close` or finalizer; one left by a killed publisher is removed when the next one is created.
 """
 
 from __future__ import annotations
@@ -13,8 +16,6 @@ import mmap
 import os
 import pickle
 import struct
-import tempfile
-import uuid
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from asyncflow.weights.buckets import (
     plan_buckets,
     unpack,
 )
+from asyncflow.weights.segments import segment_path
 
 # File layout (all integers little-endian int64):
 #   [0, 64)               control: magic, active slot, closed, manifest bytes, slot stride
@@ -47,10 +49,6 @@ _CONTROL = struct.Struct("<5q")
 _SLOT = struct.Struct("<2q")
 _SLOT_HEADER = 64
 _TORN_READ_RETRIES = 100
-
-
-def _shared_memory_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 @dataclass(frozen=True)
@@ -76,9 +74,7 @@ class SharedMemoryPublisher:
 
     def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, path: str | None = None):
         self.bucket_bytes = bucket_bytes
-        self.path = path or os.path.join(
-            _shared_memory_dir(), f"asyncflow-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        )
+        self.path = path or segment_path("weights")
         self.receiver_spec = SharedMemorySpec(self.path)
         self._mm: mmap.mmap | None = None
         self._bytes: torch.Tensor | None = None

@@ -1,29 +1,95 @@
 """Worker loops: the long-running side of the rollout and reward workers, one partition per step.
 
 Owns: `rollout_loop` (admission control by weight version, weight swaps between partitions),
-`reward_loop`, and `BackgroundThread` (a thread whose failure is re-raised in the driver).
+`reward_loop`, `SamplerHistory` (the engine's sampling-generator state after each partition, which a
+checkpoint takes so a resumed replica samples as the uninterrupted one would), and `BackgroundThread`
+(a thread whose failure is re-raised in the driver).
 
-Invariant: the rollout loop starts partition `step` only with weights of version >= step - k,
-and changes weights only between partitions.
+Invariants: the rollout loop starts partition `step` only with weights of version >= step - k,
+and changes weights only between partitions; the generator state recorded for `step` is the one
+partition `step + 1` starts from.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 
 
 def partition_name(step: int) -> str:
     return f"step_{step}"
 
 
+class SamplerHistory:
+    """The sampling generator's state of an engine after each of its last `keep` partitions (thread-safe).
+    Engines without a `generator` attribute (a `torch.Generator`) record None."""
+
+    def __init__(self, keep: int = 8):
+        self.keep = keep
+        self._states: OrderedDict[int, object] = OrderedDict()
+        self._changed = threading.Condition()
+        self._ended = False
+
+    def end(self) -> None:
+        """The loop stopped (finished or failed): a wait for a partition it did not record fails at once."""
+        with self._changed:
+            self._ended = True
+            self._changed.notify_all()
+
+    def record(self, step: int, engine) -> None:
+        generator = getattr(engine, "generator", None)
+        with self._changed:
+            self._states[step] = generator.get_state() if generator is not None else None
+            while len(self._states) > self.keep:
+                self._states.popitem(last=False)
+            self._changed.notify_all()
+
+    def after(self, step: int, timeout: float, alive=None):
+        """The state recorded after partition `step`, waiting up to `timeout` s for the loop to finish it;
+        `alive` is called every 0.1 s meanwhile and may raise (the loop failed)."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while step not in self._states:
+                if self._ended:
+                    raise RuntimeError(f"the rollout loop stopped before it finished partition {step}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"the rollout loop did not finish partition {step} within {timeout:.0f} s")
+                self._changed.wait(min(remaining, 0.1))
+                if alive is not None:
+                    alive()
+            return self._states[step]
+
+
+def restore_sampler(engine, state) -> None:
+    """Set the engine's sampling generator to `state` (from `SamplerHistory`); no-op for None."""
+    generator = getattr(engine, "generator", None)
+    if state is not None and generator is not None:
+        generator.set_state(state)
+
+
 def rollout_loop(worker, queue, receiver, steps: range, *, max_staleness: int, batch_size: int, timeout: float,
-                 timeline=None, name: str = "rollout", consumer: str | None = None, scorer=None, cores=None) -> int:
+                 timeline=None, name: str = "rollout", consumer: str | None = None, scorer=None, cores=None,
+                 history: SamplerHistory | None = None) -> int:
     """Generate partitions `steps` in order, respecting the staleness bound (the rollout side of every
     workflow but `sync`). Weights change only between partitions. Returns rows generated. `consumer`
     names this replica to the queue, so its rows can be released if it dies; `scorer` scores the
     responses in place (see `RolloutWorker.run_partition`); `cores` (a `CoreLending`) is told when
-    this replica waits for weights, so another role may use its cores meanwhile."""
+    this replica waits for weights, so another role may use its cores meanwhile; `history` records the
+    engine's generator state after each partition."""
+    try:
+        return _rollout_loop(
+            worker, queue, receiver, steps, max_staleness=max_staleness, batch_size=batch_size, timeout=timeout,
+            timeline=timeline, name=name, consumer=consumer, scorer=scorer, cores=cores, history=history,
+        )
+    finally:
+        if history is not None:
+            history.end()
+
+
+def _rollout_loop(worker, queue, receiver, steps, *, max_staleness, batch_size, timeout, timeline, name, consumer,
+                  scorer, cores, history) -> int:
     engine = worker.engine
     generated = 0
     for step in steps:
@@ -42,6 +108,8 @@ def rollout_loop(worker, queue, receiver, steps: range, *, max_staleness: int, b
         generated += worker.run_partition(
             queue, partition_name(step), batch_size=batch_size, timeout=timeout, consumer=consumer, scorer=scorer
         )
+        if history is not None:
+            history.record(step, engine)
         if timeline is not None:
             timeline.add_span(name, "wait_weights", t0, t1, step=step)
             timeline.add_span(name, "weight_swap", t1, t2, version=engine.weight_version)

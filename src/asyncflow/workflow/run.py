@@ -10,8 +10,10 @@ consumed; see `asyncflow.workflow.pipeline`.
 
 Invariants:
 - A step is one optimizer update and bumps the policy's weight version by one.
-- Data position, RNG states, optimizer and weights are checkpointed together; `--resume`
-  continues with exactly the prompts and samples the uninterrupted run would have used.
+- Data position, RNG states, optimizer and weights are checkpointed together, with what the workflow
+  had handed out ahead of training (`PipelineWorkflow.state_dict`); `--resume` trains every prompt
+  exactly once, with the prompts and samples the uninterrupted run would have used (bit-exact where
+  the workflow is deterministic; README, "Reliability").
 - After `train.max_nan_steps` consecutive skipped (non-finite) steps the run stops with an error.
 - Nothing is written before the run folder's plan is carried out (`RunFolder.prepare`): a run never
   writes into a folder holding another run, and a finished run resumed trains no step.
@@ -113,6 +115,8 @@ class RLRun:
         self.next_group_id = 0
         self.nan_streak = 0
         self.samples_seen = 0
+        self.workflow = None  # set by `train`; checkpoints ask it for its state
+        self.resume_state: dict | None = None  # the workflow's part of the checkpoint resumed from
         self.start_wall = 0.0
         self.timeline = Timeline()
         self.eval_engine = None  # built on first evaluation
@@ -131,6 +135,13 @@ class RLRun:
         return load_model(self.model_path, dtype=self.config.model.dtype, device=self.config.model.device)
 
     # ---------------------------------------------------------------- data
+    def data_cursor(self) -> dict:
+        """Where the next prompt comes from: restoring it makes `next_prompts` repeat itself exactly."""
+        return {
+            "data_position": self.data_position, "next_group_id": self.next_group_id,
+            "skipped_long_prompts": self.encoder.skipped,
+        }  # fmt: skip
+
     def next_prompts(self, n: int) -> list[Prompt]:
         """The next `n` prompts in the seed-determined order, skipping (and counting) long ones."""
         prompts: list[Prompt] = []
@@ -155,10 +166,11 @@ class RLRun:
 
     # ---------------------------------------------------------------- checkpoints
     def _state(self) -> dict:
+        workflow = self.workflow.state_dict(self) if self.workflow is not None else {"cursor": self.data_cursor()}
         return {
             "version": self.version,
-            "data_position": self.data_position,
-            "next_group_id": self.next_group_id,
+            **workflow.pop("cursor"),  # of the oldest partition not yet trained
+            "workflow": workflow,
             "nan_streak": self.nan_streak,
             "samples_seen": self.samples_seen,
             "wall_s": self.wall_s(),
@@ -184,6 +196,8 @@ class RLRun:
         self.version = state["version"]
         self.data_position = state["data_position"]
         self.next_group_id = state["next_group_id"]
+        self.encoder.skipped = state.get("skipped_long_prompts", 0)
+        self.resume_state = state.get("workflow")
         self.nan_streak = state["nan_streak"]
         self.samples_seen = state["samples_seen"]
         self.wall_offset = state["wall_s"]
@@ -222,6 +236,7 @@ class RLRun:
         """Run `workflow.step(self)` until `train.steps`; returns the logged metrics rows."""
         cfg = self.config
         history = []
+        self.workflow = workflow
         if self.step >= cfg.train.steps:
             log.info("the run in %s is finished (step %d, train.steps=%d): nothing to train", self.run_dir,
                      self.step, cfg.train.steps)
