@@ -85,12 +85,12 @@ def save_checkpoint(
         current = tmp / MANIFEST
         current.write_text(json.dumps({"step": step, "files": manifest}, indent=2))
         _fsync_and_describe(current)
-        _fsync_dir(tmp)
+        _fsync(tmp)
         current = final
         if final.exists():  # a damaged folder of the same step: replaced, never merged
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        _fsync(root)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
         intact = f"the previous checkpoint {previous[-1]} is intact" if previous else "there is no earlier checkpoint"
@@ -194,15 +194,12 @@ def _sha256(path: Path) -> str:
 
 def _fsync_and_describe(path: Path) -> dict:
     """Flush `path` to disk; -> its size and sha256 for the manifest."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync(path)
     return {"size": path.stat().st_size, "sha256": _sha256(path)}
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Flush a file, or a folder's entries, to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
