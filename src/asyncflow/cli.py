@@ -58,7 +58,7 @@ def cmd_train(args) -> int:
     from asyncflow.workflow.run import RLRun
     from asyncflow.workflow.run_folder import RunFolder
     from asyncflow.workflow.setup import preflight
-    from asyncflow.workflow.sft import run_sft
+    from asyncflow.workflow.sft import read_summary, run_sft
 
     folder = RunFolder(config.run.output_dir)
     plan = folder.plan(steps=config.train.steps, resume=args.resume, overwrite=args.overwrite)
@@ -69,10 +69,15 @@ def cmd_train(args) -> int:
         return 0
     checked = preflight(config)
     folder.prepare(plan)
+    sft = {}
     if config.sft.before_rl:
         out = sft_output(config)
         if not (out / "config.json").exists():
             run_sft(config, out)
+        summary = read_summary(out) or {}
+        sft = {"sft/steps": summary.get("steps"), "sft/val_accuracy": summary.get("val_accuracy")}
+        log.info("RL starts from the SFT model in %s (SFT steps %s, validation accuracy %s)",
+                 out, sft["sft/steps"], sft["sft/val_accuracy"])
         config = config.model_copy(update={"model": config.model.model_copy(update={"path": str(out)})})
     run = RLRun(config, plan=plan, checked=checked)
     try:
@@ -82,16 +87,18 @@ def cmd_train(args) -> int:
         raise
     history = run.train(workflow)
     final = {k: v for k, v in history[-1].items() if k.startswith(("eval/", "reward/mean"))}
-    print(json.dumps({"run_dir": str(run.run_dir), "step": run.step, **final}))
+    print(json.dumps({"run_dir": str(run.run_dir), "step": run.step, **final, **sft}))
     return 0
 
 
 def cmd_sft(args) -> int:
     config = _config(args)
-    from asyncflow.workflow.sft import run_sft
+    from asyncflow.workflow.sft import read_summary, run_sft
 
     out = run_sft(config, sft_output(config))
-    print(json.dumps({"sft_model": str(out)}))
+    summary = read_summary(out) or {}
+    print(json.dumps({"sft_model": str(out),
+                      "steps": summary.get("steps"), "val_accuracy": summary.get("val_accuracy")}))
     return 0
 
 

@@ -189,15 +189,29 @@ class TrainConfig(Section):
 
 class SFTConfig(Section):
     steps: int = Field(300, ge=0)
-    """Supervised steps on (prompt, answer) pairs."""
+    """Most supervised steps on (prompt, answer) pairs: all of them without `stop_accuracy`; with it, the
+    bound on a run that does not reach the target (which then ends with a warning)."""
     batch_size: int = Field(64, ge=1)
     """Pairs per step."""
     lr: float = Field(1e-3, gt=0)
-    """AdamW learning rate (cosine decay)."""
+    """Peak AdamW learning rate."""
+    warmup_steps: int = Field(10, ge=0)
+    """Linear LR warm-up steps."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    """LR after warm-up: `cosine`/`linear` decay to 0 at `steps`; `constant` suits `stop_accuracy`, whose stop
+    step is not known in advance (a decay would make the LR at the stop depend on `steps`)."""
+    stop_accuracy: float | None = Field(None, ge=0, le=1)
+    """Stop at the first check whose greedy accuracy on the validation split is >= this (`null` = run `steps`).
+    Validation is measured as the RL run measures held-out accuracy, on prompts disjoint from its test split."""
+    check_every: int = Field(10, ge=1)
+    """Steps between validation checks when `stop_accuracy` is set (one more check at `steps`)."""
+    validation_size: int = Field(256, ge=1)
+    """Validation prompts per check: the built-in task's validation split, or the rows of `data.path` whose
+    prompt falls in the validation part of the fixed partition (about 5% of distinct prompts, kept out of SFT)."""
     before_rl: bool = False
     """`asyncflow train` first runs SFT (unless its output already exists) and starts RL from its result."""
     output: str | None = None
-    """Folder of the warm-started model (an HF folder); `null` = `RUN_DIR/sft`."""
+    """Folder of the warm-started model (an HF folder, with `sft_summary.json`); `null` = `RUN_DIR/sft`."""
 
 
 class EvalConfig(Section):

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncflow.data import TASK_ALPHABET, TASKS, DatasetError, Example, countdown_reward, load_examples, make_task
-from asyncflow.data.tasks import TEST_SIZE, is_held_out
+from asyncflow.data.tasks import TEST_SIZE, VALIDATION_SIZE, carve_validation, is_held_out, is_validation
 
 # ---------------------------------------------------------------- Example
 
@@ -176,13 +176,35 @@ def test_held_out_never_overlaps_train(name):
     assert not {e.prompt for e in make_task(name, seed=9).examples("train", 3000)} & set(test_prompts)
 
 
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_validation_split_is_disjoint_from_train_and_test(name):
+    task = make_task(name)
+    validation = [e.prompt for e in task.examples("validation")]
+    assert len(validation) == len(set(validation))
+    assert len(validation) == VALIDATION_SIZE or name == "countdown"  # 255 distinct at difficulty 2
+    assert all(is_validation(p) and not is_held_out(p) for p in validation)
+    train = {e.prompt for e in task.examples("train", 3000)}
+    assert not train & set(validation) and not any(is_validation(p) for p in train)
+    assert not set(validation) & {e.prompt for e in task.examples("test")}
+    assert make_task(name).examples("validation", 10) == task.examples("validation")[:10]
+    assert task.examples("validation", 1)[0].metadata["split"] == "validation"
+
+
+def test_carve_validation_splits_file_rows_by_the_same_partition():
+    rows = [Example(prompt=f"{a}+{b}=", answer=str(a + b)) for a in range(30) for b in range(30)]
+    rest, validation = carve_validation(rows + rows[:50], 5)
+    assert len(validation) == 5 and len({e.prompt for e in validation}) == 5
+    assert all(is_validation(e.prompt) for e in validation) and not any(is_validation(e.prompt) for e in rest)
+    assert len(rest) == sum(not is_validation(e.prompt) for e in rows + rows[:50])
+
+
 def test_test_split_is_a_fixed_prefix_and_train_n_is_required():
     task = make_task("reverse", seed=1)
     assert task.examples("test", 10) == task.examples("test")[:10]
     assert make_task("reverse", seed=1).examples("test", 300)[:TEST_SIZE] == task.examples("test")
     with pytest.raises(ValueError, match="infinite stream; pass n"):
         task.examples("train")
-    with pytest.raises(ValueError, match="split must be 'train' or 'test'"):
+    with pytest.raises(ValueError, match=r"split must be one of \['train', 'validation', 'test'\]"):
         task.examples("valid", 3)
 
 

@@ -1,7 +1,8 @@
 """Built-in procedurally generated, verifiable tasks for training tiny models from scratch.
 
 Owns: the `Task` base class, the tasks `arithmetic`, `reverse`, `sort` and `countdown`, the
-registry `TASKS` / `make_task`, the countdown verifier `countdown_reward`, and `TASK_ALPHABET`.
+registry `TASKS` / `make_task`, the countdown verifier `countdown_reward`, `TASK_ALPHABET`, and the
+fixed prompt partition (`is_held_out`, `is_validation`, `carve_validation` for data files).
 
 Splits:
 - train is an infinite stream drawn with replacement (duplicates happen) from a generator seeded
@@ -9,13 +10,16 @@ Splits:
   whole stream.
 - test is a fixed list of distinct prompts drawn from a second seeded stream; by default its
   first `TEST_SIZE` items, fewer when the task has fewer distinct held-out prompts.
+- validation is built the same way from a third stream (default `VALIDATION_SIZE` items): what the
+  SFT warm-up measures to decide when to stop, so the test split stays unseen by every choice.
 
 Invariants:
 - Deterministic: the same (task, difficulty, seed) gives the same examples in every process
   (`random.Random` seeded with a string, which does not depend on PYTHONHASHSEED).
-- Held out never overlaps train: a prompt is held out iff a hash of its text falls in a fixed
-  `HELD_OUT_PERCENT` bucket, the train stream skips held-out prompts and the test split takes
-  only them. The partition ignores the seed, so no seed's train set contains any seed's test prompt.
+- The three splits never overlap: a hash of the prompt text falls in 0..99; below
+  `HELD_OUT_PERCENT` the prompt is held out (test), in the next `VALIDATION_PERCENT` it is a
+  validation prompt, otherwise a train prompt; each split takes only its own prompts. The partition
+  ignores the seed, so no seed's train set contains any seed's test or validation prompt.
 - Every prompt and every correct completion (answers; for countdown, the solution expression)
   uses only characters of `TASK_ALPHABET`. The countdown ground truth is JSON
   (`{"target":22,"numbers":[3,5,7]}`): it is read by `countdown_reward`, not emitted by the model.
@@ -43,7 +47,10 @@ from typing import Any, ClassVar
 from asyncflow.data.records import Example
 
 TEST_SIZE = 256
+VALIDATION_SIZE = 256
 HELD_OUT_PERCENT = 10
+VALIDATION_PERCENT = 5
+SPLITS = ("train", "validation", "test")
 # a held-out stream that draws this many times in a row without a new prompt is exhausted
 _EXHAUSTION_DRAWS = 5_000
 _TRAIN_PREFIXES: dict[str, list[Example]] = {}  # task label -> the first examples of its train stream
@@ -60,10 +67,38 @@ _BINARY_OPERATORS = {
 }
 
 
+def _bucket(prompt: str) -> int:
+    digest = hashlib.blake2b(prompt.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % 100
+
+
 def is_held_out(prompt: str) -> bool:
     """Whether `prompt` belongs to the held-out (test) side of the fixed prompt partition."""
-    digest = hashlib.blake2b(prompt.encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "big") % 100 < HELD_OUT_PERCENT
+    return _bucket(prompt) < HELD_OUT_PERCENT
+
+
+def is_validation(prompt: str) -> bool:
+    """Whether `prompt` belongs to the validation part of the fixed prompt partition (never test)."""
+    return HELD_OUT_PERCENT <= _bucket(prompt) < HELD_OUT_PERCENT + VALIDATION_PERCENT
+
+
+def split_of(prompt: str) -> str:
+    """"test", "validation" or "train": the side of the fixed partition `prompt` falls on."""
+    return "test" if is_held_out(prompt) else "validation" if is_validation(prompt) else "train"
+
+
+def carve_validation(examples: list[Example], n: int) -> tuple[list[Example], list[Example]]:
+    """Split rows of a training file by the same partition: (rows whose prompt is not a validation
+    prompt, the first n distinct validation prompts). Deterministic and independent of row order
+    for the first list; the second keeps file order."""
+    rest, validation, seen = [], [], set()
+    for example in examples:
+        if not is_validation(example.prompt):
+            rest.append(example)
+        elif example.prompt not in seen and len(validation) < n:
+            seen.add(example.prompt)
+            validation.append(example)
+    return rest, validation
 
 
 @functools.lru_cache(maxsize=1 << 16)  # tasks draw the same small expressions many times
@@ -132,16 +167,18 @@ class Task(ABC):
         self.seed = seed
         self.params = self.levels[difficulty]
         self.label = f"{self.name}-d{difficulty}-s{seed}"
-        self._test: list[Example] = []  # cached prefix of the held-out stream (kept picklable: no generator)
-        self._test_exhausted = False
+        # cached prefixes of the test and validation streams (kept picklable: no generators)
+        self._distinct: dict[str, list[Example]] = {}
+        self._exhausted: set[str] = set()
 
     @abstractmethod
     def sample(self, rng: random.Random) -> tuple[str, str, dict[str, Any]]:
         """One random instance: (prompt, answer, extra metadata)."""
 
     def examples(self, split: str, n: int | None = None) -> list[Example]:
-        """The first n examples of `split` ("train" needs n; "test" defaults to TEST_SIZE, or every
-        held-out prompt when the task has fewer). Asking for more test examples than exist raises."""
+        """The first n examples of `split` ("train" needs n; "test" and "validation" default to
+        TEST_SIZE / VALIDATION_SIZE, or every such prompt when the task has fewer). Asking for more
+        test or validation examples than exist raises."""
         if split == "train":
             if n is None or n < 0:
                 raise ValueError(f"{self.label}: the train split is an infinite stream; pass n >= 0, got {n!r}")
@@ -149,17 +186,20 @@ class Task(ABC):
             if len(cached) < n:  # the stream is deterministic: extend the process-wide prefix, never redraw it
                 cached.extend(itertools.islice(self.iter_train(), len(cached), n))
             return cached[:n]
-        if split == "test":
+        if split in ("test", "validation"):
             if n is not None and n < 0:
                 raise ValueError(f"{self.label}: n must be >= 0, got {n}")
-            wanted = TEST_SIZE if n is None else n
-            if len(self._test) < wanted and not self._test_exhausted:
-                self._test = list(itertools.islice(self._held_out_stream(), wanted))
-                self._test_exhausted = len(self._test) < wanted
-            if n is not None and len(self._test) < n:
-                raise ValueError(f"{self.label}: only {len(self._test)} distinct held-out prompts exist, asked for {n}")
-            return list(self._test[:wanted])
-        raise ValueError(f"{self.label}: split must be 'train' or 'test', got {split!r}")
+            wanted = (TEST_SIZE if split == "test" else VALIDATION_SIZE) if n is None else n
+            cached = self._distinct.setdefault(split, [])
+            if len(cached) < wanted and split not in self._exhausted:
+                cached[:] = itertools.islice(self._distinct_stream(split), wanted)
+                if len(cached) < wanted:
+                    self._exhausted.add(split)
+            if n is not None and len(cached) < n:
+                what = "held-out" if split == "test" else "validation"
+                raise ValueError(f"{self.label}: only {len(cached)} distinct {what} prompts exist, asked for {n}")
+            return list(cached[:wanted])
+        raise ValueError(f"{self.label}: split must be one of {list(SPLITS)}, got {split!r}")
 
     def iter_train(self) -> Iterator[Example]:
         """The infinite train stream (same items on every call)."""
@@ -167,21 +207,22 @@ class Task(ABC):
         index = 0
         while True:
             prompt, answer, extra = self.sample(rng)
-            if not is_held_out(prompt):
+            if split_of(prompt) == "train":
                 yield self._example(prompt, answer, extra, "train", index)
                 index += 1
 
-    def _held_out_stream(self) -> Iterator[Example]:
-        rng = random.Random(f"{self.label}/test")
+    def _distinct_stream(self, split: str) -> Iterator[Example]:
+        """Distinct prompts of `split` ("test" or "validation") from its own seeded stream."""
+        rng = random.Random(f"{self.label}/{split}")
         seen: set[str] = set()
         draws_without_new = 0
         while draws_without_new < _EXHAUSTION_DRAWS:
             prompt, answer, extra = self.sample(rng)
             draws_without_new += 1
-            if is_held_out(prompt) and prompt not in seen:
+            if split_of(prompt) == split and prompt not in seen:
                 seen.add(prompt)
                 draws_without_new = 0
-                yield self._example(prompt, answer, extra, "test", len(seen) - 1)
+                yield self._example(prompt, answer, extra, split, len(seen) - 1)
 
     def _example(self, prompt: str, answer: str, extra: dict[str, Any], split: str, index: int) -> Example:
         metadata = {"task": self.name, "difficulty": self.difficulty, "split": split, **extra}
