@@ -20,7 +20,7 @@ from asyncflow.data import make_task
 from asyncflow.data.tasks import is_held_out, is_validation
 from asyncflow.workflow import sft
 
-EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "arithmetic_grpo.yaml")
+EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "arithmetic_grpo.yaml")
 # 1-digit additions from small files (a built-in task draws a 50,000-row pool: seconds per run)
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
 SMALL = ["sft.batch_size=8", "sft.warmup_steps=2", "rollout.max_new_tokens=3", "run.progress=false",
