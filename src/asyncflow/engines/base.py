@@ -50,7 +50,14 @@ class Completion:
     response_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (a stop token was produced, and is included) or "length"
-    weight_version: int
+    weight_version: int  # the version that sampled the last token (the newest one in `token_versions`)
+    token_versions: list[int] | None = None
+    """Per response token, the weight version that sampled it (partial rollouts span versions);
+    `None` = every token was sampled by `weight_version`."""
+    loss_mask: list[int] | None = None
+    """Per response token, 1 if the model sampled it (trained), 0 if it was appended from outside
+    (tool output, chat-template tokens in a multi-turn episode; its `logprobs` entry is 0);
+    `None` = every token was sampled."""
 
 
 @runtime_checkable
@@ -61,6 +68,9 @@ class InferenceEngine(Protocol):
         """Generate for every request, yielding completions as they finish.
 
         `requests` may be a lazy iterator: the engine pulls new requests as batch slots free up.
+        It may yield `None`, meaning "no request is ready now": the engine goes on with the samples
+        it has in flight and asks again later, so a request source that waits on something else
+        (a tool call, an HTTP client) never stalls the batch.
         """
         ...
 
