@@ -223,3 +223,39 @@ def test_registry_and_bad_input(llama):
         run(engine, [GenerationRequest("x", [1, 10_000])])
     with pytest.raises(ValueError, match="max_batch_size"):
         TorchInferenceEngine(llama, max_batch_size=0)
+
+
+def test_idle_request_source_does_not_stall_the_batch(llama):
+    """A source that yields None (nothing ready) while the first request runs: that request finishes before the
+    second is released, and both equal the greedy output of a plain run."""
+    first, second = make_requests(2, seed=5)
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    finished: list = []
+
+    def source():
+        yield first
+        while not finished:  # the engine must keep decoding `first` while we have nothing to give
+            yield None
+        yield second
+
+    engine = TorchInferenceEngine(llama, max_batch_size=4)
+    for completion in engine.generate(source(), params):
+        finished.append(completion)
+    assert [c.request_id for c in finished] == [first.request_id, second.request_id]
+    plain = {c.request_id: c.response_ids for c in engine.generate([first, second], params)}
+    assert {c.request_id: c.response_ids for c in finished} == plain
+
+
+def test_per_request_sampling_params(llama):
+    requests = make_requests(4, seed=6)
+    requests[1].params = SamplingParams(temperature=0.0, max_new_tokens=3)
+    requests[2].params = SamplingParams(temperature=0.0, max_new_tokens=5, stop_token_ids=STOP_MANY)
+    engine = TorchInferenceEngine(llama, max_batch_size=4)
+    by_id = {c.request_id: c for c in run(engine, requests, temperature=1.0, max_new_tokens=10)}
+    assert len(by_id[1].response_ids) == 3 and by_id[1].finish_reason == "length"
+    assert len(by_id[2].response_ids) <= 5
+    assert all(len(by_id[i].response_ids) == 10 for i in (0, 3))
+    alone = run(engine, [GenerationRequest(1, requests[1].prompt_ids)], temperature=0.0, max_new_tokens=3)
+    assert alone[0].response_ids == by_id[1].response_ids  # greedy rows are unaffected by their sampled neighbours
+    with pytest.raises(ValueError, match="top_p"):
+        run(engine, [GenerationRequest(9, [1, 5], SamplingParams(top_p=0.0))])

@@ -38,6 +38,9 @@ class SamplingParams:
 class GenerationRequest:
     request_id: Any
     prompt_ids: list[int]
+    params: SamplingParams | None = None
+    """This request's sampling settings, overriding those passed to `generate` (a server's per-call
+    settings, a multi-turn episode's remaining token budget)."""
 
 
 @dataclass
