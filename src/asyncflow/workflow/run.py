@@ -97,6 +97,11 @@ class RLRun:
             config.rollout.engine, model=rollout_model, max_batch_size=config.rollout.max_batch_size,
             device=config.model.device, seed=config.run.seed,
         )
+        if config.rollout.on_weight_update == "resume" and not getattr(self.inference_engine, "updates_in_flight", 0):
+            raise ValueError(
+                f"rollout.on_weight_update=resume needs an inference engine that takes weight updates in flight; "
+                f"rollout.engine={config.rollout.engine} does not (use rollout.on_weight_update=finish)"
+            )
         self.params = sampling_params(config, self.tokenizer)
         self.eval_params = sampling_params(config, self.tokenizer, greedy=True)
         self.rollout = RolloutWorker(self.inference_engine, self.params, config.rollout.group_size)
@@ -249,8 +254,14 @@ class RLRun:
         show = {"reward": "reward/mean", "acc": "eval/accuracy", "loss": "loss", "entropy": "entropy"}
         if cfg.algo.kl_coef > 0:  # `kl` is measured only against a reference model
             show["kl"] = "kl"
+        show["mismatch"] = "mismatch/abs_log_ratio"
+        if cfg.algo.mismatch_correction != "off":
+            show["corrected"] = {"token_tis": "mismatch/truncated_tokens_fraction",
+                                 "geo_mis": "mismatch/masked_sequences_fraction"}[cfg.algo.mismatch_correction]
         if cfg.workflow.mode == "async":
             show["stale"] = "staleness/mean"
+            if cfg.rollout.on_weight_update == "resume":
+                show["spanning"] = "staleness/rows_spanning_versions"
         bar = TrainProgress(
             cfg.train.steps,
             initial=self.step,
