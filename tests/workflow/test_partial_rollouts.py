@@ -19,6 +19,7 @@ from asyncflow.workflow.pipeline import make_workflow
 from asyncflow.workflow.run import RLRun
 
 STEPS, PER_STEP = 4, 16
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # two torch users (rollout, trainer) share 2 cores
 
 
 class SlowDecodeEngine(TorchInferenceEngine):
