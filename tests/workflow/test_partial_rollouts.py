@@ -80,7 +80,7 @@ def test_resume_needs_an_engine_that_updates_in_flight(tmp_path):
     from asyncflow.engines.base import register_inference_engine
 
     register_inference_engine("test_finish_only")(lambda *, model, **kw: FinishOnly(model, **kw))
-    with pytest.raises(ValueError, match="on_weight_update=resume needs an inference engine.*test_finish_only"):
+    with pytest.raises(ValueError, match="on_weight_update=resume needs an inference engine.*FinishOnly does not"):
         RLRun(partial_config(tmp_path, "rollout.engine=test_finish_only", "runtime.kind=inline"))
     with pytest.raises(ConfigError, match="rollout.on_weight_update"):
         build_config({}, ["rollout.on_weight_update=abort"])

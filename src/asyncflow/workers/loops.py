@@ -73,6 +73,15 @@ def restore_sampler(engine, state) -> None:
         generator.set_state(state)
 
 
+def check_updates_in_flight(engine) -> None:
+    """`rollout.on_weight_update=resume` needs an engine that takes `update_weights` during a `generate`."""
+    if not getattr(engine, "updates_in_flight", False):
+        raise ValueError(
+            "rollout.on_weight_update=resume needs an inference engine that takes weight updates in flight "
+            f"(updates_in_flight = True); {type(engine).__name__} does not: use rollout.on_weight_update=finish"
+        )
+
+
 class InFlightUpdates:
     """While a partition generates (`with InFlightUpdates(...):`), a thread polls the weight receiver every
     `poll_s` seconds and hands each newer version to `engine.update_weights`, which an engine with
@@ -80,11 +89,7 @@ class InFlightUpdates:
     `timeout`) and re-raises its failure (a broken transport)."""
 
     def __init__(self, engine, receiver, *, timeout: float, poll_s: float = 0.02, timeline=None, name: str = ""):
-        if not getattr(engine, "updates_in_flight", False):
-            raise ValueError(
-                f"rollout.on_weight_update=resume needs an inference engine that takes weight updates in flight; "
-                f"{type(engine).__name__} does not (use on_weight_update=finish)"
-            )
+        check_updates_in_flight(engine)
         self.engine, self.receiver, self.timeout, self.poll_s = engine, receiver, timeout, poll_s
         self.timeline, self.name = timeline, name
         self._stop = threading.Event()

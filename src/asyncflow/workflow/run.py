@@ -38,6 +38,7 @@ from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.models.loading import load_model, load_tokenizer, resolve_model_path
 from asyncflow.observe import MetricsLogger, Timeline, TrainProgress, plot_metrics
 from asyncflow.rewards import RewardHealth
+from asyncflow.workers.loops import check_updates_in_flight
 from asyncflow.workers.reward import RewardWorker
 from asyncflow.workers.rollout import Prompt, RolloutWorker
 from asyncflow.workers.trainer import PolicyTrainer
@@ -97,11 +98,8 @@ class RLRun:
             config.rollout.engine, model=rollout_model, max_batch_size=config.rollout.max_batch_size,
             device=config.model.device, seed=config.run.seed,
         )
-        if config.rollout.on_weight_update == "resume" and not getattr(self.inference_engine, "updates_in_flight", 0):
-            raise ValueError(
-                f"rollout.on_weight_update=resume needs an inference engine that takes weight updates in flight; "
-                f"rollout.engine={config.rollout.engine} does not (use rollout.on_weight_update=finish)"
-            )
+        if config.rollout.on_weight_update == "resume":
+            check_updates_in_flight(self.inference_engine)
         self.params = sampling_params(config, self.tokenizer)
         self.eval_params = sampling_params(config, self.tokenizer, greedy=True)
         self.rollout = RolloutWorker(self.inference_engine, self.params, config.rollout.group_size)
