@@ -84,3 +84,33 @@ def test_resume_needs_an_engine_that_updates_in_flight(tmp_path):
         RLRun(partial_config(tmp_path, "rollout.engine=test_finish_only", "runtime.kind=inline"))
     with pytest.raises(ConfigError, match="rollout.on_weight_update"):
         build_config({}, ["rollout.on_weight_update=abort"])
+
+
+def test_each_token_trains_against_its_own_sampling_logprob(tiny_llama_path):
+    """Rows whose first half was sampled by version 0 and the rest by version 1, trained at version 1: only the
+    old half takes its (far-off) recorded log-prob as PPO's old log-prob, so about half as many tokens clip as
+    when the whole row is stale, and none when it is all fresh."""
+    from asyncflow.config import AlgoConfig
+    from asyncflow.engines.torch_train import TorchTrainEngine
+    from asyncflow.models.loading import load_model
+    from asyncflow.workers.rollout import Rollout
+    from asyncflow.workers.trainer import PolicyTrainer, assign_advantages
+    from test_workflows import GROUPS, MAX_NEW, fixed_rollouts
+
+    def clip_fraction(split) -> float:
+        rows = []
+        for r in fixed_rollouts(load_model(tiny_llama_path).config.vocab_size):
+            n = len(r["response"])
+            versions = [0 if t < split(n) else 1 for t in range(n)]
+            rows.append(Rollout(r["group"], r["k"], r["prompt"], r["response"], [-8.0] * n, "stop", min(versions), "",
+                                reward=r["reward"], token_versions=versions))
+        algo = AlgoConfig()
+        assign_advantages([[r for r in rows if r.group_id == g] for g in range(GROUPS)], algo, MAX_NEW)
+        trainer = PolicyTrainer(TorchTrainEngine(load_model(tiny_llama_path), lr=1e-4), algo, micro_batch_size=8,
+                                temperature=1.0)
+        trainer.accumulate(rows, policy_version=1)
+        return trainer.finish_step()["clip_fraction"]
+
+    stale, partial, fresh = clip_fraction(lambda n: n), clip_fraction(lambda n: n // 2), clip_fraction(lambda n: 0)
+    assert fresh == 0.0 and stale > 0.2
+    assert 0.25 * stale < partial < 0.75 * stale, (stale, partial)

@@ -88,7 +88,7 @@ class InFlightUpdates:
     `updates_in_flight` applies at its next decode step. Leaving the block stops the thread (joined within
     `timeout`) and re-raises its failure (a broken transport)."""
 
-    def __init__(self, engine, receiver, *, timeout: float, poll_s: float = 0.02, timeline=None, name: str = ""):
+    def __init__(self, engine, receiver, *, timeout: float, poll_s: float = 0.05, timeline=None, name: str = ""):
         check_updates_in_flight(engine)
         self.engine, self.receiver, self.timeout, self.poll_s = engine, receiver, timeout, poll_s
         self.timeline, self.name = timeline, name
