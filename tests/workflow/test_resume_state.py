@@ -1,8 +1,8 @@
 """What a checkpoint of an overlapped workflow carries (issue 15, item 2), on local queues: the rows generated
 ahead of training come back bit for bit, with their weight versions (per token for partial rollouts), and
-no worker takes them again; rows
-that do not match the re-fed prompts are refused; and a partition is cleared once trained when replicas
-score their own rows (no reward task left waiting on it, so storage does not grow over a run)."""
+no worker takes them again; rows that do not match the re-fed prompts are refused; and a partition is
+cleared once trained when replicas score their own rows (no reward task left waiting on it, so storage
+does not grow over a run)."""
 
 from __future__ import annotations
 
