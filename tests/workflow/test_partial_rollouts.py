@@ -8,6 +8,7 @@ checks that rows spanning versions were trained, and that every step trained exa
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -56,11 +57,14 @@ def check_partial_run(history: list[dict], run) -> None:
 
 
 @pytest.mark.slow
-def test_async_partial_rollouts_inline(tmp_path):
-    config = partial_config(tmp_path, "runtime.kind=inline")
+def test_async_partial_rollouts_inline(tmp_path, caplog):
+    config = partial_config(tmp_path, "runtime.kind=inline", "algo.mismatch_correction=token_tis")
     run = RLRun(config)
-    history = run.train(make_workflow(config, run))
+    with caplog.at_level(logging.INFO, logger="asyncflow.progress"):
+        history = run.train(make_workflow(config, run))
     check_partial_run(history, run)
+    last = [r.getMessage() for r in caplog.records if r.name == "asyncflow.progress"][-1]
+    assert all(f"{label} " in last for label in ("mismatch", "corrected", "stale", "spanning")), last
     handed = [e for e in run.timeline.events if e["name"] == "weights_in_flight"]
     assert handed, "the watcher handed versions to the engine while partitions generated"
 
