@@ -78,7 +78,13 @@ class InferenceEngine(Protocol):
         ...
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load new policy weights; subsequent generations are tagged with `version`."""
+        """Load new policy weights; subsequent generations are tagged with `version`.
+
+        An engine with a true `updates_in_flight` attribute (partial rollouts) also takes this call from
+        another thread while a `generate` runs: it applies the weights at its next decode step, the samples
+        in flight going on under them from the tokens they have (their KV recomputed), and reports which
+        version sampled each token (`Completion.token_versions`). Without it, callers change weights only
+        between `generate` calls."""
         ...
 
 

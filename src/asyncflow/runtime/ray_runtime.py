@@ -116,7 +116,8 @@ class RolloutActor:
         self.incarnation = uuid.uuid4().hex  # new after every restart
         self.history = SamplerHistory()
 
-    def run(self, queue, receiver_spec, steps: range, max_staleness: int, batch_size: int, timeout: float, cores_spec):
+    def run(self, queue, receiver_spec, steps: range, max_staleness: int, batch_size: int, timeout: float, cores_spec,
+            on_weight_update: str = "finish"):
         """Generate partitions `steps`; returns (rows generated, timeline events of this replica)."""
         timeline = Timeline()
         receiver = receiver_spec.open()
@@ -126,7 +127,7 @@ class RolloutActor:
             generated = rollout_loop(
                 self.worker, queue, receiver, steps, max_staleness=max_staleness, batch_size=batch_size,
                 timeout=timeout, timeline=timeline, name=self.name, consumer=self.name, scorer=self.scorer,
-                cores=cores, history=self.history,
+                cores=cores, history=self.history, on_weight_update=on_weight_update,
             )
         finally:
             receiver.close()
@@ -246,6 +247,7 @@ class RayRuntime:
                 cfg.rollout.max_batch_size,
                 self.timeout,
                 self._cores_spec,
+                cfg.rollout.on_weight_update,
             )
             state = (sampler_states or {}).get(name)
             if state is not None:  # set before the loop runs: a threaded actor may run two calls at once

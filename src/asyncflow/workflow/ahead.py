@@ -13,7 +13,7 @@ sampler states come back bit for bit).
 Invariants:
 - A row is identified by (group id, sample index); the resumed run re-feeds the partition from the
   same data cursor, so the prompts, group ids and sample indices match, or `replay_rows` refuses.
-- Replayed rows keep their weight versions and finish reasons, and are consumed and acknowledged for
+- Replayed rows keep their weight versions (per token too) and finish reasons, and are consumed and acknowledged for
   the rollout task (and the reward task, when it is registered), so no worker generates or scores
   them again; the trainer sees ordinary rows.
 """
@@ -57,11 +57,19 @@ def read_rows(queue, partition: str, num_rows: int, timeout: float) -> dict:
         "sample_index": [m["sample_index"] for m in meta.metadata],
         "weight_version": list(meta.weight_versions),
         "finish_reason": [m.get("finish_reason", "stop") for m in meta.metadata],
+        "version_runs": [m.get("version_runs") for m in meta.metadata],  # partial rollouts' per-token versions
         "response_lengths": batch.lengths["response_ids"].tolist(),
         "response_ids": encode_tensor(batch.data["response_ids"]),
         "rollout_logprobs": encode_tensor(batch.data["rollout_logprobs"]),
         "reward": encode_tensor(batch.data["reward"]),
     }
+
+
+def row_metadata(rows: dict, i: int) -> dict:
+    """The row metadata rollout wrote for row `i` of `read_rows` (checkpoints older than partial rollouts
+    carry no `version_runs`)."""
+    runs = rows.get("version_runs", [None] * len(rows["group_ids"]))[i]
+    return {"finish_reason": rows["finish_reason"][i], **({"version_runs": runs} if runs else {})}
 
 
 def replay_rows(queue, partition: str, rows: dict, tasks: Sequence[str], timeout: float) -> int:
@@ -86,7 +94,7 @@ def replay_rows(queue, partition: str, rows: dict, tasks: Sequence[str], timeout
         {"response_ids": [responses[i] for i in order], "rollout_logprobs": [logprobs[i] for i in order],
          "reward": rewards[order]},
         weight_version=[rows["weight_version"][i] for i in order],
-        metadata=[{"finish_reason": rows["finish_reason"][i]} for i in order],
+        metadata=[row_metadata(rows, i) for i in order],
     )  # fmt: skip
     queue.ack(partition, "rollout", meta.indices)
     if "reward" in tasks:

@@ -38,6 +38,7 @@ from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.models.loading import load_model, load_tokenizer, resolve_model_path
 from asyncflow.observe import MetricsLogger, Timeline, TrainProgress, plot_metrics
 from asyncflow.rewards import RewardHealth
+from asyncflow.workers.loops import check_updates_in_flight
 from asyncflow.workers.reward import RewardWorker
 from asyncflow.workers.rollout import Prompt, RolloutWorker
 from asyncflow.workers.trainer import PolicyTrainer
@@ -97,6 +98,8 @@ class RLRun:
             config.rollout.engine, model=rollout_model, max_batch_size=config.rollout.max_batch_size,
             device=config.model.device, seed=config.run.seed,
         )
+        if config.rollout.on_weight_update == "resume":
+            check_updates_in_flight(self.inference_engine)
         self.params = sampling_params(config, self.tokenizer)
         self.eval_params = sampling_params(config, self.tokenizer, greedy=True)
         self.rollout = RolloutWorker(self.inference_engine, self.params, config.rollout.group_size)
@@ -249,8 +252,14 @@ class RLRun:
         show = {"reward": "reward/mean", "acc": "eval/accuracy", "loss": "loss", "entropy": "entropy"}
         if cfg.algo.kl_coef > 0:  # `kl` is measured only against a reference model
             show["kl"] = "kl"
+        show["mismatch"] = "mismatch/abs_log_ratio"
+        if cfg.algo.mismatch_correction != "off":
+            show["corrected"] = {"token_tis": "mismatch/truncated_tokens_fraction",
+                                 "geo_mis": "mismatch/masked_sequences_fraction"}[cfg.algo.mismatch_correction]
         if cfg.workflow.mode == "async":
             show["stale"] = "staleness/mean"
+            if cfg.rollout.on_weight_update == "resume":
+                show["spanning"] = "staleness/rows_spanning_versions"
         bar = TrainProgress(
             cfg.train.steps,
             initial=self.step,
