@@ -153,9 +153,9 @@ class AlgoConfig(Section):
     def _no_critic_yet(cls, value: str) -> str:
         if value == "gae":
             raise ValueError(
-                "gae (PPO with a critic) is not supported: no training engine trains a value model yet "
-                "(only the GAE and value-loss math exists, in asyncflow.algos); use grpo, dr_grpo, rloo or "
-                "reinforce_pp, which need no critic"
+                "gae needs a critic (a value model), which no training engine trains yet (PPO with a critic is "
+                "not supported; only its GAE and value-loss math exists, in asyncflow.algos): use grpo, dr_grpo, "
+                "rloo or reinforce_pp, which need no critic"
             )
         return value
 

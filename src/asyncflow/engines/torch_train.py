@@ -175,11 +175,11 @@ class TorchTrainEngine:
         return state
 
     def load_training_state(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
         if (self.adapted is None) != ("adapter" not in state):
             raise ValueError("the checkpoint was written " + ("without" if self.adapted is not None else "with")
                              + " LoRA (train.lora.rank) and cannot resume this run's engine")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
         if self.adapted is not None:
             from asyncflow.engines.lora import load_adapter_state_dict
 
