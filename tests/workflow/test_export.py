@@ -5,6 +5,8 @@ a chosen checkpoint is exported as saved; a used folder or a missing checkpoint 
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,9 +27,13 @@ def parity_reward(completion: str, ground_truth: str, **metadata) -> float:
 
 
 def tiny_run(run_dir, *overrides: str) -> RLRun:
-    """Two GRPO steps of a tiny Llama with a checkpoint after each, trained in this process."""
+    """Two GRPO steps of a tiny Llama with a checkpoint after each, trained in this process on 8 prompts of a
+    file (quicker to set up than a built-in task's pool)."""
+    data = Path(run_dir).parent / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{a + 3}=", "answer": str(2 * a + 3)}) + "\n" for a in range(8)))
     config = build_config({}, [
-        f"run.output_dir={run_dir}", "run.progress=false", "model.path=preset:tiny-llama", "data.test_size=4",
+        f"run.output_dir={run_dir}", "run.progress=false", "model.path=preset:tiny-llama", "data.task=null",
+        f"data.path={data}",
         "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "train.steps=2",
         "train.micro_batch_size=16", "train.lr=1e-3", "eval.every=0", "checkpoint.every=1", "checkpoint.keep=5",
         "runtime.kind=inline", "observe.tensorboard=false", "reward.fns=[test_export:parity_reward]", *overrides,
@@ -92,3 +98,37 @@ def test_export_command_writes_the_chosen_checkpoint_and_refuses_a_used_folder(t
     assert "step_7" in capsys.readouterr().err and not (tmp_path / "other").exists()
     assert main(["export", str(tmp_path), str(tmp_path / "x")]) == 1
     assert "holds no run" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_lora_run_resumes_exactly_and_exports_the_adapter_and_the_merged_model(tmp_path, one_torch_thread):
+    peft = pytest.importorskip("peft")
+    lora = ["train.lora.rank=4", "train.lora.target_modules=all-linear", "export.merged=true"]
+    whole = tiny_run(tmp_path / "whole", *lora)
+    shutil.copytree(tmp_path / "whole", tmp_path / "cut")  # as if it had stopped after step 1's checkpoint
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_2")
+    shutil.rmtree(tmp_path / "cut" / "export")
+    cut_run = whole.config.run.model_copy(update={"output_dir": str(tmp_path / "cut")})
+    resumed_config = whole.config.model_copy(update={"run": cut_run})  # train.steps=2
+    resumed = RLRun(resumed_config, resume=True)
+    resumed.train(make_workflow(resumed_config, resumed))
+    final = {
+        name: load_file(str(tmp_path / name / "checkpoints" / "step_2" / "model.safetensors")) for name in ("whole", "cut")
+    }
+    assert final["whole"].keys() == final["cut"].keys()
+    assert all(torch.equal(final["whole"][k], final["cut"][k]) for k in final["whole"])
+
+    out = tmp_path / "whole" / "export"
+    samples = probe_samples(whole.tokenizer)
+    whole.train_engine.model.eval()
+    trainer = logprobs(whole.train_engine.model, samples)
+    merged = AutoModelForCausalLM.from_pretrained(str(out))
+    plain = load_model(whole.model_path)
+    plain.load_state_dict(final["whole"])
+    assert torch.equal(logprobs(merged, samples), logprobs(plain, samples))  # the checkpoint's merged weights
+    torch.testing.assert_close(logprobs(merged, samples), trainer, rtol=0, atol=1e-4)
+    adapter_config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["peft_type"] == "LORA" and adapter_config["r"] == 4
+    assert adapter_config["base_model_name_or_path"] == str(whole.model_path.resolve())
+    adapted = peft.PeftModel.from_pretrained(load_model(whole.model_path), str(out / "adapter"))
+    assert torch.equal(logprobs(adapted, samples), trainer)

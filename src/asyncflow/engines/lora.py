@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +49,9 @@ def add_adapters(model: torch.nn.Module, settings: LoRASettings):
     `model` itself stays the module to train and run (same class and forward). Raises `ValueError` naming
     `train.lora.target_modules` when none of them is in the model."""
     try:
-        wrapper = get_peft_model(model, settings.peft_config())
+        with warnings.catch_warnings():  # peft asks transformers 5 about gradient checkpointing the old way
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            wrapper = get_peft_model(model, settings.peft_config())
     except ValueError as err:
         raise ValueError(f"train.lora.target_modules={settings.target_modules!r}: {err}") from None
     return wrapper
