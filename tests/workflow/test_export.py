@@ -100,6 +100,9 @@ def test_export_command_writes_the_chosen_checkpoint_and_refuses_a_used_folder(t
     assert "holds no run" in capsys.readouterr().err
 
 
+RUNS = ("whole", "cut")
+
+
 @pytest.mark.slow
 def test_lora_run_resumes_exactly_and_exports_the_adapter_and_the_merged_model(tmp_path, one_torch_thread):
     peft = pytest.importorskip("peft")
@@ -112,9 +115,7 @@ def test_lora_run_resumes_exactly_and_exports_the_adapter_and_the_merged_model(t
     resumed_config = whole.config.model_copy(update={"run": cut_run})  # train.steps=2
     resumed = RLRun(resumed_config, resume=True)
     resumed.train(make_workflow(resumed_config, resumed))
-    final = {
-        name: load_file(str(tmp_path / name / "checkpoints" / "step_2" / "model.safetensors")) for name in ("whole", "cut")
-    }
+    final = {name: load_file(str(tmp_path / name / "checkpoints/step_2/model.safetensors")) for name in RUNS}
     assert final["whole"].keys() == final["cut"].keys()
     assert all(torch.equal(final["whole"][k], final["cut"][k]) for k in final["whole"])
 
