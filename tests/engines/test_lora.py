@@ -11,16 +11,16 @@ import torch
 
 pytest.importorskip("peft")
 
-from asyncflow.config import ConfigError, build_config  # noqa: E402
-from asyncflow.engines import SamplingParams, make_inference_engine  # noqa: E402
-from asyncflow.engines.lora import LoRASettings, lora_layers  # noqa: E402
-from asyncflow.engines.torch_inference import TorchInferenceEngine  # noqa: E402
-from asyncflow.engines.torch_train import TorchTrainEngine  # noqa: E402
-from asyncflow.models.loading import load_model  # noqa: E402
-from asyncflow.models.logprobs import TrainSample, response_logprobs  # noqa: E402
-from asyncflow.models.tri_model import TriLogProbs  # noqa: E402
+from test_inference_engine import assert_logprobs_match_training_side, make_requests
 
-from test_inference_engine import assert_logprobs_match_training_side, make_requests  # noqa: E402
+from asyncflow.config import ConfigError, build_config
+from asyncflow.engines import SamplingParams, make_inference_engine
+from asyncflow.engines.lora import LoRASettings, lora_layers
+from asyncflow.engines.torch_inference import TorchInferenceEngine
+from asyncflow.engines.torch_train import TorchTrainEngine
+from asyncflow.models.loading import load_model
+from asyncflow.models.logprobs import TrainSample, response_logprobs
+from asyncflow.models.tri_model import TriLogProbs
 
 SETTINGS = LoRASettings(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
 
