@@ -380,7 +380,7 @@ class Config(Section):
     observe: ObserveConfig = Field(default_factory=ObserveConfig)
 
     @model_validator(mode="after")
-    def _check_cross_fields(self) -> Config:
+    def _check_cross_fields(self) -> "Config":
         if self.data.task is None and self.data.path is None:
             raise ValueError("data.task is null and data.path is not set: give a built-in task or a data file")
         if self.reward.weights is not None and len(self.reward.weights) != len(self.reward.fns):
