@@ -72,7 +72,6 @@ class TorchTrainEngine:
         if packing not in ("auto", "on", "off"):
             raise ValueError(f"packing must be 'auto', 'on' or 'off', got {packing!r}")
         self.reference = make_reference(model) if use_reference else None  # the base, before any adapter
-        self.lora = lora
         self.adapted = None  # peft's wrapper of `model` under LoRA (the model itself is trained and run)
         if lora is not None:
             from asyncflow.engines import lora as lora_adapter  # peft is imported only when asked for

@@ -2,8 +2,8 @@
 
 Owns: building the pieces a workflow needs from the config (policy, inference engine, reward,
 trainer, datasets), writing the run's outputs (config.yaml, metrics.jsonl, checkpoints/, plots,
-TensorBoard, the final export) into a run folder claimed through `asyncflow.workflow.run_folder`, resuming from the
-checkpoint its plan names, and the non-finite-loss policy.
+TensorBoard, the final export) into a run folder claimed through `asyncflow.workflow.run_folder`,
+resuming from the checkpoint its plan names, and the non-finite-loss policy.
 
 The workflow (`sync`, `stream`, `async`) only decides how one step's rollouts are produced and
 consumed; see `asyncflow.workflow.pipeline`.
