@@ -188,8 +188,48 @@ class AlgoConfig(Section):
     @classmethod
     def _no_critic_yet(cls, value: str) -> str:
         if value == "gae":
-            raise ValueError("gae needs a critic (value model), which no training engine trains yet: "
-                             "use grpo, dr_grpo, rloo or reinforce_pp")
+            raise ValueError(
+                "gae needs a critic (a value model), which no training engine trains yet (PPO with a critic is "
+                "not supported; only its GAE and value-loss math exists, in asyncflow.algos): use grpo, dr_grpo, "
+                "rloo or reinforce_pp, which need no critic"
+            )
+        return value
+
+
+class LoRAConfig(Section):
+    rank: int = Field(0, ge=0)
+    """LoRA rank r; 0 = off (full fine-tuning). With r > 0 the policy's `target_modules` get adapters (through
+    peft: the `lora` extra, `pip install 'asyncflow-rl[lora]'`); only the adapters are trained and optimized,
+    the base weights stay frozen. Rollout engines receive the merged weights (base + alpha/r * B @ A)."""
+    alpha: float = Field(16.0, gt=0)
+    """LoRA scaling numerator: the update is `alpha / rank * B @ A`."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input during training. Above 0 the training-side log-probs are noisy while
+    rollout samples from the merged weights without dropout."""
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+    """Names (last component) of the linear modules that get adapters, or `all-linear` (every linear layer
+    but the output head). Embeddings and the output head are not supported (they are tied in the presets)."""
+
+    @field_validator("rank")
+    @classmethod
+    def _peft_installed(cls, value: int) -> int:
+        if value > 0:
+            import importlib.util
+
+            if importlib.util.find_spec("peft") is None:
+                raise ValueError("LoRA needs peft: pip install 'asyncflow-rl[lora]' (or set train.lora.rank=0)")
+        return value
+
+    @field_validator("target_modules")
+    @classmethod
+    def _linear_layers_only(cls, value: list[str] | str) -> list[str] | str:
+        if not value:
+            raise ValueError("give at least one module name, or all-linear")
+        tied = sorted({"lm_head", "embed_tokens"} & set(value)) if isinstance(value, list) else []
+        if tied:
+            raise ValueError(f"{tied}: adapters on embeddings or the output head are not supported")
         return value
 
 
@@ -215,6 +255,8 @@ class TrainConfig(Section):
     packing: Literal["auto", "on", "off"] = "auto"
     """Shared-prompt packing of GRPO groups in the training forward (`auto`: by the rule
     `models.tri_model.should_pack`)."""
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    """LoRA adapters instead of full fine-tuning (`rank` > 0 turns them on)."""
 
     @field_validator("packing", mode="before")
     @classmethod
@@ -264,6 +306,16 @@ class CheckpointConfig(Section):
     """Checkpoint every N steps (0 = only at the end)."""
     keep: int = Field(2, ge=1)
     """Checkpoints kept on disk (oldest removed)."""
+
+
+class ExportConfig(Section):
+    at_end: bool = True
+    """When training ends, export the final checkpoint to `RUN_DIR/export` as `asyncflow export` does: a
+    Hugging Face folder (config.json, safetensors, tokenizer) that transformers and vLLM load; under LoRA the
+    adapter in peft format (see `merged`)."""
+    merged: bool = False
+    """LoRA only: also write the merged weights as a full Hugging Face model (the adapter then goes to
+    `export/adapter/`). Without LoRA the export is always the full model."""
 
 
 class WorkflowConfig(Section):
@@ -358,6 +410,7 @@ class Config(Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
     workflow: WorkflowConfig = Field(default_factory=WorkflowConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     observe: ObserveConfig = Field(default_factory=ObserveConfig)

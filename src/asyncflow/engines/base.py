@@ -120,6 +120,10 @@ class TrainEngine(Protocol):
 
     def load_training_state(self, state: dict) -> None: ...
 
+    def load_checkpoint(self, weights: Mapping[str, torch.Tensor], training_state: dict) -> None:
+        """Restore a checkpoint written from `state_dict()` and `training_state()` (resume)."""
+        ...
+
 
 INFERENCE_ENGINES: dict[str, Callable[..., InferenceEngine]] = {}
 TRAIN_ENGINES: dict[str, Callable[..., TrainEngine]] = {}

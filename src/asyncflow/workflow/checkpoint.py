@@ -2,7 +2,7 @@
 
 Owns: writing, verifying and reading a checkpoint folder:
 - `model.safetensors`: policy weights;
-- `training_state.pt`: optimizer and LR schedule state;
+- `training_state.pt`: optimizer and LR schedule state (and the LoRA adapter, under LoRA);
 - `rng.pt`: python, numpy and torch RNG states (and the inference engine's generator);
 - `state.json`: step, data position, weight version, counters;
 - `manifest.json`: the size and sha256 of each file above, written last.
@@ -159,6 +159,12 @@ def load_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     checkpoint = Path(checkpoint)
     verify_checkpoint(checkpoint, files=("model.safetensors",))
     return _read(checkpoint / "model.safetensors", lambda path: load_file(str(path)))
+
+
+def load_training_state(checkpoint: Path) -> dict:
+    checkpoint = Path(checkpoint)
+    verify_checkpoint(checkpoint, files=("training_state.pt",))
+    return _read(checkpoint / "training_state.pt", lambda path: torch.load(path, weights_only=False))
 
 
 def load_checkpoint(checkpoint: Path) -> tuple[dict[str, torch.Tensor], dict, dict, dict]:

@@ -2,8 +2,8 @@
 
 Owns: building the pieces a workflow needs from the config (policy, inference engine, reward,
 trainer, datasets), writing the run's outputs (config.yaml, metrics.jsonl, checkpoints/, plots,
-TensorBoard) into a run folder claimed through `asyncflow.workflow.run_folder`, resuming from the
-checkpoint its plan names, and the non-finite-loss policy.
+TensorBoard, the final export) into a run folder claimed through `asyncflow.workflow.run_folder`,
+resuming from the checkpoint its plan names, and the non-finite-loss policy.
 
 The workflow (`sync`, `stream`, `async`) only decides how one step's rollouts are produced and
 consumed; see `asyncflow.workflow.pipeline`.
@@ -44,6 +44,7 @@ from asyncflow.workers.rollout import Prompt, RolloutWorker
 from asyncflow.workers.trainer import PolicyTrainer
 from asyncflow.workflow.checkpoint import load_checkpoint, save_checkpoint
 from asyncflow.workflow.evaluation import evaluate
+from asyncflow.workflow.export import EXPORT_DIR, export_run, lora_settings
 from asyncflow.workflow.run_folder import Plan, RunFolder
 from asyncflow.workflow.setup import (
     Preflight,
@@ -81,6 +82,7 @@ class RLRun:
         self.model_path = resolve_model_path(config.model.path, seed=config.run.seed)
         self.tokenizer = load_tokenizer(self.model_path)
         policy = self._load_policy()
+        rollout_model = copy.deepcopy(policy).eval().requires_grad_(False)  # before LoRA adds adapters to `policy`
         self.train_engine = TorchTrainEngine(
             policy,
             lr=config.train.lr,
@@ -92,8 +94,8 @@ class RLRun:
             total_steps=config.train.steps,
             use_reference=config.algo.kl_coef > 0,
             packing=config.train.packing,
+            lora=lora_settings(config),
         )
-        rollout_model = copy.deepcopy(policy).eval().requires_grad_(False)
         self.inference_engine = make_inference_engine(
             config.rollout.engine, model=rollout_model, max_batch_size=config.rollout.max_batch_size,
             device=config.model.device, seed=config.run.seed,
@@ -193,8 +195,7 @@ class RLRun:
 
     def _resume(self, checkpoint: Path) -> None:
         weights, training_state, state, rng = load_checkpoint(checkpoint)
-        self.train_engine.load_state_dict(weights)
-        self.train_engine.load_training_state(training_state)
+        self.train_engine.load_checkpoint(weights, training_state)
         self.step = state["step"]
         self.version = state["version"]
         self.data_position = state["data_position"]
@@ -291,6 +292,8 @@ class RLRun:
         workflow.close()
         self.metrics.close()
         self.write_reports()
+        if cfg.export.at_end:
+            export_run(self.run_dir, self.run_dir / EXPORT_DIR, merged=cfg.export.merged, replace=True)
         return history
 
     def write_reports(self) -> None:
