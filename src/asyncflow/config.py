@@ -160,6 +160,13 @@ class AlgoConfig(Section):
 class TrainConfig(Section):
     steps: int = Field(100, ge=1)
     """Training steps (one optimizer step each)."""
+    engine: str = "torch"
+    """Training engine from the registry (or `package.module:factory`): `torch`, the built-in single-process
+    engine (CPU or one GPU), or `fsdp2`, the policy sharded over `world_size` ranks with FSDP2 (gloo on CPU,
+    NCCL on GPU; the ranks are Ray actors under the Ray runtime, local processes otherwise)."""
+    world_size: int = Field(1, ge=1)
+    """Ranks of a multi-rank engine (`fsdp2`); the built-in `torch` engine takes 1. Each rank gets
+    `torch threads // world_size` threads on CPU (`--threads`), one GPU each on GPU."""
     lr: float = Field(1e-4, gt=0)
     """Peak learning rate (AdamW)."""
     weight_decay: float = Field(0.0, ge=0)
@@ -179,6 +186,13 @@ class TrainConfig(Section):
     packing: Literal["auto", "on", "off"] = "auto"
     """Shared-prompt packing of GRPO groups in the training forward (`auto`: by the rule
     `models.tri_model.should_pack`)."""
+
+    @model_validator(mode="after")
+    def _single_process_engine(self) -> "TrainConfig":
+        if self.engine == "torch" and self.world_size != 1:
+            raise ValueError(f"train.world_size={self.world_size} needs a multi-rank engine (train.engine=fsdp2); "
+                             "the built-in torch engine runs one process")
+        return self
 
     @field_validator("packing", mode="before")
     @classmethod

@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +75,49 @@ class StepAccumulator:
     def add(self, stats: dict[str, float], weight: float) -> None:
         for k, v in stats.items():
             self.stats[k] = self.stats.get(k, 0.0) + v * weight
+
+
+@dataclass
+class PolicyLoss:
+    """`rl_objective` of one micro-batch as a picklable `RowLoss` (an engine on several ranks ships each rank
+    the `select` of its rows). advantages, rollout_logprobs [N, L] (right-padded), stale [N] bool,
+    lengths [N] response lengths; moved to the log-probs' device when called."""
+
+    advantages: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    stale: torch.Tensor
+    lengths: list[int]
+    algo: AlgoConfig
+
+    def __call__(self, out: TriLogProbs) -> tuple[torch.Tensor, dict[str, float]]:
+        algo, device = self.algo, out.policy.logprobs.device
+        return rl_objective(
+            out.policy.logprobs,
+            out.policy.mask,
+            out.old,
+            self.rollout_logprobs.to(device),
+            self.advantages.to(device),
+            entropy=out.policy.entropy,
+            ref_logprobs=out.ref,
+            stale=self.stale.to(device),
+            clip_low=algo.clip_low,
+            clip_high=algo.clip_high,
+            aggregation=algo.loss_agg,
+            kl_coef=algo.kl_coef,
+            kl_estimator=algo.kl_estimator,
+            entropy_coef=algo.entropy_coef,
+            tis_cap=algo.tis_cap,
+        )
+
+    def select(self, rows: Sequence[int]) -> PolicyLoss:
+        """The loss of `rows` alone, padded to their own longest response."""
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        lengths = [self.lengths[i] for i in rows]
+        width = max(lengths, default=0)
+        return PolicyLoss(
+            self.advantages[index, :width], self.rollout_logprobs[index, :width], self.stale[index], lengths,
+            self.algo,
+        )
 
 
 class PolicyTrainer:
@@ -158,25 +202,7 @@ class PolicyTrainer:
             for r in batch
         ], device=device)  # fmt: skip
 
-        def loss_fn(out: TriLogProbs):
-            return rl_objective(
-                out.policy.logprobs,
-                out.policy.mask,
-                out.old,
-                rollout_logprobs,
-                advantages,
-                entropy=out.policy.entropy,
-                ref_logprobs=out.ref,
-                stale=stale,
-                clip_low=algo.clip_low,
-                clip_high=algo.clip_high,
-                aggregation=algo.loss_agg,
-                kl_coef=algo.kl_coef,
-                kl_estimator=algo.kl_estimator,
-                entropy_coef=algo.entropy_coef,
-                tis_cap=algo.tis_cap,
-            )
-
+        loss_fn = PolicyLoss(advantages, rollout_logprobs, stale, [len(r.response_ids) for r in batch], algo)
         stats = self.engine.backward_micro_batch(samples, loss_fn, temperature=self.temperature)
         n_tokens = sum(len(r.response_ids) for r in batch)
         self.acc.tokens += n_tokens

@@ -45,6 +45,31 @@ def prompt_encoder(config: Config, tokenizer) -> PromptEncoder:
     )
 
 
+def train_engine_options(config: Config, policy: torch.nn.Module, model_path) -> dict:
+    """Keyword arguments of `make_train_engine(config.train.engine, ...)`. A multi-rank engine also gets
+    `world_size`, `model_path` (its ranks load the policy themselves), `dtype`, `timeout_s` and `launcher`: its
+    ranks are Ray actors under the Ray runtime, local processes under the inline one."""
+    t = config.train
+    options = dict(
+        model=policy, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas, grad_clip=t.grad_clip,
+        lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=t.steps,
+        use_reference=config.algo.kl_coef > 0, packing=t.packing,
+    )
+    if t.engine == "torch":
+        return options
+    from asyncflow.runtime.factory import runtime_kind
+
+    launcher = "processes"
+    if runtime_kind(config) == "ray":
+        from asyncflow.runtime.ray_runtime import ray_rank_launcher
+
+        launcher = ray_rank_launcher(config)
+    return {
+        **options, "world_size": t.world_size, "model_path": str(model_path), "dtype": config.model.dtype,
+        "timeout_s": config.runtime.call_timeout_s, "launcher": launcher,
+    }
+
+
 def reward_specs(config: Config) -> list[str]:
     if config.reward.fns == ["auto"]:
         if not config.data.task:
