@@ -54,8 +54,9 @@ POLL_S = 0.05
 ROOT_CAUSE_WAIT_S = 3.0  # after a rank reports an error, how long to look for a rank that died (the cause)
 
 
-class RankFailedError(RuntimeError):
-    """A training rank died, failed or did not answer in time; the message names the rank and the call."""
+class RankFailedError(ChildProcessError):
+    """A training rank died, failed or did not answer in time; the message names the rank and the call (an
+    `OSError`: the command line reports it in one line)."""
 
 
 # ------------------------------------------------------------------------------------------- the split
@@ -403,11 +404,11 @@ class ProcessRanks:
         fail: the dead one is the cause)."""
         deadline = time.monotonic() + ROOT_CAUSE_WAIT_S
         while time.monotonic() < deadline:
-            dead = [r for r in range(len(self.processes)) if self._death(r) is not None and r != rank]
-            if dead and self._death(rank) is None:
-                rank, reason = dead[0], self._death(dead[0])
-                break
-            if self._death(rank) is not None:
+            dead = [r for r in range(len(self.processes)) if self._death(r) is not None]
+            if dead:
+                if rank not in dead:
+                    rank = dead[0]
+                reason = self._death(rank)
                 break
             time.sleep(POLL_S)
         pid = self.processes[rank].pid
