@@ -62,7 +62,7 @@ def start(path, world_size: int = 2, **options) -> FSDP2TrainEngine:
     return FSDP2TrainEngine(load_model(path), model_path=path, world_size=world_size, **{**HP, **options})
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def two_ranks(tiny_llama_path, one_torch_thread):
     engine = start(tiny_llama_path)
     yield engine
@@ -85,42 +85,46 @@ def test_assign_rows_balances_tokens_and_keeps_groups():
     assert assign_rows(one_group[:1], 2)[1] == [], "a rank may get nothing when there are fewer rows than ranks"
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
-def test_two_ranks_give_the_update_of_one_process(two_ranks, tiny_llama_path, one_torch_thread, aggregation):
-    """Two micro-batches (gradient accumulation), the ranks holding unequal token counts: loss, statistics and
-    gradients within 1e-6 relative of one process (the gradient as one vector; each tensor differs by what one
-    process summing the same rows in the ranks' two chunks differs by, up to ~1e-6 here), the same clipped gradient norm, and after AdamW the same
-    weights within 0.1 * lr (AdamW's first step turns float-order noise in tiny gradients into a few % of lr)."""
+def test_two_ranks_give_the_update_of_one_process(two_ranks, tiny_llama_path, one_torch_thread):
+    """One step per `algo.loss_agg` mode, each of two micro-batches (gradient accumulation), the ranks holding
+    unequal token counts: loss, statistics and gradients within 1e-6 relative of one process (the gradient as one
+    vector; a tensor alone differs by what one process summing the same rows in the ranks' two chunks differs
+    by, up to ~1e-6 here), the same clipped gradient norm and LR, and after AdamW the same weights within
+    0.1 * lr (AdamW's first steps turn float-order noise in tiny gradients into a few % of lr; each step starts
+    the reference from the engine's weights)."""
     reference = TorchTrainEngine(load_model(tiny_llama_path), **HP)
+    initial = reference.state_dict()
+    assert all(torch.equal(two_ranks.state_dict()[k], initial[k]) for k in initial), "this test runs first"
     micro_batches = [groups(1, 5), groups(2, 3)]
     shares = assign_rows(micro_batches[0], 2)
     tokens = [sum(len(micro_batches[0][i].response_ids) for i in share) for share in shares]
     assert tokens[0] != tokens[1], "the test needs unequal token counts on the ranks"
-    for k, samples in enumerate(micro_batches):
-        loss = policy_loss(samples, seed=k, aggregation=aggregation)
-        got, want = two_ranks.backward_micro_batch(samples, loss), reference.backward_micro_batch(samples, loss)
-        assert got.keys() == want.keys()
-        for key in want:
-            assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-6), key
-    grads = two_ranks.gradients()
-    want = {name: p.grad for name, p in reference.model.named_parameters() if p.grad is not None}
-    assert grads.keys() == want.keys()
-    assert relative_difference(grads, want) < 1e-6
-    scale = 1.0 / sum(normaliser(samples, aggregation) for samples in micro_batches)
-    got, want = two_ranks.optimizer_step(scale), reference.optimizer_step(scale)
-    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-6) and got["lr"] == want["lr"]
-    weights, expected = two_ranks.state_dict(), reference.state_dict()
-    assert two_ranks.state_dict() is weights, "gathered once per version"
-    assert max(float((weights[k] - expected[k]).abs().max()) for k in expected) < 0.1 * LR
+    for step, aggregation in enumerate(["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]):
+        reference.load_state_dict(two_ranks.state_dict())  # the same weights (AdamW left them ~1e-5 apart)
+        for k, samples in enumerate(micro_batches):
+            loss = policy_loss(samples, seed=10 * step + k, aggregation=aggregation)
+            got, want = two_ranks.backward_micro_batch(samples, loss), reference.backward_micro_batch(samples, loss)
+            assert got.keys() == want.keys()
+            for key in want:
+                assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-6), (aggregation, key)
+        grads = two_ranks.gradients()
+        want = {name: p.grad for name, p in reference.model.named_parameters() if p.grad is not None}
+        assert grads.keys() == want.keys()
+        assert relative_difference(grads, want) < 1e-6, aggregation
+        scale = 1.0 / sum(normaliser(samples, aggregation) for samples in micro_batches)
+        got, want = two_ranks.optimizer_step(scale), reference.optimizer_step(scale)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-6) and got["lr"] == want["lr"]
+        weights, expected = two_ranks.state_dict(), reference.state_dict()
+        assert two_ranks.state_dict() is weights, "gathered once per version"
+        assert max(float((weights[k] - expected[k]).abs().max()) for k in expected) < 0.1 * LR, aggregation
 
 
 def test_sharded_checkpoint_resumes_bit_identically(two_ranks, tiny_llama_path, one_torch_thread, tmp_path):
     """Save at a step boundary, train on: a fresh 2-rank engine that loads the checkpoint takes exactly the same
     next step (bit for bit); a 1-rank engine loads the 2-rank checkpoint (resharded) to the same weights."""
     samples = groups(3, 4)
-    for k in range(2):  # optimizer state exists and the schedule has moved
-        two_ranks.backward_micro_batch(samples, policy_loss(samples, seed=10 + k))
-        two_ranks.optimizer_step(1.0 / normaliser(samples, "token_mean"))
+    two_ranks.backward_micro_batch(samples, policy_loss(samples, seed=100))
+    two_ranks.optimizer_step(1.0 / normaliser(samples, "token_mean"))  # optimizer state exists, the schedule moved
     two_ranks.save_sharded(tmp_path / "sharded")
     training_state, saved = two_ranks.training_state(), dict(two_ranks.state_dict())
     assert sorted(p.name for p in (tmp_path / "sharded").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
