@@ -58,3 +58,9 @@ def test_every_field_is_documented():
 
     missing = [name for name, doc in walk(Config) if not doc]
     assert not missing, f"fields without a docstring: {missing}"
+
+
+def test_world_size_needs_a_multi_rank_engine():
+    with pytest.raises(ConfigError, match=r"train.world_size=2 needs a multi-rank engine \(train.engine=fsdp2\)"):
+        load_config(None, ["train.world_size=2"])
+    assert load_config(None, ["train.engine=fsdp2", "train.world_size=2"]).train.world_size == 2

@@ -395,7 +395,8 @@ class RayRanks:
         self.actors = [actor_cls.remote() for _ in range(world)]
         try:
             host, port = self._wait([self.actors[0].node_address.remote(local)], "start", timeout)[0]
-            self._wait([a.setup.remote(r, world, host, port, spec) for r, a in enumerate(self.actors)], "start", timeout)
+            setups = [actor.setup.remote(rank, world, host, port, spec) for rank, actor in enumerate(self.actors)]
+            self._wait(setups, "start", timeout)
         except BaseException:
             self.close()
             raise
