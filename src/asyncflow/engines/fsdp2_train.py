@@ -171,7 +171,7 @@ class RankTrainer:
             self.optimizer, lr_lambda(spec.lr_schedule, spec.warmup_steps, spec.total_steps)
         )
         self.nonfinite = False
-        self._payload: torch.Tensor | None = None
+        self._payloads: list[torch.Tensor] = []  # shared-memory payloads of `full_weights`, newest first
 
     def backward(self, samples: list[TrainSample], loss_fn: RowLoss | None, temperature: float) -> dict[str, float]:
         """Forward + backward this rank's rows; -> the loss function's stats plus `loss` (sums over these rows).
@@ -215,19 +215,26 @@ class RankTrainer:
 
     def full_weights(self, share: bool = False) -> tuple[Manifest, torch.Tensor] | None:
         """Gather the full state dict to rank 0 and pack it into one payload of buckets; -> (manifest, payload)
-        on rank 0, None elsewhere. `share`: the payload lives in shared memory and is reused every version."""
+        on rank 0, None elsewhere. `share`: two payloads in shared memory are reused in turn, so the driver reads
+        version v without a copy while version v + 1 is written into the other one."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return None
         manifest = plan_buckets(full, self.spec.bucket_bytes)
-        if self._payload is None or self._payload.numel() * self._payload.element_size() != manifest.payload_bytes:
-            self._payload = allocate_payload(manifest)
-            if share:
-                self._payload.share_memory_()
-        pack(full, manifest, bucket_views(manifest, self._payload))
-        return manifest, self._payload
+        if not share:
+            payload = allocate_payload(manifest)
+        else:
+            if any(p.nbytes != manifest.payload_bytes for p in self._payloads):
+                self._payloads = []
+            if len(self._payloads) < 2:
+                self._payloads.insert(0, allocate_payload(manifest).share_memory_())
+            else:
+                self._payloads.reverse()
+            payload = self._payloads[0]
+        pack(full, manifest, bucket_views(manifest, payload))
+        return manifest, payload
 
     def full_gradients(self) -> dict[str, torch.Tensor] | None:
         """The accumulated gradients (before `step`), gathered whole to rank 0 (None elsewhere): for checks."""
@@ -515,7 +522,10 @@ class FSDP2TrainEngine:
         """The full policy weights, gathered to rank 0 once per version (cached until the next step or load)."""
         if self._weights is None:
             manifest, payload = self._all("full_weights", self.shared_payload)[0]
-            self._weights = unpack(manifest, bucket_views(manifest, payload.clone()))
+            # Shared: views of the rank's payload, valid until the version after next (every consumer copies
+            # what it keeps: publish, update_weights, checkpoints). Otherwise a copy of what the launcher returned.
+            owned = payload if self.shared_payload else payload.clone()
+            self._weights = unpack(manifest, bucket_views(manifest, owned))
         return self._weights
 
     def gradients(self) -> dict[str, torch.Tensor]:
