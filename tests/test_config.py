@@ -67,3 +67,8 @@ def test_legacy_tis_cap_is_token_tis():
     assert load_config(None, ["algo.tis_cap=null"]).algo.mismatch_correction == "off"
     with pytest.raises(ConfigError, match="algo.mismatch_threshold"):
         load_config(None, ["algo.mismatch_correction=geo_mis", "algo.mismatch_threshold=0.5"])
+
+def test_world_size_needs_a_multi_rank_engine():
+    with pytest.raises(ConfigError, match=r"train.world_size=2 needs a multi-rank engine \(train.engine=fsdp2\)"):
+        load_config(None, ["train.world_size=2"])
+    assert load_config(None, ["train.engine=fsdp2", "train.world_size=2"]).train.world_size == 2

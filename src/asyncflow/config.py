@@ -236,6 +236,13 @@ class LoRAConfig(Section):
 class TrainConfig(Section):
     steps: int = Field(100, ge=1)
     """Training steps (one optimizer step each)."""
+    engine: str = "torch"
+    """Training engine from the registry (or `package.module:factory`): `torch`, the built-in single-process
+    engine (CPU or one GPU), or `fsdp2`, the policy sharded over `world_size` ranks with FSDP2 (gloo on CPU,
+    NCCL on GPU; the ranks are Ray actors under the Ray runtime, local processes otherwise)."""
+    world_size: int = Field(1, ge=1)
+    """Ranks of a multi-rank engine (`fsdp2`); the built-in `torch` engine takes 1. Each rank gets
+    `torch threads // world_size` threads on CPU (`--threads`), one GPU each on GPU."""
     lr: float = Field(1e-4, gt=0)
     """Peak learning rate (AdamW)."""
     weight_decay: float = Field(0.0, ge=0)
@@ -257,6 +264,16 @@ class TrainConfig(Section):
     `models.tri_model.should_pack`)."""
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
     """LoRA adapters instead of full fine-tuning (`rank` > 0 turns them on)."""
+
+    @model_validator(mode="after")
+    def _single_process_engine(self) -> "TrainConfig":
+        if self.engine == "torch" and self.world_size != 1:
+            raise ValueError(f"train.world_size={self.world_size} needs a multi-rank engine (train.engine=fsdp2); "
+                             "the built-in torch engine runs one process")
+        if self.lora.rank and self.engine != "torch":
+            raise ValueError(f"train.lora needs train.engine=torch: the {self.engine} engine does not train "
+                             "LoRA adapters yet (set train.lora.rank=0)")
+        return self
 
     @field_validator("packing", mode="before")
     @classmethod

@@ -1,6 +1,6 @@
-"""Engines behind small interfaces; importing this package registers the built-in torch engines."""
+"""Engines behind small interfaces; importing this package registers the built-in torch engines and `fsdp2`."""
 
-from asyncflow.engines import torch_inference, torch_train  # noqa: F401  (registration)
+from asyncflow.engines import fsdp2_train, torch_inference, torch_train  # noqa: F401  (registration)
 from asyncflow.engines.base import (
     Completion,
     GenerationRequest,

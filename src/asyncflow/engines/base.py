@@ -14,7 +14,8 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, runtime_checkable
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -22,6 +23,16 @@ from asyncflow.models.logprobs import TrainSample
 from asyncflow.models.tri_model import TriLogProbs
 
 LossFn = Callable[[TriLogProbs], tuple[torch.Tensor, dict[str, float]]]
+
+
+class RowLoss(Protocol):
+    """A micro-batch's loss as a picklable object: called like a `LossFn` on the tri-model log-probs of its
+    rows, and `select(rows)` gives the loss of a subset of the rows (in that order), for an engine that
+    splits a micro-batch over processes. The loss must be a sum over rows (normalised by the caller)."""
+
+    def __call__(self, out: TriLogProbs) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+    def select(self, rows: Sequence[int]) -> RowLoss: ...
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -92,12 +103,13 @@ class InferenceEngine(Protocol):
 class TrainEngine(Protocol):
     """Policy training, as the trainer worker drives it: gradients accumulate over micro-batches until
     one `optimizer_step`; the loss is the caller's (`loss_fn` maps the tri-model log-probs of a micro-batch
-    to a loss and float stats)."""
+    to a loss and float stats; an engine running on several processes needs a `RowLoss`). The trainer
+    builds its engine from the registry by `train.engine` (`make_train_engine`)."""
 
     device: torch.device
 
     def backward_micro_batch(
-        self, samples: list[TrainSample], loss_fn: LossFn, *, temperature: float = 1.0
+        self, samples: list[TrainSample], loss_fn: LossFn | RowLoss, *, temperature: float = 1.0
     ) -> dict[str, float]:
         """Forward one micro-batch (policy with grad; reference and old policy without), call `loss_fn`,
         backpropagate; returns its stats plus `loss` (NaN when not finite: no gradient then)."""
@@ -123,6 +135,16 @@ class TrainEngine(Protocol):
     def load_checkpoint(self, weights: Mapping[str, torch.Tensor], training_state: dict) -> None:
         """Restore a checkpoint written from `state_dict()` and `training_state()` (resume)."""
         ...
+
+
+@runtime_checkable
+class ShardedCheckpointing(Protocol):
+    """A training engine whose weights and optimizer state live sharded over ranks: a checkpoint holds them
+    as written by every rank (`training_state` then holds only what is not sharded)."""
+
+    def save_sharded(self, folder: Path) -> None: ...
+
+    def load_sharded(self, folder: Path) -> None: ...
 
 
 INFERENCE_ENGINES: dict[str, Callable[..., InferenceEngine]] = {}

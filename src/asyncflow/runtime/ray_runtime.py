@@ -366,3 +366,110 @@ class RayRuntime:
         torch.set_num_threads(self._threads_before)
         if self.started_ray:
             ray.shutdown()
+
+
+# ---------------------------------------------------------------------------- ranks of a training engine
+class TrainRankActor:
+    """One rank of a multi-rank training engine (`asyncflow.engines.fsdp2_train.RankTrainer`) as a Ray actor."""
+
+    def node_address(self, local: bool) -> tuple[str, int]:
+        """Where rank 0 listens for the process group: loopback on a local cluster, the node's IP otherwise."""
+        from asyncflow.engines.fsdp2_train import free_port
+
+        host = "127.0.0.1" if local else ray.util.get_node_ip_address()
+        return host, free_port(host)
+
+    def setup(self, rank: int, world: int, host: str, port: int, spec) -> None:
+        from asyncflow.engines.fsdp2_train import RankTrainer
+
+        self.trainer = RankTrainer(rank, world, host, port, spec)
+
+    def call(self, method: str, args: tuple):
+        return getattr(self.trainer, method)(*args)
+
+
+class RayRanks:
+    """The ranks of `asyncflow.engines.fsdp2_train` as Ray actors (a `RankGroup`), each with `num_cpus` CPUs and
+    `num_gpus` GPUs. A rank that dies, raises or does not answer in time ends the call with `RankFailedError`."""
+
+    def __init__(self, world: int, spec, timeout: float, *, num_cpus: float, num_gpus: float, local: bool):
+        actor_cls = ray.remote(TrainRankActor).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)
+        self.actors = [actor_cls.remote() for _ in range(world)]
+        try:
+            host, port = self._wait([self.actors[0].node_address.remote(local)], "start", timeout)[0]
+            setups = [actor.setup.remote(rank, world, host, port, spec) for rank, actor in enumerate(self.actors)]
+            self._wait(setups, "start", timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def call(self, method: str, args, timeout: float) -> list:
+        refs = [actor.call.remote(method, rank_args) for actor, rank_args in zip(self.actors, args, strict=True)]
+        return self._wait(refs, method, timeout)
+
+    def _wait(self, refs: list, method: str, timeout: float) -> list:
+        from asyncflow.engines.fsdp2_train import RankFailedError
+
+        deadline = time.monotonic() + timeout
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.05)
+            failed = []
+            for ref in ready:
+                try:
+                    ray.get(ref, timeout=timeout)
+                except (RayActorError, RayTaskError) as err:
+                    failed.append((refs.index(ref), err))
+            if failed:  # a dead rank is the cause of its peers' failed collectives: name it first
+                time.sleep(1.0)
+                failed.extend((refs.index(ref), err) for ref, err in self._failures(pending))
+                rank, err = min(failed, key=lambda f: (not isinstance(f[1], RayActorError), f[0]))
+                reason = "died" if isinstance(err, RayActorError) else "failed"
+                detail = (str(err.cause if isinstance(err, RayTaskError) else err).strip().splitlines() or [""])[-1]
+                self.close()
+                raise RankFailedError(
+                    f"train.engine=fsdp2: rank {rank} {reason} during {method} ({detail}); the other ranks were "
+                    "stopped (resume the run from its last checkpoint with --resume)"
+                ) from err
+            if pending and time.monotonic() > deadline:
+                self.close()
+                raise RankFailedError(f"train.engine=fsdp2: ranks did not finish {method} within {timeout:.0f} s "
+                                      "(runtime.call_timeout_s); the ranks were stopped")
+        return ray.get(refs, timeout=timeout)
+
+    @staticmethod
+    def _failures(pending: list) -> list:
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+        out = []
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=1.0)
+            except (RayActorError, RayTaskError) as err:
+                out.append((ref, err))
+        return out
+
+    def close(self) -> None:
+        for actor in self.actors:
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 - already gone
+                log.debug("ray.kill of a train rank", exc_info=True)
+        self.actors = []
+
+
+def ray_rank_launcher(config):
+    """The launcher (`asyncflow.engines.fsdp2_train.Launcher`) of a multi-rank training engine on the Ray runtime:
+    starts or joins the cluster like `RayRuntime`; each rank gets an equal share of `runtime.trainer_cpus` and
+    `runtime.trainer_gpus`."""
+    rt = config.runtime
+    if not ray.is_initialized():
+        if rt.address is None:
+            os.environ.setdefault("RAY_worker_niceness", "0")
+        start_ray(address=rt.address, num_cpus=rt.num_cpus if rt.address is None else None)
+    world = config.train.world_size
+
+    def launch(world_size: int, spec, timeout: float) -> RayRanks:
+        return RayRanks(world_size, spec, timeout, num_cpus=rt.trainer_cpus / world, num_gpus=rt.trainer_gpus / world,
+                        local=rt.address is None)
+
+    return launch

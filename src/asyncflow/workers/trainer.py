@@ -21,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -83,6 +84,54 @@ class StepAccumulator:
     def add(self, stats: dict[str, float], weight: float) -> None:
         for k, v in stats.items():
             self.stats[k] = self.stats.get(k, 0.0) + v * weight
+
+
+@dataclass
+class PolicyLoss:
+    """`rl_objective` of one micro-batch as a picklable `RowLoss` (an engine on several ranks ships each rank
+    the `select` of its rows). advantages, rollout_logprobs [N, L] (right-padded), stale [N] bool,
+    lengths [N] response lengths; moved to the log-probs' device when called."""
+
+    advantages: torch.Tensor  # [N, L]
+    rollout_logprobs: torch.Tensor  # [N, L]
+    stale: torch.Tensor | None  # [N, L] bool: tokens whose PPO old log-prob is their sampling log-prob
+    current: torch.Tensor  # [N, L] bool: tokens sampled by the weights the trainer holds
+    lengths: list[int]
+    algo: AlgoConfig
+
+    def __call__(self, out: TriLogProbs) -> tuple[torch.Tensor, dict[str, float]]:
+        algo, device = self.algo, out.policy.logprobs.device
+        rollout_logprobs = self.rollout_logprobs.to(device)
+        loss, stats = rl_objective(
+            out.policy.logprobs,
+            out.policy.mask,
+            out.old,
+            rollout_logprobs,
+            self.advantages.to(device),
+            entropy=out.policy.entropy,
+            ref_logprobs=out.ref,
+            stale=None if self.stale is None else self.stale.to(device),
+            clip_low=algo.clip_low,
+            clip_high=algo.clip_high,
+            aggregation=algo.loss_agg,
+            kl_coef=algo.kl_coef,
+            kl_estimator=algo.kl_estimator,
+            entropy_coef=algo.entropy_coef,
+            correction=algo.mismatch_correction,
+            correction_threshold=algo.mismatch_threshold,
+        )
+        gap = mismatch_sums(out.old, rollout_logprobs, out.policy.mask, same_version=self.current.to(device))
+        return loss, {**stats, **{f"mismatch/{name}": value for name, value in gap.items()}}
+
+    def select(self, rows: Sequence[int]) -> PolicyLoss:
+        """The loss of `rows` alone, padded to their own longest response."""
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        lengths = [self.lengths[i] for i in rows]
+        width = max(lengths, default=0)
+        return PolicyLoss(
+            self.advantages[index, :width], self.rollout_logprobs[index, :width],
+            None if self.stale is None else self.stale[index, :width], self.current[index, :width], lengths, self.algo,
+        )
 
 
 class PolicyTrainer:
@@ -176,28 +225,7 @@ class PolicyTrainer:
             current = padded([[float(v == policy_version) for v in r.versions()] for r in batch], L).bool().to(device)
         stale = ~current if algo.stale_old_logprobs == "rollout" else None
 
-        def loss_fn(out: TriLogProbs):
-            loss, stats = rl_objective(
-                out.policy.logprobs,
-                out.policy.mask,
-                out.old,
-                rollout_logprobs,
-                advantages,
-                entropy=out.policy.entropy,
-                ref_logprobs=out.ref,
-                stale=stale,
-                clip_low=algo.clip_low,
-                clip_high=algo.clip_high,
-                aggregation=algo.loss_agg,
-                kl_coef=algo.kl_coef,
-                kl_estimator=algo.kl_estimator,
-                entropy_coef=algo.entropy_coef,
-                correction=algo.mismatch_correction,
-                correction_threshold=algo.mismatch_threshold,
-            )
-            gap = mismatch_sums(out.old, rollout_logprobs, out.policy.mask, same_version=current)
-            return loss, {**stats, **{f"mismatch/{name}": value for name, value in gap.items()}}
-
+        loss_fn = PolicyLoss(advantages, rollout_logprobs, stale, current, [len(r.response_ids) for r in batch], algo)
         stats = self.engine.backward_micro_batch(samples, loss_fn, temperature=self.temperature)
         n_tokens = sum(len(r.response_ids) for r in batch)
         self.acc.tokens += n_tokens

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer
 
@@ -36,9 +35,7 @@ from asyncflow.workflow.checkpoint import (
     load_weights,
     verify_checkpoint,
 )
-
-if TYPE_CHECKING:
-    from asyncflow.engines.lora import LoRASettings
+from asyncflow.workflow.setup import lora_settings
 
 EXPORT_DIR = "export"  # RUN_DIR/export: the final export of a run
 ADAPTER_DIR = "adapter"  # OUT/adapter: the LoRA adapter when the merged model fills OUT
@@ -47,17 +44,6 @@ INFO_FILE = "asyncflow_export.json"
 
 class ExportError(ValueError):
     """An export that cannot be written: the message names the folder or checkpoint."""
-
-
-def lora_settings(config: Config) -> LoRASettings | None:
-    """The LoRA settings of `config.train.lora`, or None when `rank` is 0 (peft is imported only otherwise)."""
-    lora = config.train.lora
-    if lora.rank == 0:
-        return None
-    from asyncflow.engines.lora import LoRASettings
-
-    targets = lora.target_modules if isinstance(lora.target_modules, str) else tuple(lora.target_modules)
-    return LoRASettings(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=targets)
 
 
 def pick_checkpoint(run_dir: Path, step: int | None = None) -> Path:

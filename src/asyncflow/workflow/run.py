@@ -33,8 +33,7 @@ from pathlib import Path
 import torch
 
 from asyncflow.config import Config
-from asyncflow.engines.base import make_inference_engine
-from asyncflow.engines.torch_train import TorchTrainEngine
+from asyncflow.engines.base import ShardedCheckpointing, make_inference_engine, make_train_engine
 from asyncflow.models.loading import load_model, load_tokenizer, resolve_model_path
 from asyncflow.observe import MetricsLogger, Timeline, TrainProgress, plot_metrics
 from asyncflow.rewards import RewardHealth
@@ -42,9 +41,9 @@ from asyncflow.workers.loops import check_updates_in_flight
 from asyncflow.workers.reward import RewardWorker
 from asyncflow.workers.rollout import Prompt, RolloutWorker
 from asyncflow.workers.trainer import PolicyTrainer
-from asyncflow.workflow.checkpoint import load_checkpoint, save_checkpoint
+from asyncflow.workflow.checkpoint import SHARDED_DIR, CheckpointError, load_checkpoint, save_checkpoint
 from asyncflow.workflow.evaluation import evaluate
-from asyncflow.workflow.export import EXPORT_DIR, export_run, lora_settings
+from asyncflow.workflow.export import EXPORT_DIR, export_run
 from asyncflow.workflow.run_folder import Plan, RunFolder
 from asyncflow.workflow.setup import (
     Preflight,
@@ -53,6 +52,7 @@ from asyncflow.workflow.setup import (
     prompt_encoder,
     sampling_params,
     seed_everything,
+    train_engine_options,
 )
 
 log = logging.getLogger(__name__)
@@ -83,18 +83,8 @@ class RLRun:
         self.tokenizer = load_tokenizer(self.model_path)
         policy = self._load_policy()
         rollout_model = copy.deepcopy(policy).eval().requires_grad_(False)  # before LoRA adds adapters to `policy`
-        self.train_engine = TorchTrainEngine(
-            policy,
-            lr=config.train.lr,
-            weight_decay=config.train.weight_decay,
-            betas=config.train.betas,
-            grad_clip=config.train.grad_clip,
-            lr_schedule=config.train.lr_schedule,
-            warmup_steps=config.train.warmup_steps,
-            total_steps=config.train.steps,
-            use_reference=config.algo.kl_coef > 0,
-            packing=config.train.packing,
-            lora=lora_settings(config),
+        self.train_engine = make_train_engine(
+            config.train.engine, **train_engine_options(config, policy, self.model_path)
         )
         self.inference_engine = make_inference_engine(
             config.rollout.engine, model=rollout_model, max_batch_size=config.rollout.max_batch_size,
@@ -183,19 +173,29 @@ class RLRun:
 
     def save(self) -> Path:
         generator = getattr(self.inference_engine, "generator", None)
+        engine = self.train_engine
         return save_checkpoint(
             self.run_dir,
             self.step,
-            self.train_engine.state_dict(),
-            self.train_engine.training_state(),
+            engine.state_dict(),
+            engine.training_state(),
             self._state(),
             generator.get_state() if generator is not None else None,
             keep=self.config.checkpoint.keep,
+            write_sharded=engine.save_sharded if isinstance(engine, ShardedCheckpointing) else None,
         )
 
     def _resume(self, checkpoint: Path) -> None:
         weights, training_state, state, rng = load_checkpoint(checkpoint)
-        self.train_engine.load_checkpoint(weights, training_state)
+        sharded = checkpoint / SHARDED_DIR
+        if isinstance(self.train_engine, ShardedCheckpointing) and sharded.is_dir():
+            self.train_engine.load_sharded(sharded)  # weights and optimizer state, resharded to this world size
+            self.train_engine.load_training_state(training_state)
+        elif sharded.is_dir():
+            raise CheckpointError(f"{checkpoint}: written by a multi-rank engine (its optimizer state is sharded in "
+                                  f"{SHARDED_DIR}/): resume it with train.engine=fsdp2 (any train.world_size)")
+        else:
+            self.train_engine.load_checkpoint(weights, training_state)
         self.step = state["step"]
         self.version = state["version"]
         self.data_position = state["data_position"]
@@ -237,7 +237,16 @@ class RLRun:
         return result
 
     def train(self, workflow) -> list[dict]:
-        """Run `workflow.step(self)` until `train.steps`; returns the logged metrics rows."""
+        """Run `workflow.step(self)` until `train.steps`; returns the logged metrics rows. The training engine is
+        closed at the end (a multi-rank engine stops its ranks), also when a step fails."""
+        try:
+            return self._train(workflow)
+        finally:
+            close = getattr(self.train_engine, "close", None)
+            if close is not None:
+                close()
+
+    def _train(self, workflow) -> list[dict]:
         cfg = self.config
         history = []
         self.workflow = workflow

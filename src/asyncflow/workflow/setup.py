@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ from asyncflow.engines.base import SamplingParams
 from asyncflow.models.loading import load_tokenizer, prompt_lengths, render_prompt, resolve_model_path
 from asyncflow.rewards import RewardRunner, check_reward_specs
 from asyncflow.workers.reward import RewardWorker
+
+if TYPE_CHECKING:
+    from asyncflow.engines.lora import LoRASettings
 
 
 def seed_everything(seed: int) -> None:
@@ -43,6 +47,42 @@ def prompt_encoder(config: Config, tokenizer) -> PromptEncoder:
     return PromptEncoder(
         lambda text: render_prompt(tokenizer, text, use_chat), config.data.max_prompt_tokens, config.data.on_long_prompt
     )
+
+
+def lora_settings(config: Config) -> LoRASettings | None:
+    """The LoRA settings of `config.train.lora`, or None when `rank` is 0 (peft is imported only otherwise)."""
+    lora = config.train.lora
+    if lora.rank == 0:
+        return None
+    from asyncflow.engines.lora import LoRASettings
+
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else tuple(lora.target_modules)
+    return LoRASettings(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=targets)
+
+
+def train_engine_options(config: Config, policy: torch.nn.Module, model_path) -> dict:
+    """Keyword arguments of `make_train_engine(config.train.engine, ...)`. A multi-rank engine also gets
+    `world_size`, `model_path` (its ranks load the policy themselves), `dtype`, `timeout_s` and `launcher`: its
+    ranks are Ray actors under the Ray runtime, local processes under the inline one."""
+    t = config.train
+    options = dict(
+        model=policy, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas, grad_clip=t.grad_clip,
+        lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=t.steps,
+        use_reference=config.algo.kl_coef > 0, packing=t.packing,
+    )
+    if t.engine == "torch":
+        return {**options, "lora": lora_settings(config)}
+    from asyncflow.runtime.factory import runtime_kind
+
+    launcher = "processes"
+    if runtime_kind(config) == "ray":
+        from asyncflow.runtime.ray_runtime import ray_rank_launcher
+
+        launcher = ray_rank_launcher(config)
+    return {
+        **options, "world_size": t.world_size, "model_path": str(model_path), "dtype": config.model.dtype,
+        "timeout_s": config.runtime.call_timeout_s, "launcher": launcher,
+    }
 
 
 def reward_specs(config: Config) -> list[str]:
