@@ -8,10 +8,10 @@ tool, `ToolBox` with timeouts and counts), `builtin` (`ToolEnv` and the built-in
 from asyncflow.envs.base import ENVIRONMENTS, Environment, StepResult, make_environment, register_environment
 from asyncflow.envs.builtin import ToolEnv
 from asyncflow.envs.tool_calls import ToolCall, ToolCallError, format_tool_call, parse_tool_calls
-from asyncflow.envs.tools import TOOLS, ToolBox, ToolResult, calculator, run_python
+from asyncflow.envs.tools import TOOLS, SandboxLimits, ToolBox, ToolResult, calculator, run_python
 
 __all__ = [
-    "ENVIRONMENTS", "Environment", "StepResult", "TOOLS", "ToolBox", "ToolCall", "ToolCallError", "ToolEnv",
+    "ENVIRONMENTS", "Environment", "SandboxLimits", "StepResult", "TOOLS", "ToolBox", "ToolCall", "ToolCallError", "ToolEnv",
     "ToolResult", "calculator", "format_tool_call", "make_environment", "parse_tool_calls", "register_environment",
     "run_python",
 ]

@@ -51,6 +51,8 @@ class Environment(Protocol):
         """The model wrote `model_text` (one turn, special tokens removed): observe, or finish with a reward."""
         ...
 
+    # Optional: `demonstration(row) -> list[str] | None`, the model turns of a solved episode (SFT warm-up).
+
 
 EnvFactory = Callable[..., Environment]
 ENVIRONMENTS: dict[str, EnvFactory] = {}

@@ -4,7 +4,7 @@ Owns: `ToolEnv` and its registrations: `calculator` (the calculator tool only) a
 sandboxed Python).
 
 An episode of `ToolEnv`: each model turn holding `<tool_call>` blocks is answered with the tools' outputs
-(one `<tool_response>`-wrapped observation per turn, the calls' outputs joined by newlines); a malformed
+(one observation per turn: the calls' outputs joined by newlines); a malformed
 call or an unknown tool is answered with an error message (the episode goes on); the first turn without a
 call is the final answer, scored by `verifier(final_text, row)`.
 
@@ -57,10 +57,12 @@ class ToolEnv:
             outputs.append(result.text)
         return StepResult(observation="\n".join(outputs), info=dict(self.counts))
 
-    @staticmethod
-    def calculator_demonstration(expression: str, result: str) -> list[str]:
-        """The model turns of a solved calculator episode (for SFT demonstrations)."""
-        return [format_tool_call("calculator", {"expression": expression}), result]
+    def demonstration(self, row: dict[str, Any]) -> list[str] | None:
+        """The model turns of a solved episode, for SFT on tool-use demonstrations: for a row with an
+        `expression` (the `tool_arithmetic` task), one calculator call, then the answer; else None."""
+        if "expression" not in row or "calculator" not in self.tools:
+            return None
+        return [format_tool_call("calculator", {"expression": row["expression"]}), str(row["answer"])]
 
 
 @register_environment("calculator")

@@ -36,6 +36,7 @@ class Rollout:
     reward: float | None = None
     advantages: torch.Tensor | None = None  # [len(response_ids)] float32
     response_text: str | None = None
+    loss_mask: list[int] | None = None  # per response token, 1 = trained; None = all (see `Completion.loss_mask`)
 
     @property
     def row_id(self) -> tuple[int, int]:
@@ -141,10 +142,11 @@ class RolloutWorker:
 
 
 def rollouts_from_batch(batch) -> list[Rollout]:
-    """Queue rows (prompt, response and optional reward columns) -> `Rollout` records."""
+    """Queue rows (prompt, response and optional reward and loss-mask columns) -> `Rollout` records."""
     meta = batch.meta
     columns = batch.data
     rewards = columns["reward"].tolist() if "reward" in columns else [None] * len(meta)
+    masks = [m.tolist() for m in batch.rows("loss_mask")] if "loss_mask" in columns else [None] * len(meta)
     prompts, responses, logprobs = batch.rows("prompt_ids"), batch.rows("response_ids"), batch.rows("rollout_logprobs")
     return [
         Rollout(
@@ -158,6 +160,7 @@ def rollouts_from_batch(batch) -> list[Rollout]:
             answer=meta.metadata[i]["answer"],
             metadata=meta.metadata[i],
             reward=rewards[i],
+            loss_mask=masks[i],
         )
         for i in range(len(meta))
     ]
