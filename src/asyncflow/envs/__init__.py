@@ -11,7 +11,7 @@ from asyncflow.envs.tool_calls import ToolCall, ToolCallError, format_tool_call,
 from asyncflow.envs.tools import TOOLS, SandboxLimits, ToolBox, ToolResult, calculator, run_python
 
 __all__ = [
-    "ENVIRONMENTS", "Environment", "SandboxLimits", "StepResult", "TOOLS", "ToolBox", "ToolCall", "ToolCallError", "ToolEnv",
-    "ToolResult", "calculator", "format_tool_call", "make_environment", "parse_tool_calls", "register_environment",
+    "ENVIRONMENTS", "Environment", "SandboxLimits", "StepResult", "TOOLS", "ToolBox", "ToolCall", "ToolCallError",
+    "ToolEnv", "ToolResult", "calculator", "format_tool_call", "make_environment", "parse_tool_calls", "register_environment",
     "run_python",
 ]

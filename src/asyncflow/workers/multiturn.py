@@ -2,8 +2,9 @@
 
 Owns: `TurnTemplate` (the token ids appended between turns), `Episode` (one transcript as ids, with its
 loss mask, sampling log-probs and weight versions), `EpisodeRunner` (one episode: model turn, environment
-step, observation ids, ...), `MultiTurnSpec` (the plain settings a process needs to build the rollout)
-and `MultiTurnRolloutWorker` (a partition's rows as concurrent episodes over one `EngineService`), and `make_rollout_worker`.
+step, observation ids, ...), `MultiTurnSpec` (the plain settings a process needs to build the rollout),
+`MultiTurnRolloutWorker` (a partition's rows as concurrent episodes over one `EngineService`) and
+`make_rollout_worker`.
 
 Token ids: a turn's prompt is the previous prompt plus the ids appended since, never a re-tokenized
 transcript. The model's sampled ids go in as sampled (its stop token included), loss mask 1, with their
