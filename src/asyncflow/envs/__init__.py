@@ -12,6 +12,6 @@ from asyncflow.envs.tools import TOOLS, SandboxLimits, ToolBox, ToolResult, calc
 
 __all__ = [
     "ENVIRONMENTS", "Environment", "SandboxLimits", "StepResult", "TOOLS", "ToolBox", "ToolCall", "ToolCallError",
-    "ToolEnv", "ToolResult", "calculator", "format_tool_call", "make_environment", "parse_tool_calls", "register_environment",
-    "run_python",
+    "ToolEnv", "ToolResult", "calculator", "format_tool_call", "make_environment", "parse_tool_calls",
+    "register_environment", "run_python",
 ]
