@@ -46,7 +46,8 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     task: str | None = "arithmetic"
-    """Built-in task (`arithmetic`, `reverse`, `sort`, `countdown`); `null` to read `path` instead."""
+    """Built-in task (`arithmetic`, `reverse`, `sort`, `countdown`, `tool_arithmetic`); `null` to read `path`
+    instead."""
     difficulty: int = Field(2, ge=1, le=5)
     """Difficulty of the built-in task."""
     path: str | None = None
@@ -120,6 +121,35 @@ class RolloutConfig(Section):
     has (its KV cache recomputed); each token records the version that sampled it, trains against its own
     sampling log-prob, and a row counts for `workflow.max_staleness` by its oldest token. Needs an engine with
     `updates_in_flight` (the built-in `torch` engine has it)."""
+
+
+class EnvConfig(Section):
+    name: str | None = None
+    """Multi-turn environment: a registered name (`calculator`: the calculator tool; `tools`: calculator and
+    sandboxed Python) or `package.module:factory`; `null` = single-turn rollouts. The final answer is scored
+    by `reward.fns`."""
+    max_turns: int = Field(4, ge=1)
+    """Model turns per episode; an episode still without a final answer after them ends with finish reason
+    `length` and reward 0."""
+    max_context_tokens: int = Field(512, ge=2)
+    """Longest transcript (prompt, model turns and observations), in tokens; past it the episode ends with
+    finish reason `length` and reward 0. At most the model's context length."""
+    concurrency: int | None = Field(None, ge=1)
+    """Episodes in flight per rollout worker (threads; each waits on the engine or on its tools); `null` =
+    `rollout.max_batch_size`."""
+    tool_timeout_s: float = Field(5.0, gt=0)
+    """Wall-clock limit of one tool call; a call past it becomes an error observation (counted in
+    `env/tool_timeouts`)."""
+    tool_workers: int = Field(8, ge=1)
+    """Threads running tool calls concurrently (per rollout worker)."""
+    max_tool_output_chars: int = Field(512, ge=16)
+    """An observation longer than this is cut (the model sees `...[truncated]`)."""
+    python_cpu_s: int = Field(2, ge=1)
+    """`python` tool: CPU-time limit of the child process (RLIMIT_CPU)."""
+    python_memory_mb: int = Field(256, ge=32)
+    """`python` tool: address-space limit of the child process (RLIMIT_AS)."""
+    python_max_output_bytes: int = Field(4096, ge=64)
+    """`python` tool: stdout + stderr beyond this stop the child (RLIMIT_FSIZE) and become an error."""
 
 
 class AlgoConfig(Section):
@@ -422,6 +452,7 @@ class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)

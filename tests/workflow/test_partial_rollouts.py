@@ -26,9 +26,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # two torch users (rol
 class SlowDecodeEngine(TorchInferenceEngine):
     """The torch engine with a pause before each decode step, so generation outlasts a training step."""
 
-    def _decode(self, cache, slots, params):
+    def _decode(self, cache, slots):
         time.sleep(0.01)
-        super()._decode(cache, slots, params)
+        super()._decode(cache, slots)
 
 
 def make_slow_engine(*, model, **kwargs):

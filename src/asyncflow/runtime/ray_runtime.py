@@ -95,6 +95,7 @@ class RolloutSpec:
     group_size: int
     seed: int
     threads: int
+    multiturn: object = None  # MultiTurnSpec: multi-turn episodes instead of single completions
 
 
 class RolloutActor:
@@ -102,15 +103,17 @@ class RolloutActor:
 
     def __init__(self, spec: RolloutSpec, name: str, make_scorer):
         from asyncflow.engines.base import make_inference_engine
-        from asyncflow.models.loading import load_model
-        from asyncflow.workers.rollout import RolloutWorker
+        from asyncflow.models.loading import load_model, load_tokenizer
+        from asyncflow.workers.multiturn import make_rollout_worker
 
         torch.set_num_threads(spec.threads)
         model = load_model(spec.model_path, dtype=spec.dtype, device=spec.device).eval().requires_grad_(False)
         engine = make_inference_engine(
             spec.engine, model=model, max_batch_size=spec.max_batch_size, device=spec.device, seed=spec.seed
         )
-        self.worker = RolloutWorker(engine, spec.params, spec.group_size)
+        tokenizer = load_tokenizer(spec.model_path) if spec.multiturn is not None else None
+        self.worker = make_rollout_worker(engine, spec.params, spec.group_size, multiturn=spec.multiturn,
+                                          tokenizer=tokenizer)
         self.scorer = make_scorer()
         self.name = name
         self.incarnation = uuid.uuid4().hex  # new after every restart
@@ -236,6 +239,7 @@ class RayRuntime:
                 cfg.rollout.group_size,
                 cfg.run.seed + 1000 * r,
                 max(1, int(rt.rollout_cpus)),
+                run.multiturn,
             )
             self.actors[name] = actor_cls.remote(spec, name, make_scorer)
             spec_r = receiver_spec.for_rank(r + 1) if self.weight_sync == "torch_distributed" else receiver_spec

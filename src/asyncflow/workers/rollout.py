@@ -41,6 +41,7 @@ class Rollout:
     advantages: torch.Tensor | None = None  # [len(response_ids)] float32
     response_text: str | None = None
     token_versions: list[int] | None = None  # per response token; None = all `weight_version`
+    loss_mask: list[int] | None = None  # per response token, 1 = trained; None = all (see `Completion.loss_mask`)
 
     @property
     def row_id(self) -> tuple[int, int]:
@@ -170,10 +171,11 @@ class RolloutWorker:
 
 
 def rollouts_from_batch(batch) -> list[Rollout]:
-    """Queue rows (prompt, response and optional reward columns) -> `Rollout` records."""
+    """Queue rows (prompt, response and optional reward and loss-mask columns) -> `Rollout` records."""
     meta = batch.meta
     columns = batch.data
     rewards = columns["reward"].tolist() if "reward" in columns else [None] * len(meta)
+    masks = [m.tolist() for m in batch.rows("loss_mask")] if "loss_mask" in columns else [None] * len(meta)
     prompts, responses, logprobs = batch.rows("prompt_ids"), batch.rows("response_ids"), batch.rows("rollout_logprobs")
     return [
         Rollout(
@@ -191,6 +193,7 @@ def rollouts_from_batch(batch) -> list[Rollout]:
                 expand_version_runs(meta.metadata[i]["version_runs"], len(responses[i]))
                 if "version_runs" in meta.metadata[i] else None
             ),
+            loss_mask=masks[i],
         )
         for i in range(len(meta))
     ]

@@ -39,7 +39,8 @@ from asyncflow.observe import MetricsLogger, Timeline, TrainProgress, plot_metri
 from asyncflow.rewards import RewardHealth
 from asyncflow.workers.loops import check_updates_in_flight
 from asyncflow.workers.reward import RewardWorker
-from asyncflow.workers.rollout import Prompt, RolloutWorker
+from asyncflow.workers.multiturn import make_rollout_worker
+from asyncflow.workers.rollout import Prompt
 from asyncflow.workers.trainer import PolicyTrainer
 from asyncflow.workflow.checkpoint import SHARDED_DIR, CheckpointError, load_checkpoint, save_checkpoint
 from asyncflow.workflow.evaluation import evaluate
@@ -49,6 +50,7 @@ from asyncflow.workflow.setup import (
     Preflight,
     build_reward_runner,
     datasets,
+    multiturn_spec,
     prompt_encoder,
     sampling_params,
     seed_everything,
@@ -94,12 +96,14 @@ class RLRun:
             check_updates_in_flight(self.inference_engine)
         self.params = sampling_params(config, self.tokenizer)
         self.eval_params = sampling_params(config, self.tokenizer, greedy=True)
-        self.rollout = RolloutWorker(self.inference_engine, self.params, config.rollout.group_size)
+        self.multiturn = multiturn_spec(config)
+        self.rollout = make_rollout_worker(self.inference_engine, self.params, config.rollout.group_size,
+                                           multiturn=self.multiturn, tokenizer=self.tokenizer)
         self.rewards = RewardWorker(build_reward_runner(config), self.tokenizer)
         self.reward_health = RewardHealth(config.reward.max_error_fraction, config.reward.max_error_steps)
         self.trainer = PolicyTrainer(
             self.train_engine, config.algo, micro_batch_size=config.train.micro_batch_size,
-            temperature=config.rollout.temperature,
+            temperature=config.rollout.temperature, loss_mask=self.multiturn is not None,
         )
         self.train_set, self.test_set = (checked.train_set, checked.test_set) if checked else datasets(config)
         self.encoder = prompt_encoder(config, self.tokenizer)
@@ -115,6 +119,7 @@ class RLRun:
         self.start_wall = 0.0
         self.timeline = Timeline()
         self.eval_engine = None  # built on first evaluation
+        self.eval_episodes = None  # its multi-turn worker, with `env.name`
         resuming = plan is not None and plan.checkpoint is not None
         if resuming:
             self._resume(plan.checkpoint)
@@ -230,9 +235,13 @@ class RLRun:
                 device=self.config.model.device,
                 seed=self.config.run.seed,
             )
+            if self.multiturn is not None:
+                self.eval_episodes = make_rollout_worker(self.eval_engine, self.eval_params, 1,
+                                                         multiturn=self.multiturn, tokenizer=self.tokenizer)
         self.eval_engine.update_weights(self.train_engine.state_dict(), self.version)
         t0 = time.time()
-        result = evaluate(self.eval_engine, self.rewards, self.encoder, self.test_set, self.eval_params)
+        result = evaluate(self.eval_engine, self.rewards, self.encoder, self.test_set, self.eval_params,
+                          episodes=self.eval_episodes)
         self.timeline.add_span("trainer", "evaluate", t0, time.time(), step=self.step)
         return result
 
