@@ -7,7 +7,7 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-if ! .venv/bin/python -c "import asyncflow, torch, transformers, ray, pytest, hypothesis, importlinter, wandb" 2>/dev/null; then
+if ! .venv/bin/python -c "import asyncflow, torch, transformers, ray, pytest, hypothesis, importlinter, wandb, fastapi, uvicorn, openai" 2>/dev/null; then
   .venv/bin/pip install -q -c constraints.txt "torch==2.13.0"
-  .venv/bin/pip install -q -c constraints.txt -e ".[test,wandb]"  # wandb: ~10 s, so its tests run too
+  .venv/bin/pip install -q -c constraints.txt -e ".[test,wandb,serve]"  # wandb, serve: a few s, so their tests run too
 fi
