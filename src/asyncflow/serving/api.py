@@ -58,6 +58,9 @@ class ServedModel:
     vocab_size: int
     chat_template: str | None = None
     """Jinja chat template overriding the tokenizer's own (None: the tokenizer's)."""
+    episode_sampling: SamplingParams | None = None
+    """Training: episode calls sample with its temperature, top-p and top-k whatever the agent asks (the trainer
+    recomputes log-probs at that temperature), and at most its `max_new_tokens` per call."""
 
 
 class APIError(Exception):
@@ -199,7 +202,7 @@ class _API:
         if episode_id is not None and len(prompts) > 1:
             raise APIError(400, "one prompt per call within an episode", param="prompt")
         rendered = [self._completion_prompt(p, episode_id) for p in prompts]
-        params = self._params(body, body.max_tokens, [len(ids) for ids, _ in rendered])
+        params = self._params(body, body.max_tokens, [len(ids) for ids, _ in rendered], episode_id)
         results = await self._generate([ids for ids, _ in rendered], params, body.n)
         choices = []
         for p, ((ids, text), completions) in enumerate(zip(rendered, results)):
@@ -212,7 +215,7 @@ class _API:
         self._check_model(body.model)
         self._episode(episode_id, body.n)
         ids, text = self._chat_prompt(body.messages, episode_id)
-        params = self._params(body, body.max_completion_tokens or body.max_tokens, [len(ids)])
+        params = self._params(body, body.max_completion_tokens or body.max_tokens, [len(ids)], episode_id)
         [completions] = await self._generate([ids], params, body.n)
         choices = []
         for c, completion in enumerate(completions):
@@ -288,11 +291,15 @@ class _API:
         if min(ids) < 0 or max(ids) >= self.served.vocab_size:
             raise APIError(400, f"{param}: token ids must be in [0, {self.served.vocab_size})", param=param)
 
-    def _params(self, body: _Sampling, max_tokens: int | None, prompt_lengths: list[int]) -> SamplingParams:
+    def _params(self, body: _Sampling, max_tokens: int | None, prompt_lengths: list[int],
+                episode_id: str | None) -> SamplingParams:
         limit = self.served.max_model_len
         longest = max(prompt_lengths)
         if max_tokens is None:
             max_tokens = limit - longest if isinstance(body, ChatRequest) else 16
+        forced = self.served.episode_sampling if episode_id is not None else None
+        if forced is not None:
+            max_tokens = min(max_tokens, forced.max_new_tokens, max(1, limit - longest))
         if longest + max_tokens > limit:
             raise APIError(
                 400, f"this model's maximum context length is {limit} tokens; the prompt has {longest} and "
@@ -303,6 +310,9 @@ class _API:
             ids = self._encode(stop)
             if len(ids) == 1 and tokenizer.decode(ids) == stop:
                 stop_ids.append(ids[0])
+        if forced is not None:
+            return SamplingParams(forced.temperature, forced.top_p, forced.top_k, max_tokens,
+                                  tuple(dict.fromkeys([*forced.stop_token_ids, *stop_ids])))
         return SamplingParams(body.temperature, body.top_p, max(body.top_k, 0), max_tokens,
                               tuple(dict.fromkeys(stop_ids)))
 

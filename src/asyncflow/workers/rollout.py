@@ -36,6 +36,7 @@ class Rollout:
     reward: float | None = None
     advantages: torch.Tensor | None = None  # [len(response_ids)] float32
     response_text: str | None = None
+    loss_mask: list[int] | None = None  # per response token, 1 = trained; None = all (see `Completion.loss_mask`)
 
     @property
     def row_id(self) -> tuple[int, int]:
@@ -141,11 +142,13 @@ class RolloutWorker:
 
 
 def rollouts_from_batch(batch) -> list[Rollout]:
-    """Queue rows (prompt, response and optional reward columns) -> `Rollout` records."""
+    """Queue rows (prompt, response and optional reward and loss-mask columns) -> `Rollout` records."""
     meta = batch.meta
     columns = batch.data
     rewards = columns["reward"].tolist() if "reward" in columns else [None] * len(meta)
-    prompts, responses, logprobs = batch.rows("prompt_ids"), batch.rows("response_ids"), batch.rows("rollout_logprobs")
+    masks = [m.tolist() for m in batch.rows("loss_mask")] if "loss_mask" in columns else [None] * len(meta)
+    prompts = batch.rows("agent_prompt_ids" if "agent_prompt_ids" in columns else "prompt_ids")  # agents: their own
+    responses, logprobs = batch.rows("response_ids"), batch.rows("rollout_logprobs")
     return [
         Rollout(
             group_id=meta.group_ids[i],
@@ -158,6 +161,7 @@ def rollouts_from_batch(batch) -> list[Rollout]:
             answer=meta.metadata[i]["answer"],
             metadata=meta.metadata[i],
             reward=rewards[i],
+            loss_mask=masks[i],
         )
         for i in range(len(meta))
     ]

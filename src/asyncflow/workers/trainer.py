@@ -28,6 +28,7 @@ from asyncflow.models.tri_model import TriLogProbs
 from asyncflow.workers.rollout import Rollout, complete_groups, rollouts_from_batch
 
 TRAIN_COLUMNS = ["prompt_ids", "response_ids", "rollout_logprobs", "reward"]
+LOSS_MASK_COLUMN = "loss_mask"  # written by multi-turn rollouts: 1 = model-sampled token (trained)
 
 
 class StalenessError(RuntimeError):
@@ -77,8 +78,11 @@ class StepAccumulator:
 
 
 class PolicyTrainer:
-    def __init__(self, engine: TrainEngine, algo: AlgoConfig, *, micro_batch_size: int, temperature: float):
+    def __init__(self, engine: TrainEngine, algo: AlgoConfig, *, micro_batch_size: int, temperature: float,
+                 loss_mask: bool = False):
+        """`loss_mask`: rows carry a `loss_mask` column (multi-turn rollouts); only its 1s are trained."""
         self.engine = engine
+        self.columns = TRAIN_COLUMNS + ([LOSS_MASK_COLUMN] if loss_mask else [])
         self.algo = algo
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature if temperature > 0 else 1.0
@@ -100,7 +104,7 @@ class PolicyTrainer:
         staleness: list[int] = []
         dropped = 0.0
         batches = queue.loader(
-            partition, "train", TRAIN_COLUMNS, group_size * groups_per_batch, sampler=sampler, timeout=timeout,
+            partition, "train", self.columns, group_size * groups_per_batch, sampler=sampler, timeout=timeout,
             alive=alive, prefetch=True,  # the trainer writes nothing back for its rows
         )
         while True:
@@ -147,7 +151,7 @@ class PolicyTrainer:
 
     def _micro_batch(self, batch: list[Rollout], policy_version: int | None = None) -> None:
         algo = self.algo
-        samples = [TrainSample(r.prompt_ids, r.response_ids, r.group_id) for r in batch]
+        samples = [TrainSample(r.prompt_ids, r.response_ids, r.group_id, r.loss_mask) for r in batch]
         L = max(len(r.response_ids) for r in batch)
         device = self.engine.device
         advantages = padded([r.advantages for r in batch], L).to(device)
@@ -178,7 +182,7 @@ class PolicyTrainer:
             )
 
         stats = self.engine.backward_micro_batch(samples, loss_fn, temperature=self.temperature)
-        n_tokens = sum(len(r.response_ids) for r in batch)
+        n_tokens = sum(len(r.response_ids) if r.loss_mask is None else sum(r.loss_mask) for r in batch)
         self.acc.tokens += n_tokens
         self.acc.sequences += len(batch)
         self.acc.add({k: v for k, v in stats.items() if k != "loss"}, 1.0)

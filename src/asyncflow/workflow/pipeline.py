@@ -74,6 +74,20 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
         "response/truncated_fraction": float(np.mean([r.finish_reason == "length" for r in rollouts])),
         "rollout/samples": float(len(rollouts)),
         "rollout/tokens": float(lengths.sum()),
+        **agent_metrics(rollouts),
+    }
+
+
+def agent_metrics(rollouts: list[Rollout]) -> dict[str, float]:
+    """Rows made by an agent (`asyncflow.workers.agent`): its calls per row, the calls left out of training (the
+    agent rewrote its history), the episodes that failed, and the tokens trained (loss mask 1)."""
+    if not rollouts or "agent_calls" not in rollouts[0].metadata:
+        return {}
+    return {
+        "agent/calls_mean": float(np.mean([r.metadata["agent_calls"] for r in rollouts])),
+        "agent/dropped_calls": float(sum(r.metadata["agent_dropped_calls"] for r in rollouts)),
+        "agent/errors": float(sum(r.metadata.get("agent_error") is not None for r in rollouts)),
+        "agent/trained_tokens": float(sum(sum(r.loss_mask or []) for r in rollouts)),
     }
 
 
@@ -102,7 +116,10 @@ class PipelineWorkflow:
         self.timeout = cfg.runtime.call_timeout_s
         # Registered tasks must acknowledge a partition before it is cleared: a replica that scores its own
         # responses leaves no separate reward task to wait for.
-        scored_in_rollout = self.mode != "sync" and runtime.scores_in_rollout
+        # An agent rollout writes the rewards of its episodes itself, in every mode.
+        scored_in_rollout = (self.mode != "sync" and runtime.scores_in_rollout) or getattr(
+            run.rollout, "scores_own_rows", False)
+        self.scored_in_rollout = scored_in_rollout
         self.tasks = ["rollout", "train"] if scored_in_rollout else ["rollout", "reward", "train"]
         self.queue = runtime.make_queue(tasks=self.tasks)
         self.runtime = runtime
@@ -126,7 +143,10 @@ class PipelineWorkflow:
         t0 = time.time()
         run.rollout.run_partition(self.queue, partition, batch_size=cfg.rollout.max_batch_size, timeout=self.timeout)
         t1 = time.time()
-        run.rewards.run_partition(self.queue, partition, batch_size=cfg.rollout.max_batch_size, timeout=self.timeout)
+        if not self.scored_in_rollout:
+            run.rewards.run_partition(
+                self.queue, partition, batch_size=cfg.rollout.max_batch_size, timeout=self.timeout
+            )
         t2 = time.time()
         rollouts, stats = self._train(run, partition, groups_per_batch=cfg.rollout.prompts_per_step)
         t3 = time.time()
@@ -157,7 +177,7 @@ class PipelineWorkflow:
             run, self.queue, self.publisher.receiver_spec, steps, max_staleness=self.k,
             make_scorer=partial(make_reward_worker, cfg), sampler_states=samplers,
         )
-        if not self.runtime.scores_in_rollout:
+        if not self.scored_in_rollout:
             self.reward_thread = BackgroundThread(
                 "reward", reward_loop, run.rewards, self.queue, steps, batch_size=cfg.rollout.group_size,
                 timeout=self.timeout, timeline=run.timeline,
