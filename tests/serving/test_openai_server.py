@@ -172,3 +172,23 @@ def test_an_episode_records_sampled_ids_and_reuses_them_when_the_agent_continues
         openai.OpenAI(base_url=thread.url + "/episodes/ep-2/v1", api_key=KEY, max_retries=0).completions.create(
             model=NAME, prompt="x", n=2)
     recorder.close("ep-2")
+
+
+def test_untokenizable_text_and_timeouts_are_4xx_and_504(server):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    response = httpx.post(server[0].url + "/v1/completions", json={"model": NAME, "prompt": "line\nbreak"},
+                          headers=headers, timeout=30)
+    assert response.status_code == 400 and "tokenized" in response.json()["error"]["message"]
+    from asyncflow.serving.api import ServedModel, make_app
+
+    service, tokenizer = server[1], server[3]
+    model = service.engine.model
+    impatient = make_app(ServedModel(NAME, tokenizer, service, 512, model.get_input_embeddings().num_embeddings),
+                         api_key=KEY, request_timeout_s=0.001)
+    thread = ServerThread(impatient).start()
+    try:
+        response = httpx.post(thread.url + "/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 200},
+                              headers=headers, timeout=30)
+    finally:
+        thread.stop()
+    assert response.status_code == 504 and response.json()["error"]["type"] == "timeout_error"

@@ -16,8 +16,10 @@ from asyncflow.config import build_config  # noqa: E402
 from asyncflow.serving.episodes import CallRecord, episode_row  # noqa: E402
 from asyncflow.transfer import TransferQueue  # noqa: E402
 from asyncflow.workers.rollout import rollouts_from_batch  # noqa: E402
+from asyncflow.workflow.checkpoint import load_weights  # noqa: E402
 from asyncflow.workflow.pipeline import feed_prompts  # noqa: E402
 from asyncflow.workflow.run import RLRun  # noqa: E402
+from asyncflow.workflow.serve import load_served  # noqa: E402
 
 SEEN: dict[str, list] = {}  # episode id -> the choices the agent got back
 _lock = threading.Lock()
@@ -101,6 +103,10 @@ def test_asyncflow_train_trains_an_openai_client_agent(tmp_path, capsys, one_tor
         assert s["agent/calls_mean"] == 2.0 and s["agent/errors"] == 2.0 and s["agent/trained_tokens"] > 0
         assert torch.isfinite(torch.tensor(s["loss"])) and s["grad_norm"] > 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 2
+    served = load_served(str(tmp_path))  # `asyncflow serve RUN_DIR`: the newest checkpoint, its weight version
+    assert served.name == f"{tmp_path.name}/step_2" and served.weight_version == 2
+    trained = load_weights(tmp_path / "checkpoints" / "step_2")
+    assert all(torch.equal(served.model.state_dict()[k], v) for k, v in trained.items())
 
 
 def test_an_agent_run_is_refused_where_it_cannot_run(tmp_path):

@@ -238,7 +238,10 @@ class _API:
             raise APIError(400, "n must be 1 within an episode (one sample per call)", param="n")
 
     def _encode(self, text: str) -> list[int]:
-        return list(self.served.tokenizer(text, add_special_tokens=False)["input_ids"])
+        try:
+            return list(self.served.tokenizer(text, add_special_tokens=False)["input_ids"])
+        except Exception as err:  # e.g. a character a vocabulary without an unknown token cannot express
+            raise APIError(400, f"the text cannot be tokenized: {err}") from None
 
     def _continued(self, episode_id: str | None, kind: str, text: str) -> list[int] | None:
         """Ids of `text` when it extends the episode's latest context: that context's ids + the new text's."""

@@ -25,12 +25,14 @@ Invariants:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import threading
 import time
 import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -57,13 +59,23 @@ class AgentRow:
 
 
 def resolve_agent(spec: str) -> Callable[[Any, AgentRow], Any]:
-    """`package.module:function` -> the function; a clear error naming `agent.fn` otherwise."""
-    module_name, sep, attr = spec.partition(":")
+    """`package.module:function` or `path/to/file.py:function` -> the function; a clear error naming `agent.fn`
+    otherwise."""
+    module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"agent.fn={spec!r}: expected 'package.module:function'")
+        raise ValueError(f"agent.fn={spec!r}: expected 'package.module:function' or 'path/to/file.py:function'")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            loader = importlib.util.spec_from_file_location(f"asyncflow_agent_{path.stem}", path)
+            if loader is None or not path.is_file():
+                raise ImportError(f"no such file {module_name!r}")
+            module = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+        fn = getattr(module, attr)
+    except (ImportError, AttributeError, SyntaxError) as err:
         raise ValueError(f"agent.fn={spec!r}: cannot be imported ({err})") from None
     if not callable(fn):
         raise ValueError(f"agent.fn={spec!r}: not callable")
@@ -129,17 +141,24 @@ class AgentRolloutWorker:
         self.server = ServerThread(make_app(self.served, api_key=self.api_key, recorder=self.recorder,
                                             request_timeout_s=episode_timeout_s), host=host).start()
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="agent")
+        self.client = self._base_client(concurrency)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.client.close()
         self.server.stop()
 
     # ---------------------------------------------------------------- episodes
-    def _client(self, episode_id: str):
+    def _base_client(self, concurrency: int):
+        """One client (and connection pool) for every episode: building an `openai.OpenAI` with its own HTTP
+        client costs ~0.2 s of CPU (TLS set-up), more than a tiny model's whole episode."""
+        import httpx
         import openai
 
-        return openai.OpenAI(base_url=f"{self.server.url}/episodes/{episode_id}/v1", api_key=self.api_key,
-                             max_retries=0, timeout=self.episode_timeout_s)
+        http = httpx.Client(limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
+                            timeout=self.episode_timeout_s)
+        return openai.OpenAI(base_url=f"{self.server.url}/v1", api_key=self.api_key, max_retries=0,
+                             timeout=self.episode_timeout_s, http_client=http)
 
     def _run(self, episode: _Episode) -> None:
         episode.started = time.monotonic()
@@ -147,8 +166,7 @@ class AgentRolloutWorker:
         row = AgentRow(prompt=meta.get("prompt", ""), answer=meta["answer"], model=self.served.name,
                        episode_id=episode.id, metadata=meta)
         try:
-            with self._client(episode.id) as client:
-                result = self.agent(client, row)
+            result = self.agent(self.client.with_options(base_url=f"{self.server.url}/episodes/{episode.id}/v1"), row)
         except Exception as err:  # noqa: BLE001 -- the user's agent failing scores 0, never stops the run
             log.warning("agent episode %s failed: %r", episode.id, err)
             episode.settle(self.recorder, error=repr(err))
