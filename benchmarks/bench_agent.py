@@ -29,7 +29,8 @@ def one_call_agent(client, row):
 
 
 def partition_seconds(run: RLRun, worker, step: int) -> float:
-    queue = TransferQueue.local(num_storage_units=1, tasks=["rollout", "train"], timeout=120)  # "train": kept until read
+    # a "train" task keeps the partition until it is read (nothing reads it here)
+    queue = TransferQueue.local(num_storage_units=1, tasks=["rollout", "train"], timeout=120)
     feed_prompts(run, queue, step)
     t0 = time.perf_counter()
     worker.run_partition(queue, f"step_{step}", batch_size=run.config.rollout.max_batch_size, timeout=120)

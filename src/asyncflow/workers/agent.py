@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import math
 import threading
 import time
 import uuid
@@ -40,11 +41,9 @@ import torch
 from asyncflow.engines.base import InferenceEngine, SamplingParams
 from asyncflow.engines.service import EngineService
 from asyncflow.serving.episodes import EpisodeRecorder, EpisodeRow, episode_row
-from asyncflow.workers.rollout import WRITE_ROWS
+from asyncflow.workers.rollout import AGENT_PROMPT_COLUMN, WRITE_ROWS
 
 log = logging.getLogger(__name__)
-
-AGENT_PROMPT_COLUMN = "agent_prompt_ids"  # the first call's prompt: it replaces the task's rendered prompt
 
 
 @dataclass(frozen=True)
@@ -105,8 +104,9 @@ class _Episode:
                 return
             outcome = _Outcome(episode_row(recorder.close(self.id)), error=error)
             if error is None:
-                if isinstance(result, bool) or not isinstance(result, (int, float, str)):
-                    outcome.error = f"the agent returned {type(result).__name__}, not a number or a string"
+                if isinstance(result, bool) or not isinstance(result, (int, float, str)) or (
+                        not isinstance(result, str) and not math.isfinite(result)):
+                    outcome.error = f"the agent returned {result!r:.60}, not a finite number or a string"
                 elif isinstance(result, str):
                     outcome.answer = result
                 else:
@@ -135,8 +135,8 @@ class AgentRolloutWorker:
         self.recorder = EpisodeRecorder()
         self.api_key = uuid.uuid4().hex
         self.served = ServedModel(
-            model_name, tokenizer, None, max_model_len, engine.vocab_size if hasattr(engine, "vocab_size")
-            else len(tokenizer), chat_template, episode_sampling=params,
+            model_name, tokenizer, None, max_model_len, getattr(engine, "vocab_size", len(tokenizer)), chat_template,
+            episode_sampling=params,
         )
         self.server = ServerThread(make_app(self.served, api_key=self.api_key, recorder=self.recorder,
                                             request_timeout_s=episode_timeout_s), host=host).start()

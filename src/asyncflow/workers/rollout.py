@@ -45,6 +45,7 @@ class Rollout:
 
 PROMPT_COLUMNS = ["prompt_ids"]
 RESPONSE_COLUMNS = ["response_ids", "rollout_logprobs"]
+AGENT_PROMPT_COLUMN = "agent_prompt_ids"  # an agent's rows: its first call's prompt, in place of `prompt_ids`
 WRITE_ROWS = 32  # finished responses per queue write
 
 
@@ -147,7 +148,7 @@ def rollouts_from_batch(batch) -> list[Rollout]:
     columns = batch.data
     rewards = columns["reward"].tolist() if "reward" in columns else [None] * len(meta)
     masks = [m.tolist() for m in batch.rows("loss_mask")] if "loss_mask" in columns else [None] * len(meta)
-    prompts = batch.rows("agent_prompt_ids" if "agent_prompt_ids" in columns else "prompt_ids")  # agents: their own
+    prompts = batch.rows(AGENT_PROMPT_COLUMN if AGENT_PROMPT_COLUMN in columns else "prompt_ids")
     responses, logprobs = batch.rows("response_ids"), batch.rows("rollout_logprobs")
     return [
         Rollout(

@@ -39,8 +39,7 @@ from asyncflow.models.loading import load_model, load_tokenizer, resolve_model_p
 from asyncflow.observe import MetricsLogger, Timeline, TrainProgress, plot_metrics
 from asyncflow.rewards import RewardHealth
 from asyncflow.workers.reward import RewardWorker
-from asyncflow.workers.rollout import Prompt, RolloutWorker
-from asyncflow.workers.agent import AGENT_PROMPT_COLUMN
+from asyncflow.workers.rollout import AGENT_PROMPT_COLUMN, Prompt, RolloutWorker
 from asyncflow.workers.trainer import PolicyTrainer
 from asyncflow.workflow.checkpoint import load_checkpoint, save_checkpoint
 from asyncflow.workflow.evaluation import evaluate
@@ -170,9 +169,9 @@ class RLRun:
             example = self.train_set.at(self.data_position)
             self.data_position += 1
             prompt = self.encoder.encode(example, self.next_group_id)
-            if prompt is not None and self.config.agent.fn is not None:
-                prompt.metadata["prompt"] = example.prompt  # the agent starts from the text
             if prompt is not None:
+                if self.config.agent.fn is not None:
+                    prompt.metadata["prompt"] = example.prompt  # the agent starts from the text
                 prompts.append(prompt)
                 self.next_group_id += 1
                 skipped_in_a_row = 0
