@@ -58,7 +58,7 @@ def load_served(ref: str, *, dtype: str = "float32", device: str = "cpu") -> Ser
     if not base:
         raise CheckpointError(f"{run_dir / CONFIG_FILE}: no model.path")
     seed = run_config.get("run", {}).get("seed", 0)
-    model_path = resolve_model_path(str(base), seed=seed)
+    model_path = resolve_model_path(_base_path(str(base), run_dir), seed=seed)
     weights = load_weights(checkpoint)  # verified first
     model = load_model(model_path, dtype=dtype, device=device)
     model.load_state_dict(weights)
@@ -66,6 +66,17 @@ def load_served(ref: str, *, dtype: str = "float32", device: str = "cpu") -> Ser
     version = int(json.loads(state_file.read_text()).get("version", step)) if state_file.is_file() else step
     log.info("serving %s (step %d, weight version %d) on %s", checkpoint, step, version, model_path)
     return ServedWeights(model, load_tokenizer(model_path), f"{run_dir.resolve().name}/step_{step}", version)
+
+
+def _base_path(base: str, run_dir: Path) -> str:
+    """The run's `model.path`; a relative one (written relative to where `train` ran, e.g. `runs/x/sft`) is also
+    looked for under the run folder's ancestors, so the run can be served from another directory."""
+    if base.startswith(PRESET_PREFIX) or Path(base).is_absolute() or Path(base).exists():
+        return base
+    for ancestor in run_dir.resolve().parents:
+        if (ancestor / base).exists():
+            return str(ancestor / base)
+    return base
 
 
 def build_app(weights: ServedWeights, *, api_key: str, name: str | None = None, engine: str = "torch",
