@@ -334,7 +334,6 @@ class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    agent: AgentConfig = Field(default_factory=AgentConfig)
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
@@ -343,6 +342,7 @@ class Config(Section):
     workflow: WorkflowConfig = Field(default_factory=WorkflowConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     observe: ObserveConfig = Field(default_factory=ObserveConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> "Config":

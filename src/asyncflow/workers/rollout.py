@@ -148,8 +148,10 @@ def rollouts_from_batch(batch) -> list[Rollout]:
     columns = batch.data
     rewards = columns["reward"].tolist() if "reward" in columns else [None] * len(meta)
     masks = [m.tolist() for m in batch.rows("loss_mask")] if "loss_mask" in columns else [None] * len(meta)
-    prompts = batch.rows(AGENT_PROMPT_COLUMN if AGENT_PROMPT_COLUMN in columns else "prompt_ids")
-    responses, logprobs = batch.rows("response_ids"), batch.rows("rollout_logprobs")
+    prompts, responses, logprobs = batch.rows("prompt_ids"), batch.rows("response_ids"), batch.rows("rollout_logprobs")
+
+    if AGENT_PROMPT_COLUMN in columns:  # an agent's rows: the prompt of its first call
+        prompts = batch.rows(AGENT_PROMPT_COLUMN)
     return [
         Rollout(
             group_id=meta.group_ids[i],

@@ -74,7 +74,6 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
         "response/truncated_fraction": float(np.mean([r.finish_reason == "length" for r in rollouts])),
         "rollout/samples": float(len(rollouts)),
         "rollout/tokens": float(lengths.sum()),
-        **agent_metrics(rollouts),
     }
 
 
@@ -274,6 +273,7 @@ class PipelineWorkflow:
     def step(self, run) -> dict[str, float]:
         rollouts, stats = self._sync_step(run) if self.mode == "sync" else self._overlapped_step(run)
         stats.update(rollout_metrics(rollouts))
+        stats.update(agent_metrics(rollouts))
         stats["logprob_gap"] = stats.get("logprob_gap", 0.0)
         return stats
 

@@ -95,9 +95,9 @@ def preflight(config: Config, *, training: bool = True) -> Preflight:
     """Every check that needs only the config, in the order a user would fix them. `training=False`
     (`asyncflow eval`) checks the held-out prompts only. Raises ValueError subclasses naming the input."""
     check_reward_spec(config)
+    train_set, test_set = check_data(config)
     if config.agent.fn is not None:
         check_agent(config)
-    train_set, test_set = check_data(config)
     tokenizer = load_tokenizer(resolve_model_path(config.model.path, seed=config.run.seed))
     if config.data.on_long_prompt == "error":
         sets = {"training": train_set.examples if training else [], "held-out": test_set}
@@ -109,21 +109,6 @@ def check_reward_spec(config: Config) -> None:
     """Every reward function of `reward.fns` resolves and takes `(completion, ground_truth, **metadata)`,
     every weight is finite (and, with `reward.isolation=process`, every function can go to a worker process)."""
     check_reward_specs(reward_specs(config), config.reward.weights, isolation=config.reward.isolation)
-
-
-def check_agent(config: Config) -> None:
-    """`agent.fn` imports and is callable, the `serve` extra and `openai` are installed, the chat template file
-    (if any) exists."""
-    from asyncflow.workers.agent import resolve_agent
-
-    resolve_agent(config.agent.fn)
-    for package in ("fastapi", "uvicorn", "openai"):
-        try:
-            __import__(package)
-        except ImportError:
-            raise ValueError(f"agent.fn needs {package!r}: pip install 'asyncflow-rl[serve]' openai") from None
-    if config.agent.chat_template is not None and not Path(config.agent.chat_template).is_file():
-        raise ValueError(f"agent.chat_template={config.agent.chat_template!r}: no such file")
 
 
 def check_data(config: Config) -> tuple[TrainSet, list[Example]]:
@@ -147,3 +132,18 @@ def check_prompt_lengths(config: Config, tokenizer, sets: dict[str, list[Example
                 f"the first {where} ({first.prompt[:60]!r}, {lengths[long[0]]} tokens): set "
                 "data.on_long_prompt=skip to skip them, or raise data.max_prompt_tokens"
             )
+
+
+def check_agent(config: Config) -> None:
+    """`agent.fn` imports and is callable, the `serve` extra and `openai` are installed, the chat template file
+    (if any) exists."""
+    from asyncflow.workers.agent import resolve_agent
+
+    resolve_agent(config.agent.fn)
+    for package in ("fastapi", "uvicorn", "openai"):
+        try:
+            __import__(package)
+        except ImportError:
+            raise ValueError(f"agent.fn needs {package!r}: pip install 'asyncflow-rl[serve]' openai") from None
+    if config.agent.chat_template is not None and not Path(config.agent.chat_template).is_file():
+        raise ValueError(f"agent.chat_template={config.agent.chat_template!r}: no such file")
