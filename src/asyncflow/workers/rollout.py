@@ -149,7 +149,6 @@ def rollouts_from_batch(batch) -> list[Rollout]:
     rewards = columns["reward"].tolist() if "reward" in columns else [None] * len(meta)
     masks = [m.tolist() for m in batch.rows("loss_mask")] if "loss_mask" in columns else [None] * len(meta)
     prompts, responses, logprobs = batch.rows("prompt_ids"), batch.rows("response_ids"), batch.rows("rollout_logprobs")
-
     if AGENT_PROMPT_COLUMN in columns:  # an agent's rows: the prompt of its first call
         prompts = batch.rows(AGENT_PROMPT_COLUMN)
     return [
