@@ -155,8 +155,11 @@ class AgentRolloutWorker:
         import httpx
         import openai
 
-        http = httpx.Client(limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
-                            timeout=self.episode_timeout_s)
+        # Idle connections are dropped before the server's keep-alive (30 s) closes them, so a step that starts
+        # after a long training step never sends on a closed connection; a refused connect is retried once (the
+        # request never reached the server, so nothing is recorded twice).
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=5)
+        http = httpx.Client(timeout=self.episode_timeout_s, transport=httpx.HTTPTransport(retries=1, limits=limits))
         return openai.OpenAI(base_url=f"{self.server.url}/v1", api_key=self.api_key, max_retries=0,
                              timeout=self.episode_timeout_s, http_client=http)
 
