@@ -1,4 +1,4 @@
-"""Command line: `asyncflow train | sft | eval | export | bench`.
+"""Command line: `asyncflow train | sft | eval | export | bench | serve`.
 
 Owns: argument parsing, logging set-up, the order of a command's work, and turning errors into
 one line and an exit code.
@@ -146,6 +146,35 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import os
+    import secrets
+
+    from asyncflow.workflow.serve import build_app, load_served
+
+    try:
+        from asyncflow.serving.server import serve_forever
+    except ImportError as err:
+        raise ValueError(f"asyncflow serve needs the serve extra (pip install 'asyncflow-rl[serve]'): {err}") from None
+    if args.overrides:
+        raise ConfigError(f"asyncflow serve takes no config overrides: {' '.join(args.overrides)}")
+    api_key = args.api_key or os.environ.get("ASYNCFLOW_API_KEY") or secrets.token_urlsafe(24)
+    chat_template = Path(args.chat_template).read_text() if args.chat_template else None
+    weights = load_served(args.model, dtype=args.dtype, device=args.device)
+    app, service = build_app(
+        weights, api_key=api_key, name=args.name, engine=args.engine, max_batch_size=args.max_batch_size,
+        device=args.device, seed=args.seed, chat_template=chat_template, request_timeout_s=args.request_timeout,
+    )
+    if not (args.api_key or os.environ.get("ASYNCFLOW_API_KEY")):
+        print(f"API key (generated): {api_key}", flush=True)
+    print(f"serving {args.name or weights.name!r} at http://{args.host}:{args.port}/v1", flush=True)
+    try:
+        serve_forever(app, host=args.host, port=args.port)
+    finally:
+        service.close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asyncflow", description="Asynchronous streaming RL post-training of language models."
@@ -189,6 +218,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=2, help="steps left out of the throughput window")
     bench.add_argument("--repeats", type=int, default=1)
     bench.set_defaults(func=cmd_bench)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over a model, a run or a checkpoint")
+    serve.add_argument("model", help="a Hugging Face model folder, preset:NAME, a run folder (its newest checkpoint) "
+                       "or a checkpoint folder RUN_DIR/checkpoints/step_N")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", help="the Bearer key clients must send (default: $ASYNCFLOW_API_KEY, else a "
+                       "generated one, printed)")
+    serve.add_argument("--name", help="the model name clients ask for (default: the preset, folder or run/step)")
+    serve.add_argument("--chat-template", help="a Jinja chat template file, for tokenizers without one")
+    serve.add_argument("--engine", default="torch", help="inference engine from the registry (or module:factory)")
+    serve.add_argument("--max-batch-size", type=int, default=64, help="concurrent sequences in the engine")
+    serve.add_argument("--device", default="cpu")
+    serve.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    serve.add_argument("--seed", type=int, default=0, help="the engine's sampling seed")
+    serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request gets 504")
+    serve.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -446,6 +446,23 @@ class ObserveConfig(Section):
         }
 
 
+class AgentConfig(Section):
+    fn: str | None = None
+    """An agent written against the `openai` client, as `package.module:function`, called `fn(client, row)` once
+    per sample (`asyncflow.workers.agent`): `client` is an `openai.OpenAI` bound to this run's server for that
+    episode, `row` an `AgentRow` (prompt, answer, metadata, model). It returns the reward (a number) or its
+    final answer (a string, scored by `reward.fns`). `null` = the built-in single-turn rollout. Needs
+    `workflow.mode: sync` (inline) and the `serve` extra."""
+    concurrency: int | None = Field(None, ge=1)
+    """Episodes in flight (threads), each waiting on its calls to the server; `null` = `rollout.max_batch_size`."""
+    episode_timeout_s: float = Field(300.0, gt=0)
+    """An episode still running after this many seconds is closed (its later calls are refused) and scores 0,
+    counted in `agent/errors`; also each call's HTTP timeout."""
+    chat_template: str | None = None
+    """A Jinja chat template file for `/v1/chat/completions` when the tokenizer has none (`null`: the
+    tokenizer's own)."""
+
+
 class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -462,6 +479,7 @@ class Config(Section):
     workflow: WorkflowConfig = Field(default_factory=WorkflowConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     observe: ObserveConfig = Field(default_factory=ObserveConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> "Config":
@@ -471,6 +489,8 @@ class Config(Section):
             raise ValueError(
                 f"reward.weights has {len(self.reward.weights)} entries but reward.fns has {len(self.reward.fns)}"
             )
+        if self.agent.fn is not None and (self.workflow.mode != "sync" or self.runtime.kind == "ray"):
+            raise ValueError("agent.fn: agents train in workflow.mode=sync on the inline runtime only (for now)")
         return self
 
 

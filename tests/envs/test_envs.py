@@ -1,5 +1,6 @@
 """Tools, the sandbox and the tool-call parser, as a rollout uses them (real subprocesses, no mocks)."""
 
+import re
 from __future__ import annotations
 
 import time
@@ -32,7 +33,7 @@ def test_calculator_is_exact_and_evaluates_no_code():
 
 
 @pytest.mark.parametrize("code, error", [
-    ("while True:\n    pass", "CPU time"),
+    ("while True:\n    pass", "CPU time|timed out"),  # whichever limit a loaded machine reaches first
     ("x = bytearray(2 * 1024**3)", "memory"),
     ("print('a' * 100_000)", "output exceeded"),
     ("import socket\ns = socket.create_connection(('93.184.216.34', 80), timeout=2)", "socket"),
@@ -41,7 +42,7 @@ def test_calculator_is_exact_and_evaluates_no_code():
 ])  # fmt: skip
 def test_sandbox_stops_what_it_must(toolbox, code, error):
     result = toolbox.call("python", {"code": code})
-    assert result.error and error in result.text, result
+    assert result.error and re.search(error, result.text), result
 
 
 def test_sandbox_network_is_refused_even_without_the_audit_hook():

@@ -48,7 +48,10 @@ class RewardWorker:
 
     def score_ids(self, responses: list[list[int]], metadata: list[dict]) -> torch.Tensor:
         """Rewards `[N]` float32 of token-id responses; `metadata[i]["answer"]` is the ground truth."""
-        texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in responses]
+        return self.score_texts([self.tokenizer.decode(ids, skip_special_tokens=True) for ids in responses], metadata)
+
+    def score_texts(self, texts: list[str], metadata: list[dict]) -> torch.Tensor:
+        """Rewards `[N]` float32 of training responses given as text (an agent's final answers)."""
         result = self.runner.score(texts, [m["answer"] for m in metadata], metadata)
         self.samples += len(texts)
         self.errors += result.n_errors

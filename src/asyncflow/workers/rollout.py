@@ -77,6 +77,7 @@ def row_fields(completion: Completion) -> tuple[int, dict]:
 
 PROMPT_COLUMNS = ["prompt_ids"]
 RESPONSE_COLUMNS = ["response_ids", "rollout_logprobs"]
+AGENT_PROMPT_COLUMN = "agent_prompt_ids"  # an agent's rows: its first call's prompt, in place of `prompt_ids`
 WRITE_ROWS = 32  # finished responses per queue write
 
 
@@ -177,6 +178,8 @@ def rollouts_from_batch(batch) -> list[Rollout]:
     rewards = columns["reward"].tolist() if "reward" in columns else [None] * len(meta)
     masks = [m.tolist() for m in batch.rows("loss_mask")] if "loss_mask" in columns else [None] * len(meta)
     prompts, responses, logprobs = batch.rows("prompt_ids"), batch.rows("response_ids"), batch.rows("rollout_logprobs")
+    if AGENT_PROMPT_COLUMN in columns:  # an agent's rows: the prompt of its first call
+        prompts = batch.rows(AGENT_PROMPT_COLUMN)
     return [
         Rollout(
             group_id=meta.group_ids[i],

@@ -86,6 +86,19 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     return metrics
 
 
+def agent_metrics(rollouts: list[Rollout]) -> dict[str, float]:
+    """Rows made by an agent (`asyncflow.workers.agent`): its calls per row, the calls left out of training (the
+    agent rewrote its history), the episodes that failed, and the tokens trained (loss mask 1)."""
+    if not rollouts or "agent_calls" not in rollouts[0].metadata:
+        return {}
+    return {
+        "agent/calls_mean": float(np.mean([r.metadata["agent_calls"] for r in rollouts])),
+        "agent/dropped_calls": float(sum(r.metadata["agent_dropped_calls"] for r in rollouts)),
+        "agent/errors": float(sum(r.metadata.get("agent_error") is not None for r in rollouts)),
+        "agent/trained_tokens": float(sum(sum(r.loss_mask or []) for r in rollouts)),
+    }
+
+
 def feed_prompts(run, queue: TransferQueue, step: int) -> None:
     """Create partition `step_{step}` holding the step's prompts, one row per sample."""
     cfg = run.config
@@ -111,8 +124,11 @@ class PipelineWorkflow:
         self.timeout = cfg.runtime.call_timeout_s
         # Registered tasks must acknowledge a partition before it is cleared: a replica that scores its own
         # responses leaves no separate reward task to wait for.
-        # A multi-turn rollout writes the rewards its environments gave, in every mode.
-        scored_in_rollout = (self.mode != "sync" and runtime.scores_in_rollout) or run.multiturn is not None
+        # A multi-turn or agent rollout writes the rewards its episodes got, in every mode.
+        scored_in_rollout = (
+            (self.mode != "sync" and runtime.scores_in_rollout) or run.multiturn is not None
+            or getattr(run.rollout, "scores_own_rows", False)
+        )
         self.scored_in_rollout = scored_in_rollout
         self.tasks = ["rollout", "train"] if scored_in_rollout else ["rollout", "reward", "train"]
         self.queue = runtime.make_queue(tasks=self.tasks)
@@ -269,6 +285,7 @@ class PipelineWorkflow:
     def step(self, run) -> dict[str, float]:
         rollouts, stats = self._sync_step(run) if self.mode == "sync" else self._overlapped_step(run)
         stats.update(rollout_metrics(rollouts))
+        stats.update(agent_metrics(rollouts))
         stats["logprob_gap"] = stats.get("logprob_gap", 0.0)
         return stats
 

@@ -40,7 +40,7 @@ from asyncflow.rewards import RewardHealth
 from asyncflow.workers.loops import check_updates_in_flight
 from asyncflow.workers.reward import RewardWorker
 from asyncflow.workers.multiturn import make_rollout_worker
-from asyncflow.workers.rollout import Prompt
+from asyncflow.workers.rollout import AGENT_PROMPT_COLUMN, Prompt
 from asyncflow.workers.trainer import PolicyTrainer
 from asyncflow.workflow.checkpoint import SHARDED_DIR, CheckpointError, load_checkpoint, save_checkpoint
 from asyncflow.workflow.evaluation import evaluate
@@ -97,14 +97,16 @@ class RLRun:
         self.params = sampling_params(config, self.tokenizer)
         self.eval_params = sampling_params(config, self.tokenizer, greedy=True)
         self.multiturn = multiturn_spec(config)
-        self.rollout = make_rollout_worker(self.inference_engine, self.params, config.rollout.group_size,
-                                           multiturn=self.multiturn, tokenizer=self.tokenizer)
         self.rewards = RewardWorker(build_reward_runner(config), self.tokenizer)
+        self.rollout = self._rollout_worker(policy)
         self.reward_health = RewardHealth(config.reward.max_error_fraction, config.reward.max_error_steps)
         self.trainer = PolicyTrainer(
             self.train_engine, config.algo, micro_batch_size=config.train.micro_batch_size,
             temperature=config.rollout.temperature, loss_mask=self.multiturn is not None,
         )
+        if config.agent.fn is not None:  # agent rows carry their own prompt and a loss mask
+            self.trainer.columns = self.trainer.columns + [c for c in ("loss_mask", AGENT_PROMPT_COLUMN)
+                                                           if c not in self.trainer.columns]
         self.train_set, self.test_set = (checked.train_set, checked.test_set) if checked else datasets(config)
         self.encoder = prompt_encoder(config, self.tokenizer)
 
@@ -131,6 +133,23 @@ class RLRun:
                 tensorboard=config.observe.tensorboard, wandb=config.observe.wandb_run(config),
             )
 
+    def _rollout_worker(self, policy: torch.nn.Module):
+        """The built-in single-turn rollout, or with `agent.fn` the user's agent through the served engine."""
+        cfg = self.config
+        if cfg.agent.fn is None:
+            return make_rollout_worker(self.inference_engine, self.params, cfg.rollout.group_size,
+                                       multiturn=self.multiturn, tokenizer=self.tokenizer)
+        from asyncflow.workers.agent import AgentRolloutWorker
+
+        chat_template = Path(cfg.agent.chat_template).read_text() if cfg.agent.chat_template else None
+        return AgentRolloutWorker(
+            self.inference_engine, self.params, cfg.rollout.group_size, agent=cfg.agent.fn, tokenizer=self.tokenizer,
+            scorer=self.rewards, model_name=cfg.run.name or "policy",
+            max_model_len=int(getattr(policy.config, "max_position_embeddings", 0) or self.tokenizer.model_max_length),
+            concurrency=cfg.agent.concurrency or cfg.rollout.max_batch_size,
+            episode_timeout_s=cfg.agent.episode_timeout_s, chat_template=chat_template,
+        )
+
     def _load_policy(self) -> torch.nn.Module:
         return load_model(self.model_path, dtype=self.config.model.dtype, device=self.config.model.device)
 
@@ -151,6 +170,8 @@ class RLRun:
             self.data_position += 1
             prompt = self.encoder.encode(example, self.next_group_id)
             if prompt is not None:
+                if self.config.agent.fn is not None:
+                    prompt.metadata["prompt"] = example.prompt  # the agent starts from the text
                 prompts.append(prompt)
                 self.next_group_id += 1
                 skipped_in_a_row = 0
@@ -308,11 +329,18 @@ class RLRun:
                 if last or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                     self.save()
         workflow.close()
+        self.close_rollout()
         self.metrics.close()
         self.write_reports()
         if cfg.export.at_end:
             export_run(self.run_dir, self.run_dir / EXPORT_DIR, merged=cfg.export.merged, replace=True)
         return history
+
+    def close_rollout(self) -> None:
+        """Stop what the rollout worker runs besides the engine (an agent rollout's HTTP server)."""
+        close = getattr(self.rollout, "close", None)
+        if close is not None:
+            close()
 
     def write_reports(self) -> None:
         """Plots of reward and accuracy, the Chrome trace, Gantt and utilization charts, each role's idle fraction."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -159,6 +160,8 @@ def preflight(config: Config, *, training: bool = True) -> Preflight:
     if config.env.name is not None:
         resolve_environment(config.env.name)  # raises EnvironmentSpecError naming env.name
     train_set, test_set = check_data(config)
+    if config.agent.fn is not None:
+        check_agent(config)
     tokenizer = load_tokenizer(resolve_model_path(config.model.path, seed=config.run.seed))
     if config.data.on_long_prompt == "error":
         sets = {"training": train_set.examples if training else [], "held-out": test_set}
@@ -193,3 +196,18 @@ def check_prompt_lengths(config: Config, tokenizer, sets: dict[str, list[Example
                 f"the first {where} ({first.prompt[:60]!r}, {lengths[long[0]]} tokens): set "
                 "data.on_long_prompt=skip to skip them, or raise data.max_prompt_tokens"
             )
+
+
+def check_agent(config: Config) -> None:
+    """`agent.fn` imports and is callable, the `serve` extra and `openai` are installed, the chat template file
+    (if any) exists."""
+    from asyncflow.workers.agent import resolve_agent
+
+    resolve_agent(config.agent.fn)
+    for package in ("fastapi", "uvicorn", "openai"):
+        try:
+            __import__(package)
+        except ImportError:
+            raise ValueError(f"agent.fn needs {package!r}: pip install 'asyncflow-rl[serve]' openai") from None
+    if config.agent.chat_template is not None and not Path(config.agent.chat_template).is_file():
+        raise ValueError(f"agent.chat_template={config.agent.chat_template!r}: no such file")

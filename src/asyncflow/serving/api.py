@@ -1,0 +1,448 @@
+"""An OpenAI-compatible HTTP API over an `EngineService`: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
+
+Owns: the request models (pydantic), their checks, prompt rendering (the tokenizer's chat template), stop
+strings, the responses (plain and server-sent events) and the OpenAI error shape. Built with FastAPI; this
+package is the only one that imports the HTTP stack.
+
+Extra fields (beyond OpenAI's): each choice carries `token_ids` (the ids sampled), `token_logprobs` (their
+sampling log-probs), `prompt_token_ids` and `weight_version` (the policy version that sampled them); a
+streamed chunk carries the `token_ids` / `token_logprobs` of its piece and the last chunk of a choice
+the rest. `top_k` may be given besides OpenAI's sampling fields.
+
+Episodes (training an agent through this server): `/episodes/{episode_id}/v1/...` serves the same routes
+and records every call under the episode (`asyncflow.serving.episodes`); only episodes the training driver
+opened are served. A call whose prompt text starts with the episode's latest context (the previous prompt
+text and its completion, as that call returned it) is tokenized as that context's ids followed by the
+new text's ids, so the ids sampled earlier reach the model, and the training row, unchanged.
+
+Invariants:
+- Every request needs `Authorization: Bearer <key>`; without it, or with another key: 401.
+- Bad input (malformed JSON, an unknown field or model, a value out of range, a prompt too long for the
+  model, token ids outside the vocabulary, a chat template that fails) is refused with a 4xx JSON error
+  `{"error": {"message", "type", "param", "code"}}` before it reaches the engine, so no request can stop
+  the generation loop that other callers share. A call still unanswered after `request_timeout_s` gets 504.
+- Streamed responses start only once every choice has finished generating (the engine hands back whole
+  completions), so a failure is always a plain JSON error, never a cut-off stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from asyncflow.engines.base import Completion, SamplingParams
+from asyncflow.engines.service import EngineService, EngineServiceError
+from asyncflow.serving.episodes import CallRecord, EpisodeRecorder, UnknownEpisodeError
+
+
+@dataclass
+class ServedModel:
+    """What the API serves. `service` may be swapped between requests (the training driver runs one per step)."""
+
+    name: str
+    tokenizer: Any
+    service: EngineService | None
+    max_model_len: int
+    """Prompt plus completion, in tokens (the model's position limit)."""
+    vocab_size: int
+    chat_template: str | None = None
+    """Jinja chat template overriding the tokenizer's own (None: the tokenizer's)."""
+    episode_sampling: SamplingParams | None = None
+    """Training: episode calls sample with its temperature, top-p and top-k whatever the agent asks (the trainer
+    recomputes log-probs at that temperature), and at most its `max_new_tokens` per call."""
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+
+def error_response(status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": code}}, status)
+
+
+# ---------------------------------------------------------------- requests
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)  # -1 or 0: off
+    n: int = Field(1, ge=1, le=64)
+    stop: str | list[str] | None = Field(None, validate_default=True)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    seed: int | None = None  # accepted and ignored: the engine's one generator is shared by every caller
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, value: float) -> float:
+        if value != 0:
+            raise ValueError("penalties are not supported by this server (leave them 0)")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value):
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > 8 or any(not s for s in stops):
+            raise ValueError("at most 8 stop strings, none empty")
+        return stops
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=1)  # only the sampled token's log-prob is known
+    echo: Literal[False] = False
+
+
+class _TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # tool_call_id, name, ...: handed to the chat template
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[_TextPart] | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=1)  # only the sampled token's log-prob is known
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+# ---------------------------------------------------------------- the app
+def make_app(served: ServedModel, *, api_key: str, recorder: EpisodeRecorder | None = None,
+             request_timeout_s: float = 600.0) -> FastAPI:
+    """The FastAPI app; run it with uvicorn (`asyncflow.serving.server`)."""
+    if not api_key:
+        raise ValueError("the server needs an API key")
+    app = FastAPI(title="asyncflow OpenAI-compatible server", docs_url=None, redoc_url=None, openapi_url=None)
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next):
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            return error_response(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                                  code="invalid_api_key")
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError):
+        return error_response(err.status, err.message, type=err.type, param=err.param, code=err.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, err: RequestValidationError):
+        first = err.errors()[0]
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}")
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return error_response(400, f"{where or 'body'}: {first['msg']}", param=where or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, err: StarletteHTTPException):
+        return error_response(err.status_code, str(err.detail), code="not_found" if err.status_code == 404 else None)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, err: Exception):  # a bug here: the engine loop is not affected
+        return error_response(500, f"internal error: {type(err).__name__}: {err}", type="server_error")
+
+    api = _API(served, recorder, request_timeout_s)
+    for prefix in ("", "/episodes/{episode_id}"):
+        app.add_api_route(prefix + "/v1/models", api.models, methods=["GET"])
+        app.add_api_route(prefix + "/v1/completions", api.completions, methods=["POST"])
+        app.add_api_route(prefix + "/v1/chat/completions", api.chat, methods=["POST"])
+    return app
+
+
+class _API:
+    def __init__(self, served: ServedModel, recorder: EpisodeRecorder | None, timeout_s: float):
+        self.served = served
+        self.recorder = recorder
+        self.timeout_s = timeout_s
+
+    async def models(self, episode_id: str | None = None):
+        self._episode(episode_id)
+        return {"object": "list", "data": [
+            {"id": self.served.name, "object": "model", "created": 0, "owned_by": "asyncflow",
+             "max_model_len": self.served.max_model_len}]}
+
+    async def completions(self, body: CompletionRequest, episode_id: str | None = None):
+        self._check_model(body.model)
+        self._episode(episode_id, body.n)
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise APIError(400, "prompt: empty", param="prompt")
+        if episode_id is not None and len(prompts) > 1:
+            raise APIError(400, "one prompt per call within an episode", param="prompt")
+        rendered = [self._completion_prompt(p, episode_id) for p in prompts]
+        params = self._params(body, body.max_tokens, [len(ids) for ids, _ in rendered], episode_id)
+        results = await self._generate([ids for ids, _ in rendered], params, body.n)
+        choices = []
+        for p, ((ids, text), completions) in enumerate(zip(rendered, results)):
+            for c, completion in enumerate(completions):
+                out = self._finish(completion, body.stop, episode_id, "completion", text, skip_special=True)
+                choices.append({"index": p * body.n + c, **out})
+        return self._respond(body, "text_completion", choices, kind="completion", logprobs=body.logprobs is not None)
+
+    async def chat(self, body: ChatRequest, episode_id: str | None = None):
+        self._check_model(body.model)
+        self._episode(episode_id, body.n)
+        ids, text = self._chat_prompt(body.messages, episode_id)
+        params = self._params(body, body.max_completion_tokens or body.max_tokens, [len(ids)], episode_id)
+        [completions] = await self._generate([ids], params, body.n)
+        choices = []
+        for c, completion in enumerate(completions):
+            out = self._finish(completion, body.stop, episode_id, "chat", text, skip_special=False)
+            choices.append({"index": c, **out})
+        return self._respond(body, "chat.completion", choices, kind="chat", logprobs=body.logprobs)
+
+    # ------------------------------------------------------------ checks and prompts
+    def _check_model(self, model: str) -> None:
+        if model != self.served.name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.served.name!r}",
+                           param="model", code="model_not_found")
+
+    def _episode(self, episode_id: str | None, n: int = 1) -> None:
+        if episode_id is None:
+            return
+        if self.recorder is None or not self.recorder.is_open(episode_id):
+            raise APIError(404, f"episode {episode_id!r} is not open", code="episode_not_found")
+        if n != 1:
+            raise APIError(400, "n must be 1 within an episode (one sample per call)", param="n")
+
+    def _encode(self, text: str) -> list[int]:
+        try:
+            return list(self.served.tokenizer(text, add_special_tokens=False)["input_ids"])
+        except Exception as err:  # e.g. a character a vocabulary without an unknown token cannot express
+            raise APIError(400, f"the text cannot be tokenized: {err}") from None
+
+    def _continued(self, episode_id: str | None, kind: str, text: str) -> list[int] | None:
+        """Ids of `text` when it extends the episode's latest context: that context's ids + the new text's."""
+        if episode_id is None or self.recorder is None:
+            return None
+        context = self.recorder.context(episode_id, kind)
+        if context is None or not text.startswith(context[1]):
+            return None
+        return context[0] + self._encode(text[len(context[1]) :])
+
+    def _completion_prompt(self, prompt: str | list[int], episode_id: str | None) -> tuple[list[int], str]:
+        tokenizer = self.served.tokenizer
+        if isinstance(prompt, str):
+            ids = self._continued(episode_id, "completion", prompt)
+            if ids is None:
+                bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+                ids = bos + self._encode(prompt)
+            text = prompt
+        else:
+            ids, text = list(prompt), tokenizer.decode(prompt, skip_special_tokens=True)
+        self._check_ids(ids, "prompt")
+        return ids, text
+
+    def _chat_prompt(self, messages: list[ChatMessage], episode_id: str | None) -> tuple[list[int], str]:
+        tokenizer = self.served.tokenizer
+        template = self.served.chat_template or getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise APIError(400, f"model {self.served.name!r} has no chat template: use /v1/completions, or start the "
+                           "server with --chat-template FILE", param="messages")
+        plain = []
+        for m in messages:
+            message = m.model_dump(exclude_none=True)
+            if isinstance(m.content, list):
+                message["content"] = "".join(part.text for part in m.content)
+            plain.append(message)
+        try:
+            text = tokenizer.apply_chat_template(plain, chat_template=template, tokenize=False,
+                                                 add_generation_prompt=True)
+        except Exception as err:  # jinja raises its own kinds (a template's raise_exception, a bad field)
+            raise APIError(400, f"the chat template failed on these messages: {err}", param="messages") from None
+        ids = self._continued(episode_id, "chat", text)
+        if ids is None:
+            ids = self._encode(text)
+        self._check_ids(ids, "messages")
+        return ids, text
+
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise APIError(400, f"{param}: the prompt has no tokens", param=param)
+        if min(ids) < 0 or max(ids) >= self.served.vocab_size:
+            raise APIError(400, f"{param}: token ids must be in [0, {self.served.vocab_size})", param=param)
+
+    def _params(self, body: _Sampling, max_tokens: int | None, prompt_lengths: list[int],
+                episode_id: str | None) -> SamplingParams:
+        limit = self.served.max_model_len
+        longest = max(prompt_lengths)
+        if max_tokens is None:
+            max_tokens = limit - longest if isinstance(body, ChatRequest) else 16
+        forced = self.served.episode_sampling if episode_id is not None else None
+        if forced is not None:
+            max_tokens = min(max_tokens, forced.max_new_tokens, max(1, limit - longest))
+        if longest + max_tokens > limit:
+            raise APIError(
+                400, f"this model's maximum context length is {limit} tokens; the prompt has {longest} and "
+                f"max_tokens asks for {max_tokens} more", param="max_tokens", code="context_length_exceeded")
+        tokenizer = self.served.tokenizer
+        stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        for stop in body.stop:  # a stop string that is one token stops the engine itself
+            ids = self._encode(stop)
+            if len(ids) == 1 and tokenizer.decode(ids) == stop:
+                stop_ids.append(ids[0])
+        if forced is not None:
+            return SamplingParams(forced.temperature, forced.top_p, forced.top_k, max_tokens,
+                                  tuple(dict.fromkeys([*forced.stop_token_ids, *stop_ids])))
+        return SamplingParams(body.temperature, body.top_p, max(body.top_k, 0), max_tokens,
+                              tuple(dict.fromkeys(stop_ids)))
+
+    # ------------------------------------------------------------ generation
+    async def _generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[list[Completion]]:
+        service = self.served.service
+        if service is None:
+            raise APIError(503, "no engine is serving right now", type="server_error", code="engine_unavailable")
+        try:
+            futures = [[service.submit(ids, params) for _ in range(n)] for ids in prompts]
+        except EngineServiceError as err:
+            raise APIError(503, f"the engine is stopped: {err}", type="server_error", code="engine_unavailable")
+        flat = [f for group in futures for f in group]
+        try:
+            done = await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for f in flat)), self.timeout_s)
+        except asyncio.TimeoutError:
+            for f in flat:
+                f.cancel()
+            raise APIError(504, f"generation did not finish within {self.timeout_s:.0f} s", type="timeout_error",
+                           code="timeout") from None
+        except EngineServiceError as err:
+            raise APIError(503, f"the engine stopped: {err}", type="server_error", code="engine_unavailable")
+        return [done[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _finish(self, completion: Completion, stops: list[str], episode_id: str | None, kind: str, prompt_text: str,
+                *, skip_special: bool) -> dict:
+        """One choice: the ids up to the first stop string (that string left out of the text), recorded under the
+        episode; the context text it leaves is what the agent will send back to continue."""
+        tokenizer = self.served.tokenizer
+        ids, logprobs, finish = completion.response_ids, completion.logprobs, completion.finish_reason
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        if stops and any(s in text for s in stops):
+            for end in range(1, len(ids) + 1):
+                text = tokenizer.decode(ids[:end], skip_special_tokens=True)
+                cut = min((text.find(s) for s in stops if s in text), default=-1)
+                if cut >= 0:
+                    ids, logprobs, finish, text = ids[:end], logprobs[:end], "stop", text[:cut]
+                    break
+        if episode_id is not None:
+            call = CallRecord(list(completion.prompt_ids), list(ids), list(logprobs), completion.weight_version, finish)
+            context = prompt_text + tokenizer.decode(ids, skip_special_tokens=skip_special)
+            try:
+                self.recorder.record(episode_id, call, kind=kind, text=context)
+            except UnknownEpisodeError:
+                raise APIError(404, f"episode {episode_id!r} was closed", code="episode_not_found") from None
+        return {"text": text, "finish_reason": finish, "token_ids": list(ids), "token_logprobs": list(logprobs),
+                "prompt_token_ids": list(completion.prompt_ids), "weight_version": completion.weight_version}
+
+    # ------------------------------------------------------------ responses
+    def _pieces(self, ids: list[int]) -> list[str]:
+        """Each token's share of the decoded text (pieces join to the whole text)."""
+        tokenizer, pieces, before = self.served.tokenizer, [], ""
+        for end in range(1, len(ids) + 1):
+            now = tokenizer.decode(ids[:end], skip_special_tokens=True)
+            pieces.append(now[len(before) :] if now.startswith(before) else now)
+            before = now
+        return pieces
+
+    def _logprobs(self, kind: str, ids: list[int], logprobs: list[float]) -> dict:
+        tokens = [self.served.tokenizer.decode([i]) for i in ids]
+        if kind == "chat":
+            return {"content": [
+                {"token": t, "logprob": lp, "bytes": list(t.encode()),
+                 "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}]}
+                for t, lp in zip(tokens, logprobs)]}
+        offsets, at = [], 0
+        for piece in self._pieces(ids):
+            offsets.append(at)
+            at += len(piece)
+        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": [{t: lp} for t, lp in
+                                                                                     zip(tokens, logprobs)],
+                "text_offset": offsets}
+
+    def _respond(self, body: _Sampling, object_name: str, choices: list[dict], *, kind: str, logprobs: bool):
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        prompt_tokens = sum(len(c["prompt_token_ids"]) for c in choices[:: body.n])
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": sum(len(c["token_ids"]) for c in choices)}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        if body.stream:
+            events = self._stream(body, rid, created, choices, kind, logprobs, usage)
+            return StreamingResponse(events, media_type="text/event-stream")
+        out = []
+        for c in choices:
+            ids, lps = c["token_ids"], c["token_logprobs"]
+            choice = {"index": c["index"], "finish_reason": c["finish_reason"],
+                      "logprobs": self._logprobs(kind, ids, lps) if logprobs else None,
+                      **{k: c[k] for k in ("token_ids", "token_logprobs", "prompt_token_ids", "weight_version")}}
+            if kind == "chat":
+                choice["message"] = {"role": "assistant", "content": c["text"]}
+            else:
+                choice["text"] = c["text"]
+            out.append(choice)
+        return {"id": rid, "object": object_name, "created": created, "model": self.served.name, "choices": out,
+                "usage": usage}
+
+    def _stream(self, body, rid, created, choices, kind, logprobs, usage):
+        object_name = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+        def event(choice: dict, **extra) -> str:
+            chunk = {"id": rid, "object": object_name, "created": created, "model": self.served.name,
+                     "choices": [choice], **extra}
+            return f"data: {json.dumps(chunk)}\n\n"
+
+        def content(index: int, text: str, **extra) -> dict:
+            if kind == "chat":
+                return {"index": index, "delta": {"content": text} if text else {}, **extra}
+            return {"index": index, "text": text, **extra}
+
+        def events():
+            for c in choices:
+                index, ids, lps = c["index"], c["token_ids"], c["token_logprobs"]
+                if kind == "chat":
+                    yield event({"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+                pieces = self._pieces(ids)
+                # the visible text may stop before the last ids (a stop string): pieces beyond it are sent empty
+                budget = len(c["text"])
+                for token, lp, piece in zip(ids, lps, pieces):
+                    piece, budget = piece[: max(budget, 0)], budget - len(piece)
+                    yield event(content(index, piece, finish_reason=None, token_ids=[token], token_logprobs=[lp],
+                                        logprobs=self._logprobs(kind, [token], [lp]) if logprobs else None))
+                yield event(content(index, "", finish_reason=c["finish_reason"], prompt_token_ids=c["prompt_token_ids"],
+                                    weight_version=c["weight_version"]))
+            if (body.stream_options or {}).get("include_usage"):
+                summary = {"id": rid, "object": object_name, "created": created, "model": self.served.name,
+                           "choices": [], "usage": usage}
+                yield f"data: {json.dumps(summary)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return events()

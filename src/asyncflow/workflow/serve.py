@@ -1,0 +1,99 @@
+"""`asyncflow serve MODEL`: which weights a model reference names, and the server over them.
+
+Owns: resolving MODEL (a Hugging Face folder, `preset:NAME`, a run folder: its newest intact checkpoint,
+or a checkpoint folder `RUN_DIR/checkpoints/step_N`) to a loaded model, its tokenizer, a served name and
+the weight version it reports; building the engine, the `EngineService` and the app over them.
+
+Invariant: a checkpoint is verified against its manifest before its weights are served (a damaged file
+is named), and its weights go into the architecture and tokenizer of the run's own `model.path`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from asyncflow.engines.base import SamplingParams, make_inference_engine
+from asyncflow.engines.service import EngineService
+from asyncflow.models.loading import PRESET_PREFIX, ModelLoadError, load_model, load_tokenizer, resolve_model_path
+from asyncflow.workflow.checkpoint import CheckpointError, checkpoint_step, latest_checkpoint, load_weights
+from asyncflow.workflow.run_folder import CONFIG_FILE
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServedWeights:
+    model: object  # a loaded causal LM
+    tokenizer: object
+    name: str
+    weight_version: int
+
+
+def load_served(ref: str, *, dtype: str = "float32", device: str = "cpu") -> ServedWeights:
+    """The model MODEL names; see the module docstring. Errors name what is missing or damaged."""
+    path = Path(ref).expanduser()
+    if ref.startswith(PRESET_PREFIX) or (path / "config.json").is_file():
+        model_path = resolve_model_path(ref)
+        return ServedWeights(load_model(model_path, dtype=dtype, device=device), load_tokenizer(model_path),
+                             ref if ref.startswith(PRESET_PREFIX) else path.resolve().name, 0)
+    checkpoint = path
+    if (path / CONFIG_FILE).is_file() and (path / "checkpoints").is_dir():
+        checkpoint = latest_checkpoint(path)
+        if checkpoint is None:
+            raise CheckpointError(f"run folder {ref!r} has no checkpoint yet")
+    elif not (path / "model.safetensors").is_file():
+        raise ModelLoadError(f"{ref!r} is neither a Hugging Face model folder, 'preset:NAME', a run folder nor a "
+                             "checkpoint folder (RUN_DIR/checkpoints/step_N)")
+    step = checkpoint_step(checkpoint)
+    run_dir = checkpoint.parent.parent
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise CheckpointError(f"{checkpoint}: its run folder {run_dir} has no {CONFIG_FILE} (the base model)")
+    run_config = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
+    base = run_config.get("model", {}).get("path")
+    if not base:
+        raise CheckpointError(f"{run_dir / CONFIG_FILE}: no model.path")
+    seed = run_config.get("run", {}).get("seed", 0)
+    model_path = resolve_model_path(_base_path(str(base), run_dir), seed=seed)
+    weights = load_weights(checkpoint)  # verified first
+    model = load_model(model_path, dtype=dtype, device=device)
+    model.load_state_dict(weights)
+    state_file = checkpoint / "state.json"
+    version = int(json.loads(state_file.read_text()).get("version", step)) if state_file.is_file() else step
+    log.info("serving %s (step %d, weight version %d) on %s", checkpoint, step, version, model_path)
+    return ServedWeights(model, load_tokenizer(model_path), f"{run_dir.resolve().name}/step_{step}", version)
+
+
+def _base_path(base: str, run_dir: Path) -> str:
+    """The run's `model.path`; a relative one (written relative to where `train` ran, e.g. `runs/x/sft`) is also
+    looked for under the run folder's ancestors, so the run can be served from another directory."""
+    if base.startswith(PRESET_PREFIX) or Path(base).is_absolute() or Path(base).exists():
+        return base
+    for ancestor in run_dir.resolve().parents:
+        if (ancestor / base).exists():
+            return str(ancestor / base)
+    return base
+
+
+def build_app(weights: ServedWeights, *, api_key: str, name: str | None = None, engine: str = "torch",
+              max_batch_size: int = 64, device: str = "cpu", seed: int = 0, chat_template: str | None = None,
+              request_timeout_s: float = 600.0, recorder=None):
+    """-> (app, service): the engine from the registry, one `EngineService` over it, the API over that
+    (`recorder`: an `EpisodeRecorder` for the `/episodes/{id}/v1` routes)."""
+    from asyncflow.serving.api import ServedModel, make_app
+
+    model = weights.model.eval().requires_grad_(False)
+    inference = make_inference_engine(engine, model=model, max_batch_size=max_batch_size, device=device, seed=seed,
+                                      weight_version=weights.weight_version)
+    service = EngineService(inference, SamplingParams())
+    config = model.config
+    served = ServedModel(
+        name=name or weights.name, tokenizer=weights.tokenizer, service=service,
+        max_model_len=int(getattr(config, "max_position_embeddings", 0) or weights.tokenizer.model_max_length),
+        vocab_size=model.get_input_embeddings().num_embeddings, chat_template=chat_template,
+    )
+    return make_app(served, api_key=api_key, request_timeout_s=request_timeout_s, recorder=recorder), service
