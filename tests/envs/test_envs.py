@@ -1,8 +1,8 @@
 """Tools, the sandbox and the tool-call parser, as a rollout uses them (real subprocesses, no mocks)."""
 
-import re
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
