@@ -10,15 +10,15 @@ for the trainer, as `bench_workflows.py` separates them):
   decode step, recomputes the in-flight samples' KV cache and goes on under the new version.
 
 The workload is long-tailed: most responses are short (they end at EOS or one of 20 stop tokens, about a
-quarter of the random tiny model's next-token mass, so ~4 tokens on average) and one request in
-`LONG_EVERY` ignores the stop tokens and runs to `max_new_tokens` (default 128): a partition's generation
-lasts as long as those. `LongTailEngine` is the torch engine with that one change to when a sample stops.
-The trainer packs each group's responses without padding (`train.packing=on`) and takes 2 groups per
-micro-batch, so training costs about the tokens generated, not rows x the longest. Runs are interleaved (finish, resume, finish, ...), each a separate `asyncflow train` process; throughput
-counts the samples trained in steps `warmup+1 .. steps-1-k` over their wall time
-(`asyncflow.workflow.compare.throughput`). Staleness is the mean over that window of each step's
-`staleness/mean` (rows, by their oldest token) and `staleness/token_mean` (tokens), with the fraction of
-rows spanning versions.
+quarter of the random tiny model's next-token mass, so ~4 tokens on average) and one request in `LONG_EVERY`
+ignores the stop tokens and runs to `max_new_tokens` (default 128): a partition's generation lasts as long as
+those. `LongTailEngine` is the torch engine with that one change to when a sample stops. The trainer packs
+each group's responses without padding (`train.packing=on`) and takes 2 groups per micro-batch, so training
+costs about the tokens generated, not rows x the longest. Runs are interleaved (finish, resume, finish, ...),
+each a separate `asyncflow train` process; throughput counts the samples trained in steps `warmup+1 ..
+steps-1-k` over their wall time (`asyncflow.workflow.compare.throughput`). Staleness is the mean over that
+window of each step's `staleness/mean` (rows, by their oldest token) and `staleness/token_mean` (tokens), with
+the fraction of rows spanning versions.
 
 Run: PYTHONPATH=src .venv/bin/python benchmarks/bench_partial_rollouts.py [--steps 10] [--repeats 2] [--quick]
 """
