@@ -67,6 +67,17 @@ def long_tail_engine(*, model, **kwargs) -> LongTailEngine:
 VARIANTS = {"finish": ["rollout.on_weight_update=finish"], "resume": ["rollout.on_weight_update=resume"]}
 
 
+def run_once(args: list[str], out: Path, threads: int) -> list[dict]:
+    """`train_run`, tried again once when the local Ray cluster did not start (a loaded machine)."""
+    try:
+        return train_run(args, out, threads=threads, timeout_s=1800)
+    except RuntimeError as err:
+        if "timed out during startup" not in str(err):
+            raise
+        print("Ray did not start; trying again", flush=True)
+        return train_run(args, out.with_name(out.name + "_again"), threads=threads, timeout_s=1800)
+
+
 def window_mean(rows: list[dict], key: str, warmup: int, k: int) -> float:
     return statistics.mean(r[key] for r in rows[warmup : len(rows) - 1 - k])
 
@@ -93,7 +104,7 @@ def main() -> None:
         for rep in range(args.repeats):
             for name, overrides in VARIANTS.items():
                 t0 = time.time()
-                rows = train_run([*workload, *overrides], Path(tmp) / f"{name}_{rep}", threads=threads, timeout_s=1800)
+                rows = run_once([*workload, *overrides], Path(tmp) / f"{name}_{rep}", threads)
                 samples, tokens = throughput(rows, args.warmup, args.k)
                 window = rows[args.warmup : len(rows) - 1 - args.k]
                 results[name].append({
