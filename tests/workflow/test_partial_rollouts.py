@@ -94,12 +94,13 @@ def test_each_token_trains_against_its_own_sampling_logprob(tiny_llama_path):
     """Rows whose first half was sampled by version 0 and the rest by version 1, trained at version 1: only the
     old half takes its (far-off) recorded log-prob as PPO's old log-prob, so about half as many tokens clip as
     when the whole row is stale, and none when it is all fresh."""
+    from test_workflows import GROUPS, MAX_NEW, fixed_rollouts
+
     from asyncflow.config import AlgoConfig
     from asyncflow.engines.torch_train import TorchTrainEngine
     from asyncflow.models.loading import load_model
     from asyncflow.workers.rollout import Rollout
     from asyncflow.workers.trainer import PolicyTrainer, assign_advantages
-    from test_workflows import GROUPS, MAX_NEW, fixed_rollouts
 
     def clip_fraction(split) -> float:
         rows = []

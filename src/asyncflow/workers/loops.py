@@ -105,7 +105,7 @@ class InFlightUpdates:
                 if self.timeline is not None:
                     self.timeline.instant(self.name, "weights_in_flight", version=handed)
 
-    def __enter__(self) -> InFlightUpdates:
+    def __enter__(self):
         self._stop.clear()
         self._thread = BackgroundThread(f"{self.name}-weights", self._watch)
         return self
