@@ -9,7 +9,7 @@ ratios to the built-in `torch` engine measured in the same invocation:
    all-gather to rank 0, packed into buckets, handed over in shared memory) and its `publish` through the
    shared-memory weight transport, for a Llama of >= 20M parameters.
 
-Run: PYTHONPATH=src python benchmarks/bench_fsdp2.py [--repeats 5] [--quick]
+Run: PYTHONPATH=src python benchmarks/bench_fsdp2.py [--repeats 5] [--quick] [--parts steps,publish]
 """
 
 from __future__ import annotations
@@ -154,12 +154,16 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="2 repeats, a 4 x 4 batch")
+    parser.add_argument("--parts", default="steps,publish", help="which measurements: steps, publish or both")
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.groups, args.group_size = 2, 4, 4
     torch.set_num_threads(1)
-    bench_steps(args)
-    bench_publish(args)
+    parts = args.parts.split(",")
+    if "steps" in parts:
+        bench_steps(args)
+    if "publish" in parts:
+        bench_publish(args)
 
 
 if __name__ == "__main__":
