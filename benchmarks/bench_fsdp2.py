@@ -26,13 +26,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from asyncflow.config import AlgoConfig  # noqa: E402
-from asyncflow.engines.fsdp2_train import FSDP2TrainEngine  # noqa: E402
-from asyncflow.engines.torch_train import TorchTrainEngine  # noqa: E402
-from asyncflow.models.loading import load_model, resolve_model_path  # noqa: E402
-from asyncflow.models.logprobs import TrainSample  # noqa: E402
-from asyncflow.weights import make_weight_sync  # noqa: E402
-from asyncflow.workers.trainer import PolicyLoss  # noqa: E402
+from asyncflow.config import AlgoConfig
+from asyncflow.engines.fsdp2_train import FSDP2TrainEngine
+from asyncflow.engines.torch_train import TorchTrainEngine
+from asyncflow.models.loading import load_model, resolve_model_path
+from asyncflow.models.logprobs import TrainSample
+from asyncflow.weights import make_weight_sync
+from asyncflow.workers.trainer import PolicyLoss
 
 HP = dict(lr=1e-5, grad_clip=1.0)
 

@@ -36,18 +36,26 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from asyncflow.engines.base import RowLoss, register_train_engine
 from asyncflow.engines.torch_train import lr_lambda
 from asyncflow.models.logprobs import TrainSample
-from asyncflow.weights.buckets import DEFAULT_BUCKET_BYTES, Manifest, allocate_payload, bucket_views, pack, \
-    plan_buckets, unpack
+from asyncflow.weights.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    Manifest,
+    allocate_payload,
+    bucket_views,
+    pack,
+    plan_buckets,
+    unpack,
+)
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05
