@@ -9,7 +9,7 @@ ratios to the built-in `torch` engine measured in the same invocation:
    all-gather to rank 0, packed into buckets, handed over in shared memory) and its `publish` through the
    shared-memory weight transport, for a Llama of >= 20M parameters.
 
-Run: PYTHONPATH=src python benchmarks/bench_fsdp2.py [--repeats 5] [--quick]
+Run: PYTHONPATH=src python benchmarks/bench_fsdp2.py [--repeats 5] [--quick] [--parts steps,publish]
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from asyncflow.config import AlgoConfig  # noqa: E402
-from asyncflow.engines.fsdp2_train import FSDP2TrainEngine  # noqa: E402
-from asyncflow.engines.torch_train import TorchTrainEngine  # noqa: E402
-from asyncflow.models.loading import load_model, resolve_model_path  # noqa: E402
-from asyncflow.models.logprobs import TrainSample  # noqa: E402
-from asyncflow.weights import make_weight_sync  # noqa: E402
-from asyncflow.workers.trainer import PolicyLoss  # noqa: E402
+from asyncflow.config import AlgoConfig
+from asyncflow.engines.fsdp2_train import FSDP2TrainEngine
+from asyncflow.engines.torch_train import TorchTrainEngine
+from asyncflow.models.loading import load_model, resolve_model_path
+from asyncflow.models.logprobs import TrainSample
+from asyncflow.weights import make_weight_sync
+from asyncflow.workers.trainer import PolicyLoss
 
 HP = dict(lr=1e-5, grad_clip=1.0)
 
@@ -154,12 +154,16 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="2 repeats, a 4 x 4 batch")
+    parser.add_argument("--parts", default="steps,publish", help="which measurements: steps, publish or both")
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.groups, args.group_size = 2, 4, 4
     torch.set_num_threads(1)
-    bench_steps(args)
-    bench_publish(args)
+    parts = args.parts.split(",")
+    if "steps" in parts:
+        bench_steps(args)
+    if "publish" in parts:
+        bench_publish(args)
 
 
 if __name__ == "__main__":

@@ -152,6 +152,28 @@ def test_sharded_checkpoint_resumes_bit_identically(two_ranks, tiny_llama_path, 
         one_rank.close()
 
 
+class FailingLoss(PolicyLoss):
+    """Raises on the rank whose rows include the first row of the micro-batch."""
+
+    def __call__(self, out):
+        if self.lengths[0] == -1:
+            raise RuntimeError("loss failed on purpose")
+        return super().__call__(out)
+
+
+def test_a_failing_rank_is_a_clear_error(tiny_llama_path, one_torch_thread):
+    engine = start(tiny_llama_path, timeout_s=60)
+    try:
+        samples = groups(5, 2)
+        loss = policy_loss(samples, seed=0)
+        failing = FailingLoss(loss.advantages, loss.rollout_logprobs, loss.stale, loss.current,
+                              [-1, *loss.lengths[1:]], loss.algo)
+        with pytest.raises(RankFailedError, match=r"rank \d \(pid \d+\) failed: RuntimeError: loss failed on purpose"):
+            engine.backward_micro_batch(samples, failing)
+    finally:
+        engine.close()
+
+
 def test_a_dead_rank_is_a_clear_error(tiny_llama_path, one_torch_thread):
     engine = start(tiny_llama_path, timeout_s=60)
     try:

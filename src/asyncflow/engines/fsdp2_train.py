@@ -36,18 +36,26 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from asyncflow.engines.base import RowLoss, register_train_engine
 from asyncflow.engines.torch_train import lr_lambda
 from asyncflow.models.logprobs import TrainSample
-from asyncflow.weights.buckets import DEFAULT_BUCKET_BYTES, Manifest, allocate_payload, bucket_views, pack, \
-    plan_buckets, unpack
+from asyncflow.weights.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    Manifest,
+    allocate_payload,
+    bucket_views,
+    pack,
+    plan_buckets,
+    unpack,
+)
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05
@@ -386,13 +394,13 @@ class ProcessRanks:
                     try:
                         reply = conn.recv()
                     except (EOFError, OSError):
-                        self._fail(rank, method, self._death(rank) or "closed its pipe")
+                        self._fail(rank, method, None)
                     if reply[0] == "error":
                         log.debug("fsdp2 rank %d failed in %s:\n%s", rank, method, reply[2])
-                        self._fail(rank, method, reply[1])
+                        self._fail(rank, method, f"failed: {reply[1]}")
                     results[rank] = reply[1]
-                elif (death := self._death(rank)) is not None:
-                    self._fail(rank, method, death)
+                elif self.processes[rank].exitcode is not None:
+                    self._fail(rank, method, None)
             if len(results) < len(self.conns) and time.monotonic() > deadline:
                 waiting = [r for r in range(len(self.conns)) if r not in results]
                 self.close()
@@ -402,26 +410,24 @@ class ProcessRanks:
                 )
         return [results[r] for r in range(len(self.conns))]
 
-    def _death(self, rank: int) -> str | None:
-        code = self.processes[rank].exitcode
-        return None if code is None else f"exited with code {code}"
-
-    def _fail(self, rank: int, method: str, reason: str) -> None:
-        """Raise for `rank`, naming instead a rank that died meanwhile (a dead peer makes the others' collectives
-        fail: the dead one is the cause)."""
+    def _fail(self, rank: int, method: str, error: str | None) -> None:
+        """Stop the ranks and raise for `rank`, which reported `error` (None: it died or closed its pipe). A rank
+        killed meanwhile is named instead: a dead peer makes the others' collectives fail, it is the cause."""
         deadline = time.monotonic() + ROOT_CAUSE_WAIT_S
         while time.monotonic() < deadline:
-            dead = [r for r in range(len(self.processes)) if self._death(r) is not None]
-            if dead:
-                if rank not in dead:
-                    rank = dead[0]
-                reason = self._death(rank)
+            killed = [r for r, p in enumerate(self.processes) if p.exitcode not in (None, 0)]
+            if killed:
+                rank = rank if rank in killed else killed[0]
+                error = f"exited with code {self.processes[rank].exitcode}"
+                break
+            if error is None and self.processes[rank].exitcode is not None:
                 break
             time.sleep(POLL_S)
         pid = self.processes[rank].pid
+        error = error or f"exited with code {self.processes[rank].exitcode}"
         self.close()
         raise RankFailedError(
-            f"train.engine=fsdp2: rank {rank} (pid {pid}) {reason} during {method}; the other ranks were stopped "
+            f"train.engine=fsdp2: rank {rank} (pid {pid}) {error} during {method}; the other ranks were stopped "
             "(resume the run from its last checkpoint with --resume)"
         )
 

@@ -129,7 +129,7 @@ class PolicyLoss:
         index = torch.as_tensor(list(rows), dtype=torch.long)
         lengths = [self.lengths[i] for i in rows]
         width = max(lengths, default=0)
-        return PolicyLoss(
+        return type(self)(
             self.advantages[index, :width], self.rollout_logprobs[index, :width],
             None if self.stale is None else self.stale[index, :width], self.current[index, :width], lengths, self.algo,
         )
