@@ -223,3 +223,13 @@ def test_registry_and_bad_input(llama):
         run(engine, [GenerationRequest("x", [1, 10_000])])
     with pytest.raises(ValueError, match="max_batch_size"):
         TorchInferenceEngine(llama, max_batch_size=0)
+
+
+def test_vllm_engine_without_vllm_names_the_extra():
+    """The adapter is registered in every environment; without vLLM, making it says what to install."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here (its tests: bash scripts/test_vllm.sh)")
+    with pytest.raises(ImportError, match=r"asyncflow-rl\[vllm\].*setup_vllm.sh"):
+        make_inference_engine("vllm", model_path="preset:tiny-llama")

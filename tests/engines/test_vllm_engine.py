@@ -104,9 +104,10 @@ def test_greedy_equals_the_torch_engine(engine, llama):
 
 
 def test_stop_tokens_and_max_new_tokens(engine):
-    completions = run(engine, make_requests(16), max_new_tokens=6, stop_token_ids=STOP_MANY).values()
+    stop = STOP_MANY[:10]
+    completions = run(engine, make_requests(16), max_new_tokens=6, stop_token_ids=stop).values()
     for c in completions:
-        stops = [i for i, t in enumerate(c.response_ids) if t in STOP_MANY]
+        stops = [i for i, t in enumerate(c.response_ids) if t in stop]
         if c.finish_reason == "stop":
             assert stops == [len(c.response_ids) - 1]  # the first stop token ends the sample and is kept
         else:
@@ -225,28 +226,33 @@ def test_update_while_generating_labels_each_token_with_its_version(engine, llam
     """An update from another thread during generate(): kept requests go on with the new weights (their KV
     recomputed), and each token carries the version that sampled it."""
     requests = make_requests(6, seed=5, lengths=(5, 20))
+    requests[0].params = SamplingParams(temperature=0.0, max_new_tokens=2)  # a per-request override: back first
     new_weights = perturbed(llama, seed=9)
-    params = SamplingParams(temperature=0.0, max_new_tokens=200)
     updater = None
     completions = []
-    for c in engine.generate(requests, params):
+    for c in engine.generate(requests, SamplingParams(temperature=0.0, max_new_tokens=200)):
         completions.append(c)
-        if updater is None:  # the first one back: the others are mid-way (200 tokens each)
+        if updater is None:  # the others are mid-way through their 200 tokens
+            assert c.request_id == 0 and len(c.response_ids) == 2
             updater = threading.Thread(target=engine.update_weights, args=(new_weights, 1))
             updater.start()
     updater.join(60)
+    assert engine.weight_version == 1
     mixed = [c for c in completions if c.token_versions is not None]
     assert mixed, "no completion spanned the update"
     new_model = load_model(tiny_llama_path)
     new_model.load_state_dict(new_weights)
+    switches = {}
     for c in mixed:
         assert c.weight_version == 1 and len(c.token_versions) == len(c.response_ids)
-        switch = c.token_versions.index(1)
+        switches[c.request_id] = switch = c.token_versions.index(1)
         assert set(c.token_versions[:switch]) == {0} and set(c.token_versions[switch:]) == {1}
-        # the tokens after the switch are the new weights' greedy continuation of everything before
-        prefix = GenerationRequest(c.request_id, c.prompt_ids + c.response_ids[:switch])
-        rest = torch_greedy(new_model, [prefix], max_new_tokens=len(c.response_ids) - switch)[c.request_id]
-        assert rest.response_ids == c.response_ids[switch:]
+    # the first tokens after the switch are the new weights' greedy continuation of everything before
+    prefixes = [GenerationRequest(c.request_id, c.prompt_ids + c.response_ids[: switches[c.request_id]]) for c in mixed]
+    continued = torch_greedy(new_model, prefixes, max_new_tokens=16)
+    for c in mixed:
+        switch = switches[c.request_id]
+        assert continued[c.request_id].response_ids == c.response_ids[switch : switch + 16]
 
 
 def test_bad_input_is_refused_before_work(engine, tmp_path, tiny_llama_path):

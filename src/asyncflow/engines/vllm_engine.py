@@ -33,15 +33,18 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import itertools
 import json
 import os
 import queue
 import shutil
+import sys
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -59,6 +62,16 @@ VLLM_MISSING = (
     "scripts/setup_vllm.sh, which makes .venv-vllm with the CPU build"
 )
 POLL_S = 0.005  # how soon an iterator that yielded None ("nothing ready") is asked again
+SHUTDOWN_TIMEOUT_S = 60.0
+_LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_engines() -> None:
+    """Stop every engine still running while its client loop can still run (daemon threads freeze later in
+    interpreter shutdown, and a shutdown from `__del__` then would wait out its timeout)."""
+    for engine in list(_LIVE_ENGINES):
+        engine.shutdown()
 
 
 class VLLMNotInstalled(ImportError):
@@ -191,6 +204,7 @@ class VLLMInferenceEngine:
             self.shutdown()
             raise
         self.weight_version = weight_version
+        _LIVE_ENGINES.add(self)
 
     @staticmethod
     async def _start(args):
@@ -351,17 +365,23 @@ class VLLMInferenceEngine:
     def shutdown(self) -> None:
         """Stop vLLM's processes and the client loop; remove the model folder this engine wrote. Idempotent."""
         llm, self._llm = self._llm, None
-        if llm is not None:
-            llm.shutdown()
+        if llm is not None and self._loop.loop.is_running():
+
+            async def stop():  # on the loop: AsyncLLM cancels its output handler task there
+                llm.shutdown()
+
+            self._loop.run(stop(), SHUTDOWN_TIMEOUT_S, "shutdown")
         self._loop.close()
         if self._owned_dir is not None:
             shutil.rmtree(self._owned_dir, ignore_errors=True)
             self._owned_dir = None
 
     def __del__(self):
+        if getattr(self, "_loop", None) is None or sys.is_finalizing():
+            return  # the atexit hook has stopped it, or the client loop can no longer run
         try:
             self.shutdown()
-        except Exception:  # noqa: BLE001 - interpreter exit
+        except Exception:  # noqa: BLE001 - best effort from the garbage collector
             pass
 
 
