@@ -116,9 +116,11 @@ def weight_update(args) -> None:
         writes.append(seconds)
     engine.shutdown()
     best, median = min(updates), sorted(updates)[len(updates) // 2]
-    print(f"\nweight update: Llama {params / 1e6:.1f}M parameters, {nbytes / 1e6:.0f} MB fp32, {args.update_reps} updates")
+    print(f"\nweight update: Llama {params / 1e6:.1f}M parameters, {nbytes / 1e6:.0f} MB fp32, "
+          f"{args.update_reps} updates")
     print("| what | best s | median s | GB/s (best) |\n|---|---:|---:|---:|")
-    print(f"| update_weights (write + reload + prefix-cache reset) | {best:.3f} | {median:.3f} | {nbytes / best / 1e9:.2f} |")
+    print(f"| update_weights (write + reload + prefix-cache reset) | {best:.3f} | {median:.3f} | "
+          f"{nbytes / best / 1e9:.2f} |")
     wb, wm = min(writes), sorted(writes)[len(writes) // 2]
     print(f"| of which: safetensors file to /dev/shm | {wb:.3f} | {wm:.3f} | {nbytes / wb / 1e9:.2f} |")
 
