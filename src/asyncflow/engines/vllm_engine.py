@@ -106,16 +106,15 @@ def check_model_folder(folder: Path) -> None:
 
 
 def distinct_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """CPU tensors that safetensors can write: contiguous, and none sharing storage with another (tied
-    embeddings, or views into one receive buffer of a weight transport) -- those are copied."""
+    """Contiguous CPU tensors that safetensors can write: a tensor whose data another name already holds (tied
+    embeddings) is copied. Views into one buffer (what a weight transport delivers) are written as they are."""
     seen: set[int] = set()
     out = {}
     for name, tensor in state_dict.items():
         tensor = tensor.detach().to("cpu").contiguous()
-        storage = tensor.untyped_storage().data_ptr()
-        if storage in seen:
+        if tensor.data_ptr() in seen:
             tensor = tensor.clone()
-        seen.add(tensor.untyped_storage().data_ptr())
+        seen.add(tensor.data_ptr())
         out[name] = tensor
     return out
 
