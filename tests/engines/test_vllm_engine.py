@@ -17,7 +17,7 @@ from asyncflow.models.loading import ModelLoadError, load_model
 from asyncflow.models.logprobs import TrainSample, response_logprobs
 from asyncflow.weights import make_weight_sync
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]  # the module's engine starts in the first test's setup
 vllm = pytest.importorskip("vllm", reason="needs vLLM: bash scripts/test_vllm.sh")
 
 EOS = 2
