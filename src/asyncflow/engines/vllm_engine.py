@@ -63,6 +63,7 @@ VLLM_MISSING = (
 )
 POLL_S = 0.005  # how soon an iterator that yielded None ("nothing ready") is asked again
 SHUTDOWN_TIMEOUT_S = 60.0
+MAX_CPU_KV_CACHE_BYTES = 2**30  # vLLM's CPU backend would otherwise size its KV cache from 90% of the RAM
 _LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -119,6 +120,22 @@ def distinct_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.
     return out
 
 
+def cpu_kv_cache_bytes(folder: Path, max_batch_size: int, max_model_len: int | None, dtype: str) -> int:
+    """KV cache for `max_batch_size` sequences of the longest length the model takes (key and value of every
+    layer), at most 1 GiB: a tiny model needs a few MB, and every engine's worker holds its cache in RAM."""
+    config = json.loads((folder / "config.json").read_text())
+    config = config.get("text_config", config)
+    try:
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        per_token = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim
+        length = max_model_len or config["max_position_embeddings"]
+    except (KeyError, TypeError, ZeroDivisionError):
+        return MAX_CPU_KV_CACHE_BYTES
+    element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return max(min(per_token * element * length * max_batch_size, MAX_CPU_KV_CACHE_BYTES), 16 * 2**20)
+
+
 class _LoopThread:
     """An asyncio event loop on a daemon thread; coroutines are run on it from other threads."""
 
@@ -167,7 +184,6 @@ class VLLMInferenceEngine:
         at `shutdown` (the folder a factory wrote a model into)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; else sized from 90% of the RAM (doc: README)
         import_vllm()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
@@ -187,6 +203,8 @@ class VLLMInferenceEngine:
             worker_extension_cls=WORKER_EXTENSION, enforce_eager=current_platform.is_cpu(),
             disable_log_stats=True,
         )
+        if current_platform.is_cpu() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            args["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(model_dir, max_batch_size, max_model_len, dtype)
         args.update(engine_args)
         self._loop = _LoopThread("vllm-client")
         self._llm = None
