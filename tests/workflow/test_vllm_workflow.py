@@ -45,7 +45,7 @@ def test_async_k1(tmp_path):
     run = RLRun(config)
     try:
         history = run.train(make_workflow(config, run))
-        assert run.inference_engine.weight_version >= 3  # the rollout thread swapped new versions in
+        assert run.inference_engine.weight_version >= 2  # swapped in by the rollout thread: partition 3 needs >= 2
     finally:
         run.inference_engine.shutdown()
         if run.eval_engine is not None:
