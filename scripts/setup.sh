@@ -7,7 +7,8 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-if ! .venv/bin/python -c "import asyncflow, torch, transformers, ray, pytest, hypothesis, importlinter, wandb" 2>/dev/null; then
+if ! .venv/bin/python -c "import asyncflow, torch, transformers, ray, pytest, hypothesis, importlinter, wandb, peft" 2>/dev/null; then
   .venv/bin/pip install -q -c constraints.txt "torch==2.13.0"
-  .venv/bin/pip install -q -c constraints.txt -e ".[test,wandb]"  # wandb: ~10 s, so its tests run too
+  # wandb (~10 s) and lora (peft) so that their tests run too
+  .venv/bin/pip install -q -c constraints.txt -e ".[test,wandb,lora]"
 fi

@@ -42,7 +42,7 @@ def test_malformed_override_and_missing_file(tmp_path):
 
 
 def test_resolved_config_round_trips(tmp_path):
-    config = load_config(None, ["rollout.temperature=0.7", "algo.tis_cap=2.0"])
+    config = load_config(None, ["rollout.temperature=0.7", "algo.mismatch_correction=token_tis"])
     dump_config(config, tmp_path / "config.yaml")
     assert load_config(tmp_path / "config.yaml") == config
 
@@ -58,3 +58,17 @@ def test_every_field_is_documented():
 
     missing = [name for name, doc in walk(Config) if not doc]
     assert not missing, f"fields without a docstring: {missing}"
+
+
+def test_legacy_tis_cap_is_token_tis():
+    """Configs written before `algo.mismatch_correction` (a run folder's config.yaml too) load unchanged."""
+    algo = load_config(None, ["algo.tis_cap=3.0"]).algo
+    assert (algo.mismatch_correction, algo.mismatch_threshold) == ("token_tis", 3.0)
+    assert load_config(None, ["algo.tis_cap=null"]).algo.mismatch_correction == "off"
+    with pytest.raises(ConfigError, match="algo.mismatch_threshold"):
+        load_config(None, ["algo.mismatch_correction=geo_mis", "algo.mismatch_threshold=0.5"])
+
+def test_world_size_needs_a_multi_rank_engine():
+    with pytest.raises(ConfigError, match=r"train.world_size=2 needs a multi-rank engine \(train.engine=fsdp2\)"):
+        load_config(None, ["train.world_size=2"])
+    assert load_config(None, ["train.engine=fsdp2", "train.world_size=2"]).train.world_size == 2

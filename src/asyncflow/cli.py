@@ -1,4 +1,4 @@
-"""Command line: `asyncflow train | sft | eval | bench`.
+"""Command line: `asyncflow train | sft | eval | export | bench`.
 
 Owns: argument parsing, logging set-up, the order of a command's work, and turning errors into
 one line and an exit code.
@@ -118,6 +118,14 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from asyncflow.workflow.export import export_run
+
+    out = export_run(args.run_dir, args.out, step=args.checkpoint, merged=args.merged)
+    print(json.dumps({"export": str(out), **json.loads((out / "asyncflow_export.json").read_text())}))
+    return 0
+
+
 def cmd_bench(args) -> int:
     config = _config(args)  # validated here, before any run starts
     from asyncflow.workflow.compare import compare, mode_overrides
@@ -165,6 +173,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(ev)
     ev.add_argument("--checkpoint", required=True, help="checkpoint folder (RUN_DIR/checkpoints/step_N)")
     ev.set_defaults(func=cmd_eval)
+
+    export = sub.add_parser("export", help="write a run's policy as a Hugging Face folder (transformers, vLLM)")
+    export.add_argument("run_dir", help="run folder (run.output_dir)")
+    export.add_argument("out", help="new folder to write (must not exist or be empty)")
+    export.add_argument("--checkpoint", type=int, metavar="STEP", help="checkpoint step (default: newest intact)")
+    export.add_argument("--merged", action="store_true",
+                        help="LoRA runs: also write the merged full model (the adapter goes to OUT/adapter)")
+    export.set_defaults(func=cmd_export)
 
     bench = sub.add_parser("bench", help="train one config in several workflow modes and compare samples/s")
     _add_common(bench)

@@ -29,7 +29,6 @@ from asyncflow.algos import (
     policy_loss,
     reinforce_pp_advantages,
     rloo_advantages,
-    truncated_importance_weights,
     value_loss,
     whiten,
 )
@@ -262,17 +261,6 @@ def test_policy_loss_rejects_bad_input():
         policy_loss(LOGR, old, ADV, MASK, dual_clip=0.5)
     with pytest.raises(ValueError, match="clip_low and clip_high must be >= 0"):
         policy_loss(LOGR, old, ADV, MASK, clip_low=-0.1)
-
-
-def test_truncated_importance_weights():
-    train_old = torch.zeros(1, 3, requires_grad=True)
-    rollout = torch.tensor([[-math.log(0.5), -math.log(3.0), 0.0]])
-    # exp(a - b) = (.5, 3, 1) ; cap 2 -> (.5, 2, 1) ; padding -> 0 ; detached
-    w = truncated_importance_weights(train_old, rollout, torch.tensor([[1, 1, 0]]), cap=2.0)
-    close(w, [[0.5, 2.0, 0.0]])
-    assert not w.requires_grad
-    with pytest.raises(ValueError, match="cap must be > 0"):
-        truncated_importance_weights(train_old, rollout, torch.ones(1, 3), cap=0.0)
 
 
 # ---------------------------------------------------------------- KL, entropy, value

@@ -193,11 +193,83 @@ def test_update_weights_changes_outputs_and_version(tiny_llama_path):
 
     unfinished = engine.generate(requests, SamplingParams(max_new_tokens=8))
     next(unfinished)
-    with pytest.raises(RuntimeError, match="between generate calls"):
-        engine.update_weights(perturbed, version=5)
-    unfinished.close()
-    engine.update_weights(perturbed, version=5)
+    engine.update_weights(model.state_dict(), version=5)  # handed over: applied at the generation's next step
+    assert engine.weight_version == 4
+    unfinished.close()  # a generation that ends applies what is still pending
     assert engine.weight_version == 5
+
+
+# ---------------------------------------------------------------- weight updates in flight (partial rollouts)
+def perturbed_weights(model, seed: int = 0, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=generator) for k, v in model.state_dict().items()}
+
+
+def assert_spans_follow_their_weights(old_model, new_model, completions, switch: int):
+    """Every completion is `[old version]* + [new version]*`; the tokens of each version are that model's
+    greedy choice on the full prefix before them (prompt + all earlier tokens), with that model's log-probs."""
+    for c in completions:
+        versions = c.token_versions or [c.weight_version] * len(c.response_ids)
+        assert len(versions) == len(c.response_ids) and c.weight_version == versions[-1]
+        assert versions == sorted(versions) and set(versions) <= {switch - 1, switch}, versions
+        ids = torch.tensor([c.prompt_ids + c.response_ids])
+        p = len(c.prompt_ids)
+        for model, version in ((old_model, switch - 1), (new_model, switch)):
+            at = [t for t, v in enumerate(versions) if v == version]
+            if not at:
+                continue
+            with torch.no_grad():
+                logprobs = model(ids).logits[0, p - 1 : -1].float().log_softmax(-1)  # row t predicts token t
+            chosen = torch.tensor(c.response_ids)[at]
+            assert logprobs[at].argmax(-1).tolist() == chosen.tolist(), (version, c.request_id)
+            torch.testing.assert_close(
+                torch.tensor(c.logprobs)[at], logprobs[at].gather(1, chosen[:, None])[:, 0], rtol=0, atol=1e-4
+            )
+
+
+def test_update_in_flight_continues_samples_on_the_new_weights(tiny_llama_path):
+    """The update lands between two decode steps (the consumer makes it at the first completion): samples in
+    flight keep their tokens and go on with the new weights' greedy continuation of their whole prefix,
+    samples started later are all new-version, and the first completions are all old-version."""
+    old_model, new_model = load_model(tiny_llama_path).eval(), load_model(tiny_llama_path).eval()
+    new_model.load_state_dict(perturbed_weights(old_model))
+    engine = TorchInferenceEngine(load_model(tiny_llama_path), max_batch_size=4, weight_version=2)
+    completions = []
+    for c in engine.generate(make_requests(10, seed=7), SamplingParams(temperature=0.0, max_new_tokens=16,
+                                                                      stop_token_ids=STOP_MANY)):
+        if not completions:
+            engine.update_weights(new_model.state_dict(), version=3)
+        completions.append(c)
+    assert sorted(c.request_id for c in completions) == list(range(10))
+    assert_spans_follow_their_weights(old_model, new_model, completions, switch=3)
+    spanning = [c for c in completions if c.token_versions is not None]
+    assert spanning, "some samples were in flight at the update"
+    assert completions[0].weight_version == 2 and completions[-1].weight_version == 3
+    assert engine.weight_version == 3
+
+
+def test_update_from_another_thread_while_generating(tiny_llama_path):
+    """The contract as the rollout loop uses it: a watcher thread calls `update_weights` during `generate`."""
+    import threading
+
+    old_model, new_model = load_model(tiny_llama_path).eval(), load_model(tiny_llama_path).eval()
+    new_model.load_state_dict(perturbed_weights(old_model, seed=1))
+    engine = TorchInferenceEngine(load_model(tiny_llama_path), max_batch_size=3, weight_version=0)
+    pulled = threading.Event()
+
+    def requests():
+        for i, r in enumerate(make_requests(9, seed=8)):
+            if i == 4:
+                pulled.set()  # the second wave is being prefilled: the first is done, generation is under way
+            yield r
+
+    updater = threading.Thread(target=lambda: pulled.wait(30) and engine.update_weights(new_model.state_dict(), 1))
+    updater.start()
+    completions = list(engine.generate(requests(), SamplingParams(temperature=0.0, max_new_tokens=24)))
+    updater.join(30)
+    assert_spans_follow_their_weights(old_model, new_model, completions, switch=1)
+    assert any(c.weight_version == 1 for c in completions), "the update was applied before generation ended"
+    assert engine.weight_version == 1
 
 
 def test_consumer_code_keeps_autograd(llama):
@@ -223,6 +295,42 @@ def test_registry_and_bad_input(llama):
         run(engine, [GenerationRequest("x", [1, 10_000])])
     with pytest.raises(ValueError, match="max_batch_size"):
         TorchInferenceEngine(llama, max_batch_size=0)
+
+
+def test_idle_request_source_does_not_stall_the_batch(llama):
+    """A source that yields None (nothing ready) while the first request runs: that request finishes before the
+    second is released, and both equal the greedy output of a plain run."""
+    first, second = make_requests(2, seed=5)
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    finished: list = []
+
+    def source():
+        yield first
+        while not finished:  # the engine must keep decoding `first` while we have nothing to give
+            yield None
+        yield second
+
+    engine = TorchInferenceEngine(llama, max_batch_size=4)
+    for completion in engine.generate(source(), params):
+        finished.append(completion)
+    assert [c.request_id for c in finished] == [first.request_id, second.request_id]
+    plain = {c.request_id: c.response_ids for c in engine.generate([first, second], params)}
+    assert {c.request_id: c.response_ids for c in finished} == plain
+
+
+def test_per_request_sampling_params(llama):
+    requests = make_requests(4, seed=6)
+    requests[1].params = SamplingParams(temperature=0.0, max_new_tokens=3)
+    requests[2].params = SamplingParams(temperature=0.0, max_new_tokens=5, stop_token_ids=STOP_MANY)
+    engine = TorchInferenceEngine(llama, max_batch_size=4)
+    by_id = {c.request_id: c for c in run(engine, requests, temperature=1.0, max_new_tokens=10)}
+    assert len(by_id[1].response_ids) == 3 and by_id[1].finish_reason == "length"
+    assert len(by_id[2].response_ids) <= 5
+    assert all(len(by_id[i].response_ids) == 10 for i in (0, 3))
+    alone = run(engine, [GenerationRequest(1, requests[1].prompt_ids)], temperature=0.0, max_new_tokens=3)
+    assert alone[0].response_ids == by_id[1].response_ids  # greedy rows are unaffected by their sampled neighbours
+    with pytest.raises(ValueError, match="top_p"):
+        run(engine, [GenerationRequest(9, [1, 5], SamplingParams(top_p=0.0))])
 
 
 def test_vllm_engine_without_vllm_names_the_extra():

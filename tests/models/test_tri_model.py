@@ -80,7 +80,7 @@ def grpo_step(model_path, packing: str):
         for p in engine.model.parameters():
             p.add_(0.02 * torch.randn(p.shape, generator=generator))
     start = flat_params(engine.model)
-    algo = AlgoConfig(kl_coef=0.05, entropy_coef=0.01, tis_cap=2.0)
+    algo = AlgoConfig(kl_coef=0.05, entropy_coef=0.01, mismatch_correction="token_tis")
     trainer = PolicyTrainer(engine, algo, micro_batch_size=5, temperature=0.9)
     rows = make_rollouts(STEP_GROUPS, seed=0)
     score(rows, algo)

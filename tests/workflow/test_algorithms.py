@@ -16,6 +16,7 @@ from asyncflow.workflow.pipeline import make_workflow
 from asyncflow.workflow.run import RLRun
 
 REJECTED = {"advantage": {"gae"}}  # needs a critic, which no training engine trains yet
+CHOICES = ("advantage", "loss_agg", "kl_estimator", "stale_old_logprobs", "mismatch_correction")
 
 
 def accepted(field: str) -> list[str]:
@@ -36,9 +37,9 @@ def one_step(tmp_path, *overrides: str) -> dict:
 def combinations() -> list[list[str]]:
     """Few runs that together use every accepted value of every choice: run i takes the i-th value of each
     choice (cycling the shorter lists), with the KL and entropy terms on so that every estimator is used,
-    and one of the DAPO / TIS switches."""
-    choices = {f: accepted(f) for f in ("advantage", "loss_agg", "kl_estimator", "stale_old_logprobs")}
-    switches = [[], ["algo.dynamic_sampling=true"], ["algo.overlong_filter=true"], ["algo.tis_cap=2.0"]]
+    and one of the DAPO switches."""
+    choices = {f: accepted(f) for f in CHOICES}
+    switches = [[], ["algo.dynamic_sampling=true"], ["algo.overlong_filter=true"]]
     runs = max(len(values) for values in choices.values())
     return [
         [f"algo.{f}={values[i % len(values)]}" for f, values in choices.items()] + switches[i % len(switches)]
@@ -57,7 +58,7 @@ def test_every_accepted_algorithm_value_trains_one_step(tmp_path, overrides):
 
 def test_the_combinations_cover_every_accepted_value():
     used = {o for run in combinations() for o in run}
-    for field in ("advantage", "loss_agg", "kl_estimator", "stale_old_logprobs"):
+    for field in CHOICES:
         assert {f"algo.{field}={v}" for v in accepted(field)} <= used
 
 

@@ -1,7 +1,8 @@
 """What a checkpoint of an overlapped workflow carries (issue 15, item 2), on local queues: the rows generated
-ahead of training come back bit for bit, with their weight versions, and no worker takes them again; rows
-that do not match the re-fed prompts are refused; and a partition is cleared once trained when replicas
-score their own rows (no reward task left waiting on it, so storage does not grow over a run)."""
+ahead of training come back bit for bit, with their weight versions (per token for partial rollouts), and
+no worker takes them again; rows that do not match the re-fed prompts are refused; and a partition is
+cleared once trained when replicas score their own rows (no reward task left waiting on it, so storage
+does not grow over a run)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,12 @@ def generate(queue, scored: bool) -> dict:
         columns["reward"] = torch.rand(len(meta), generator=gen)
     versions = [3 + i % 2 for i in range(len(meta))]
     reasons = ["stop" if n else "length" for n in lengths]
-    queue.write(PART, meta.indices, columns, weight_version=versions, metadata=[{"finish_reason": r} for r in reasons])
+    rows_meta = [{"finish_reason": r} for r in reasons]
+    for i, n in enumerate(lengths):
+        if n >= 2 and versions[i] == 3:  # a partial rollout: its first token by version 3, the rest by 4
+            rows_meta[i]["version_runs"] = [[0, 3], [1, 4]]
+    assert any("version_runs" in m for m in rows_meta)
+    queue.write(PART, meta.indices, columns, weight_version=versions, metadata=rows_meta)
     queue.ack(PART, "rollout", meta.indices)
     return {(g, m["sample_index"]): i for i, (g, m) in enumerate(zip(meta.group_ids, meta.metadata))}
 
@@ -56,6 +62,7 @@ def train_rows(queue) -> dict:
         rows[(g, m["sample_index"])] = (
             batch.rows("response_ids")[i].tolist(), batch.rows("rollout_logprobs")[i].numpy().tobytes(),
             float(batch.data["reward"][i]), meta.weight_versions[i], m["finish_reason"], m["answer"],
+            m.get("version_runs"),
         )  # fmt: skip
     return rows
 

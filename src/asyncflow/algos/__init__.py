@@ -1,4 +1,4 @@
-"""Core RL math for asyncflow: advantage estimators, losses, DAPO filtering.
+"""Core RL math for asyncflow: advantage estimators, losses, train/inference mismatch correction, DAPO filtering.
 
 Owns: pure functions on torch tensors only (no asyncflow imports beyond this package, no I/O).
 Shapes: per-token `[N, L]` right-padded with a `mask [N, L]`; per-response `[N]`; groups by
@@ -18,6 +18,13 @@ from asyncflow.algos.advantages import (
     rloo_advantages,
     whiten,
 )
+from asyncflow.algos.correction import (
+    MISMATCH_CORRECTIONS,
+    correction_weights,
+    geometric_masked_weights,
+    mismatch_sums,
+    truncated_importance_weights,
+)
 from asyncflow.algos.filtering import keep_groups_with_variance, overlong_mask, overlong_penalty
 from asyncflow.algos.losses import (
     AGGREGATION_MODES,
@@ -28,14 +35,14 @@ from asyncflow.algos.losses import (
     kl_penalty,
     masked_mean,
     policy_loss,
-    truncated_importance_weights,
     value_loss,
 )
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "AGGREGATION_MODES", "KL_ESTIMATORS", "aggregate", "aggregation_normalisers",
-    "broadcast_to_tokens", "compute_advantages", "discounted_returns", "dr_grpo_advantages",
-    "entropy_from_logits", "gae", "grpo_advantages", "keep_groups_with_variance", "kl_penalty",
-    "masked_mean", "outcome_rewards_to_tokens", "overlong_mask", "overlong_penalty", "policy_loss",
-    "reinforce_pp_advantages", "rloo_advantages", "truncated_importance_weights", "value_loss", "whiten",
+    "ADVANTAGE_ESTIMATORS", "AGGREGATION_MODES", "KL_ESTIMATORS", "MISMATCH_CORRECTIONS", "aggregate",
+    "aggregation_normalisers", "broadcast_to_tokens", "compute_advantages", "correction_weights",
+    "discounted_returns", "dr_grpo_advantages", "entropy_from_logits", "gae", "geometric_masked_weights",
+    "grpo_advantages", "keep_groups_with_variance", "kl_penalty", "masked_mean", "mismatch_sums",
+    "outcome_rewards_to_tokens", "overlong_mask", "overlong_penalty", "policy_loss", "reinforce_pp_advantages",
+    "rloo_advantages", "truncated_importance_weights", "value_loss", "whiten",
 ]

@@ -1,6 +1,6 @@
 """Built-in procedurally generated, verifiable tasks for training tiny models from scratch.
 
-Owns: the `Task` base class, the tasks `arithmetic`, `reverse`, `sort` and `countdown`, the
+Owns: the `Task` base class, the tasks `arithmetic`, `reverse`, `sort`, `countdown` and `tool_arithmetic`, the
 registry `TASKS` / `make_task`, the countdown verifier `countdown_reward`, `TASK_ALPHABET`, and the
 fixed prompt partition (`is_held_out`, `is_validation`, `carve_validation` for data files).
 
@@ -262,6 +262,29 @@ class ArithmeticTask(Task):
         return f"{expression}=", str(int(value)), {}
 
 
+class ToolArithmeticTask(Task):
+    """Arithmetic a tiny model cannot do in its head, meant to be solved with a calculator tool (a multi-turn
+    environment such as `env.name: calculator`): "37*48+215=" -> "1991". `metadata["expression"]` is the
+    expression, which a tool-use demonstration passes to the calculator."""
+
+    name = "tool_arithmetic"
+    verifier = "numeric_match"
+    default_difficulty = 2
+    levels = {
+        1: ArithmeticParams(operands=2, max_digits=2, operators="*"),
+        2: ArithmeticParams(operands=3, max_digits=2, operators="*+"),
+        3: ArithmeticParams(operands=4, max_digits=2, operators="*+-"),
+    }
+
+    def sample(self, rng: random.Random) -> tuple[str, str, dict[str, Any]]:
+        operands = [str(rng.randrange(10, 10**self.params.max_digits)) for _ in range(self.params.operands)]
+        expression = operands[0]
+        for i, operand in enumerate(operands[1:]):
+            expression += self.params.operators[i % len(self.params.operators)] + operand
+        value, _ = evaluate_expression(expression)
+        return f"{expression}=", str(int(value)), {"expression": expression}
+
+
 @dataclass(frozen=True)
 class DigitSequenceParams:
     length: int
@@ -347,7 +370,9 @@ class CountdownTask(Task):
         return value, expression[1:-1] if len(numbers) > 1 else expression
 
 
-TASKS: dict[str, type[Task]] = {task.name: task for task in (ArithmeticTask, ReverseTask, SortTask, CountdownTask)}
+TASKS: dict[str, type[Task]] = {
+    task.name: task for task in (ArithmeticTask, ReverseTask, SortTask, CountdownTask, ToolArithmeticTask)
+}
 
 
 def make_task(name: str, difficulty: int | None = None, seed: int = 0) -> Task:

@@ -14,7 +14,8 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, runtime_checkable
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -22,6 +23,16 @@ from asyncflow.models.logprobs import TrainSample
 from asyncflow.models.tri_model import TriLogProbs
 
 LossFn = Callable[[TriLogProbs], tuple[torch.Tensor, dict[str, float]]]
+
+
+class RowLoss(Protocol):
+    """A micro-batch's loss as a picklable object: called like a `LossFn` on the tri-model log-probs of its
+    rows, and `select(rows)` gives the loss of a subset of the rows (in that order), for an engine that
+    splits a micro-batch over processes. The loss must be a sum over rows (normalised by the caller)."""
+
+    def __call__(self, out: TriLogProbs) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+    def select(self, rows: Sequence[int]) -> RowLoss: ...
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -38,6 +49,9 @@ class SamplingParams:
 class GenerationRequest:
     request_id: Any
     prompt_ids: list[int]
+    params: SamplingParams | None = None
+    """This request's sampling settings, overriding those passed to `generate` (a server's per-call
+    settings, a multi-turn episode's remaining token budget)."""
 
 
 @dataclass
@@ -75,7 +89,13 @@ class InferenceEngine(Protocol):
         ...
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load new policy weights; subsequent generations are tagged with `version`."""
+        """Load new policy weights; subsequent generations are tagged with `version`.
+
+        An engine with a true `updates_in_flight` attribute (partial rollouts) also takes this call from
+        another thread while a `generate` runs: it applies the weights at its next decode step, the samples
+        in flight going on under them from the tokens they have (their KV recomputed), and reports which
+        version sampled each token (`Completion.token_versions`). Without it, callers change weights only
+        between `generate` calls."""
         ...
 
 
@@ -83,12 +103,13 @@ class InferenceEngine(Protocol):
 class TrainEngine(Protocol):
     """Policy training, as the trainer worker drives it: gradients accumulate over micro-batches until
     one `optimizer_step`; the loss is the caller's (`loss_fn` maps the tri-model log-probs of a micro-batch
-    to a loss and float stats)."""
+    to a loss and float stats; an engine running on several processes needs a `RowLoss`). The trainer
+    builds its engine from the registry by `train.engine` (`make_train_engine`)."""
 
     device: torch.device
 
     def backward_micro_batch(
-        self, samples: list[TrainSample], loss_fn: LossFn, *, temperature: float = 1.0
+        self, samples: list[TrainSample], loss_fn: LossFn | RowLoss, *, temperature: float = 1.0
     ) -> dict[str, float]:
         """Forward one micro-batch (policy with grad; reference and old policy without), call `loss_fn`,
         backpropagate; returns its stats plus `loss` (NaN when not finite: no gradient then)."""
@@ -110,6 +131,20 @@ class TrainEngine(Protocol):
         ...
 
     def load_training_state(self, state: dict) -> None: ...
+
+    def load_checkpoint(self, weights: Mapping[str, torch.Tensor], training_state: dict) -> None:
+        """Restore a checkpoint written from `state_dict()` and `training_state()` (resume)."""
+        ...
+
+
+@runtime_checkable
+class ShardedCheckpointing(Protocol):
+    """A training engine whose weights and optimizer state live sharded over ranks: a checkpoint holds them
+    as written by every rank (`training_state` then holds only what is not sharded)."""
+
+    def save_sharded(self, folder: Path) -> None: ...
+
+    def load_sharded(self, folder: Path) -> None: ...
 
 
 INFERENCE_ENGINES: dict[str, Callable[..., InferenceEngine]] = {}

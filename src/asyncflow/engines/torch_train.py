@@ -5,7 +5,10 @@ schedule, micro-batch forward/backward with gradient accumulation, non-finite lo
 and the state that checkpoints save. Every micro-batch goes through the tri-model forward
 (`asyncflow.models.tri_model`): policy log-probs with grad, reference log-probs without, and the
 old policy taken as the policy itself (one update per step), packed by shared prompt according
-to `packing` (`auto`: the rule `should_pack`; `on`; `off`).
+to `packing` (`auto`: the rule `should_pack`; `on`; `off`). With `lora` (`asyncflow.engines.lora`)
+the policy gets adapters and only they are optimized; `state_dict` is then the merged weights under
+the base model's names (what rollout engines and checkpoints' `model.safetensors` take) and
+`training_state` carries the adapter, so `load_checkpoint` restores it onto the frozen base.
 
 Invariants:
 - One `optimizer_step` per call; gradients accumulate across `backward_micro_batch` calls until
@@ -13,18 +16,23 @@ Invariants:
 - A micro-batch whose loss is not finite contributes no gradient; the step it belongs to is
   skipped by `optimizer_step` (reported as `skipped=1`) and the gradients are cleared.
 - The reference model is never updated (no gradients, eval mode).
+- Under LoRA the base weights never change: the optimizer holds the adapter parameters only.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from asyncflow.engines.base import LossFn, register_train_engine
 from asyncflow.models.logprobs import TrainSample
 from asyncflow.models.tri_model import make_reference, tri_model_logprobs
+
+if TYPE_CHECKING:
+    from asyncflow.engines.lora import LoRASettings
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
@@ -58,12 +66,18 @@ class TorchTrainEngine:
         total_steps: int = 1,
         use_reference: bool = False,
         packing: str = "auto",
+        lora: LoRASettings | None = None,
     ):
         self.model = model
-        self.model.train()
         if packing not in ("auto", "on", "off"):
             raise ValueError(f"packing must be 'auto', 'on' or 'off', got {packing!r}")
-        self.reference = make_reference(model) if use_reference else None
+        self.reference = make_reference(model) if use_reference else None  # the base, before any adapter
+        self.adapted = None  # peft's wrapper of `model` under LoRA (the model itself is trained and run)
+        if lora is not None:
+            from asyncflow.engines import lora as lora_adapter  # peft is imported only when asked for
+
+            self.adapted = lora_adapter.add_adapters(model, lora)
+        self.model.train()
         self.packing = packing
         self.grad_clip = grad_clip
         self.optimizer = torch.optim.AdamW(
@@ -128,15 +142,76 @@ class TorchTrainEngine:
         return next(self.model.parameters()).device
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's weights under the base model's names (merged with the adapter under LoRA)."""
+        if self.adapted is not None:
+            from asyncflow.engines.lora import merged_state_dict
+
+            return merged_state_dict(self.model)
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(state_dict)
+        """Load full policy weights. Under LoRA they become the base and the adapter starts again from B = 0
+        (so `state_dict()` returns them unchanged); `load_checkpoint` restores a LoRA run instead."""
+        if self.adapted is None:
+            self.model.load_state_dict(state_dict)
+            return
+        from asyncflow.engines.lora import reset_adapters
+
+        result = self.model.load_state_dict(_adapted_names(self.model, state_dict), strict=False)
+        missing = [key for key in result.missing_keys if ".lora_" not in key]
+        if missing:
+            raise KeyError(f"policy weights missing from the state dict: {missing[:5]}")
+        reset_adapters(self.model)
 
     def training_state(self) -> dict:
-        """Optimizer and schedule state for checkpoints (weights go separately, as safetensors)."""
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        """Optimizer and schedule state for checkpoints (weights go separately, as safetensors); under LoRA
+        also the adapter (`adapter`, peft's names)."""
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        if self.adapted is not None:
+            from asyncflow.engines.lora import adapter_state_dict
+
+            state["adapter"] = adapter_state_dict(self.adapted)
+        return state
 
     def load_training_state(self, state: dict) -> None:
+        if (self.adapted is None) != ("adapter" not in state):
+            raise ValueError("the checkpoint was written " + ("without" if self.adapted is not None else "with")
+                             + " LoRA (train.lora.rank) and cannot resume this run's engine")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.adapted is not None:
+            from asyncflow.engines.lora import load_adapter_state_dict
+
+            load_adapter_state_dict(self.adapted, state["adapter"])
+
+    def load_checkpoint(self, weights: Mapping[str, torch.Tensor], training_state: dict) -> None:
+        """Restore what `state_dict()` and `training_state()` returned at a checkpoint. Under LoRA the frozen
+        base stays as loaded from the model folder and the adapter comes from `training_state`; the result
+        must reproduce the checkpoint's merged weights (else the model folder changed since the run began)."""
+        if self.adapted is None:
+            self.load_state_dict(weights)
+            self.load_training_state(training_state)
+            return
+        self.load_training_state(training_state)
+        restored = self.state_dict()
+        for key, value in weights.items():
+            if not torch.allclose(restored[key], value.to(restored[key].device), rtol=1e-4, atol=1e-5):
+                raise ValueError(
+                    f"LoRA checkpoint: the base model's {key} plus the saved adapter does not give the checkpoint's "
+                    "weights; was model.path changed after the run started?"
+                )
+
+
+def _adapted_names(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Plain-model keys -> the keys of the same tensors once LoRA layers wrap them (`x.weight` ->
+    `x.base_layer.weight`); every key must exist in `model`."""
+    own = set(model.state_dict())
+    renamed = {}
+    for key, value in state_dict.items():
+        module, _, leaf = key.rpartition(".")
+        wrapped = f"{module}.base_layer.{leaf}"
+        name = wrapped if wrapped in own else key
+        if name not in own:
+            raise KeyError(f"{key}: not a weight of the policy")
+        renamed[name] = value
+    return renamed

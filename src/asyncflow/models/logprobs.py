@@ -21,6 +21,7 @@ class TrainSample:
     prompt_ids: list[int]
     response_ids: list[int]
     group_id: int = 0  # responses of one GRPO group share the prompt (used by packing)
+    loss_mask: list[int] | None = None  # per response token, 1 = trained (model-sampled); None = all trained
 
 
 @dataclass
@@ -31,9 +32,17 @@ class LogProbs:
 
 
 def response_mask(samples: list[TrainSample], device=None) -> torch.Tensor:
-    """`[N, L]` bool mask of real response tokens."""
+    """`[N, L]` bool mask of trained response tokens: real (not padding) and, where a sample has a `loss_mask`,
+    marked 1 there (a multi-turn episode's tool and template tokens are 0: no loss, KL or entropy on them)."""
     lengths = torch.tensor([len(s.response_ids) for s in samples], device=device)
-    return torch.arange(int(lengths.max()), device=device)[None, :] < lengths[:, None]
+    mask = torch.arange(int(lengths.max()), device=device)[None, :] < lengths[:, None]
+    for i, s in enumerate(samples):
+        if s.loss_mask is not None:
+            if len(s.loss_mask) != len(s.response_ids):
+                raise ValueError(f"sample {i}: loss_mask has {len(s.loss_mask)} entries for "
+                                 f"{len(s.response_ids)} response tokens")
+            mask[i, : len(s.loss_mask)] &= torch.tensor(s.loss_mask, device=device).bool()
+    return mask
 
 
 def gather_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from asyncflow.models.logprobs import LogProbs, TrainSample, gather_token_logprobs
+from asyncflow.models.logprobs import response_mask as trained_token_mask
 
 try:  # CUDA-only varlen kernel; absent on CPU machines.
     from flash_attn import flash_attn_varlen_func
@@ -163,7 +164,7 @@ def plan_shared_prompt(samples: list[TrainSample], device: torch.device | str = 
     sees_prompt = key_pos[None, None, :] < prompt_len_t[group_of_sample][:, None, None]  # [N, 1, K]
     sees_self = (key_pos[None, :] >= p_max) & (key_pos[None, :] - p_max <= r_pos[:, None])  # [Rmax, K]
     response_mask = (sees_prompt | sees_self[None])[:, None]
-    mask = torch.arange(r_max)[None, :] < torch.tensor(response_lens)[:, None]
+    mask = trained_token_mask(samples)  # real response tokens, less those a loss mask leaves out
 
     def cu(lengths: list[int]) -> torch.Tensor:
         return F.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))

@@ -6,10 +6,16 @@ from __future__ import annotations
 from asyncflow.config import Config
 
 
-def make_runtime(config: Config):
+def runtime_kind(config: Config) -> str:
+    """`inline` or `ray`: `runtime.kind`, with `auto` resolved by the workflow mode."""
     kind = config.runtime.kind
     if kind == "auto":
         kind = "inline" if config.workflow.mode == "sync" else "ray"
+    return kind
+
+
+def make_runtime(config: Config):
+    kind = runtime_kind(config)
     if kind == "ray":
         from asyncflow.runtime.ray_runtime import RayRuntime
 

@@ -3,8 +3,9 @@
 Owns: the in-process TransferQueue, the in-process weight channel, and the rollout thread. Used
 for debugging, tests, and the colocated `sync` baseline.
 
-Invariant: once the rollout thread runs, only it touches the rollout engine; new weights reach it
-through the weight channel, never by a direct call from the trainer thread (its sampling generator is
+Invariant: once the rollout thread runs, only it touches the rollout engine (with partial rollouts, its
+weight watcher hands versions to `update_weights`, which the engine applies on the rollout thread); new
+weights reach it through the weight channel, never by a direct call from the trainer thread (its sampling generator is
 read through the loop's `SamplerHistory`).
 """
 
@@ -43,7 +44,7 @@ class InlineRuntime:
         self.thread = BackgroundThread(
             REPLICA, rollout_loop, run.rollout, queue, self.receiver, steps, max_staleness=max_staleness,
             batch_size=self.config.rollout.max_batch_size, timeout=self.config.runtime.call_timeout_s,
-            timeline=run.timeline, history=self.history,
+            timeline=run.timeline, history=self.history, on_weight_update=self.config.rollout.on_weight_update,
         )
 
     def sampler_states(self, step: int, timeout: float) -> dict:

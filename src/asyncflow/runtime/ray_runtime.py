@@ -95,6 +95,7 @@ class RolloutSpec:
     group_size: int
     seed: int
     threads: int
+    multiturn: object = None  # MultiTurnSpec: multi-turn episodes instead of single completions
 
 
 class RolloutActor:
@@ -102,21 +103,24 @@ class RolloutActor:
 
     def __init__(self, spec: RolloutSpec, name: str, make_scorer):
         from asyncflow.engines.base import make_inference_engine
-        from asyncflow.models.loading import load_model
-        from asyncflow.workers.rollout import RolloutWorker
+        from asyncflow.models.loading import load_model, load_tokenizer
+        from asyncflow.workers.multiturn import make_rollout_worker
 
         torch.set_num_threads(spec.threads)
         model = load_model(spec.model_path, dtype=spec.dtype, device=spec.device).eval().requires_grad_(False)
         engine = make_inference_engine(
             spec.engine, model=model, max_batch_size=spec.max_batch_size, device=spec.device, seed=spec.seed
         )
-        self.worker = RolloutWorker(engine, spec.params, spec.group_size)
+        tokenizer = load_tokenizer(spec.model_path) if spec.multiturn is not None else None
+        self.worker = make_rollout_worker(engine, spec.params, spec.group_size, multiturn=spec.multiturn,
+                                          tokenizer=tokenizer)
         self.scorer = make_scorer()
         self.name = name
         self.incarnation = uuid.uuid4().hex  # new after every restart
         self.history = SamplerHistory()
 
-    def run(self, queue, receiver_spec, steps: range, max_staleness: int, batch_size: int, timeout: float, cores_spec):
+    def run(self, queue, receiver_spec, steps: range, max_staleness: int, batch_size: int, timeout: float, cores_spec,
+            on_weight_update: str = "finish"):
         """Generate partitions `steps`; returns (rows generated, timeline events of this replica)."""
         timeline = Timeline()
         receiver = receiver_spec.open()
@@ -126,7 +130,7 @@ class RolloutActor:
             generated = rollout_loop(
                 self.worker, queue, receiver, steps, max_staleness=max_staleness, batch_size=batch_size,
                 timeout=timeout, timeline=timeline, name=self.name, consumer=self.name, scorer=self.scorer,
-                cores=cores, history=self.history,
+                cores=cores, history=self.history, on_weight_update=on_weight_update,
             )
         finally:
             receiver.close()
@@ -235,6 +239,7 @@ class RayRuntime:
                 cfg.rollout.group_size,
                 cfg.run.seed + 1000 * r,
                 max(1, int(rt.rollout_cpus)),
+                run.multiturn,
             )
             self.actors[name] = actor_cls.remote(spec, name, make_scorer)
             spec_r = receiver_spec.for_rank(r + 1) if self.weight_sync == "torch_distributed" else receiver_spec
@@ -246,6 +251,7 @@ class RayRuntime:
                 cfg.rollout.max_batch_size,
                 self.timeout,
                 self._cores_spec,
+                cfg.rollout.on_weight_update,
             )
             state = (sampler_states or {}).get(name)
             if state is not None:  # set before the loop runs: a threaded actor may run two calls at once
@@ -364,3 +370,110 @@ class RayRuntime:
         torch.set_num_threads(self._threads_before)
         if self.started_ray:
             ray.shutdown()
+
+
+# ---------------------------------------------------------------------------- ranks of a training engine
+class TrainRankActor:
+    """One rank of a multi-rank training engine (`asyncflow.engines.fsdp2_train.RankTrainer`) as a Ray actor."""
+
+    def node_address(self, local: bool) -> tuple[str, int]:
+        """Where rank 0 listens for the process group: loopback on a local cluster, the node's IP otherwise."""
+        from asyncflow.engines.fsdp2_train import free_port
+
+        host = "127.0.0.1" if local else ray.util.get_node_ip_address()
+        return host, free_port(host)
+
+    def setup(self, rank: int, world: int, host: str, port: int, spec) -> None:
+        from asyncflow.engines.fsdp2_train import RankTrainer
+
+        self.trainer = RankTrainer(rank, world, host, port, spec)
+
+    def call(self, method: str, args: tuple):
+        return getattr(self.trainer, method)(*args)
+
+
+class RayRanks:
+    """The ranks of `asyncflow.engines.fsdp2_train` as Ray actors (a `RankGroup`), each with `num_cpus` CPUs and
+    `num_gpus` GPUs. A rank that dies, raises or does not answer in time ends the call with `RankFailedError`."""
+
+    def __init__(self, world: int, spec, timeout: float, *, num_cpus: float, num_gpus: float, local: bool):
+        actor_cls = ray.remote(TrainRankActor).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)
+        self.actors = [actor_cls.remote() for _ in range(world)]
+        try:
+            host, port = self._wait([self.actors[0].node_address.remote(local)], "start", timeout)[0]
+            setups = [actor.setup.remote(rank, world, host, port, spec) for rank, actor in enumerate(self.actors)]
+            self._wait(setups, "start", timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def call(self, method: str, args, timeout: float) -> list:
+        refs = [actor.call.remote(method, rank_args) for actor, rank_args in zip(self.actors, args, strict=True)]
+        return self._wait(refs, method, timeout)
+
+    def _wait(self, refs: list, method: str, timeout: float) -> list:
+        from asyncflow.engines.fsdp2_train import RankFailedError
+
+        deadline = time.monotonic() + timeout
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.05)
+            failed = []
+            for ref in ready:
+                try:
+                    ray.get(ref, timeout=timeout)
+                except (RayActorError, RayTaskError) as err:
+                    failed.append((refs.index(ref), err))
+            if failed:  # a dead rank is the cause of its peers' failed collectives: name it first
+                time.sleep(1.0)
+                failed.extend((refs.index(ref), err) for ref, err in self._failures(pending))
+                rank, err = min(failed, key=lambda f: (not isinstance(f[1], RayActorError), f[0]))
+                reason = "died" if isinstance(err, RayActorError) else "failed"
+                detail = (str(err.cause if isinstance(err, RayTaskError) else err).strip().splitlines() or [""])[-1]
+                self.close()
+                raise RankFailedError(
+                    f"train.engine=fsdp2: rank {rank} {reason} during {method} ({detail}); the other ranks were "
+                    "stopped (resume the run from its last checkpoint with --resume)"
+                ) from err
+            if pending and time.monotonic() > deadline:
+                self.close()
+                raise RankFailedError(f"train.engine=fsdp2: ranks did not finish {method} within {timeout:.0f} s "
+                                      "(runtime.call_timeout_s); the ranks were stopped")
+        return ray.get(refs, timeout=timeout)
+
+    @staticmethod
+    def _failures(pending: list) -> list:
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+        out = []
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=1.0)
+            except (RayActorError, RayTaskError) as err:
+                out.append((ref, err))
+        return out
+
+    def close(self) -> None:
+        for actor in self.actors:
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 - already gone
+                log.debug("ray.kill of a train rank", exc_info=True)
+        self.actors = []
+
+
+def ray_rank_launcher(config):
+    """The launcher (`asyncflow.engines.fsdp2_train.Launcher`) of a multi-rank training engine on the Ray runtime:
+    starts or joins the cluster like `RayRuntime`; each rank gets an equal share of `runtime.trainer_cpus` and
+    `runtime.trainer_gpus`."""
+    rt = config.runtime
+    if not ray.is_initialized():
+        if rt.address is None:
+            os.environ.setdefault("RAY_worker_niceness", "0")
+        start_ray(address=rt.address, num_cpus=rt.num_cpus if rt.address is None else None)
+    world = config.train.world_size
+
+    def launch(world_size: int, spec, timeout: float) -> RayRanks:
+        return RayRanks(world_size, spec, timeout, num_cpus=rt.trainer_cpus / world, num_gpus=rt.trainer_gpus / world,
+                        local=rt.address is None)
+
+    return launch

@@ -1,17 +1,21 @@
 """Worker loops: the long-running side of the rollout and reward workers, one partition per step.
 
 Owns: `rollout_loop` (admission control by weight version, weight swaps between partitions),
+`InFlightUpdates` (partial rollouts: new versions handed to the engine while a partition generates),
 `reward_loop`, `SamplerHistory` (the engine's sampling-generator state after each partition, which a
 checkpoint takes so a resumed replica samples as the uninterrupted one would), and `BackgroundThread`
 (a thread whose failure is re-raised in the driver).
 
-Invariants: the rollout loop starts partition `step` only with weights of version >= step - k,
-and changes weights only between partitions; the generator state recorded for `step` is the one
-partition `step + 1` starts from.
+Invariants: the rollout loop starts partition `step` only with weights of version >= step - k, and
+changes weights only between partitions, except with `on_weight_update="resume"`, where a version
+published while a partition generates reaches the engine's next decode step (each token then records
+its version; the oldest is still >= step - k, so the bound holds for every token); the generator state
+recorded for `step` is the one partition `step + 1` starts from.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import OrderedDict
@@ -69,19 +73,66 @@ def restore_sampler(engine, state) -> None:
         generator.set_state(state)
 
 
+def check_updates_in_flight(engine) -> None:
+    """`rollout.on_weight_update=resume` needs an engine that takes `update_weights` during a `generate`."""
+    if not getattr(engine, "updates_in_flight", False):
+        raise ValueError(
+            "rollout.on_weight_update=resume needs an inference engine that takes weight updates in flight "
+            f"(updates_in_flight = True); {type(engine).__name__} does not: use rollout.on_weight_update=finish"
+        )
+
+
+class InFlightUpdates:
+    """While a partition generates (`with InFlightUpdates(...):`), a thread polls the weight receiver every
+    `poll_s` seconds and hands each newer version to `engine.update_weights`, which an engine with
+    `updates_in_flight` applies at its next decode step. Leaving the block stops the thread (joined within
+    `timeout`) and re-raises its failure (a broken transport)."""
+
+    def __init__(self, engine, receiver, *, timeout: float, poll_s: float = 0.05, timeline=None, name: str = ""):
+        check_updates_in_flight(engine)
+        self.engine, self.receiver, self.timeout, self.poll_s = engine, receiver, timeout, poll_s
+        self.timeline, self.name = timeline, name
+        self._stop = threading.Event()
+        self._thread: BackgroundThread | None = None
+
+    def _watch(self) -> None:
+        handed = self.engine.weight_version
+        while not self._stop.wait(self.poll_s):
+            newest = self.receiver.poll(handed)
+            if newest is not None:
+                handed = newest[0]
+                self.engine.update_weights(newest[1], handed)
+                if self.timeline is not None:
+                    self.timeline.instant(self.name, "weights_in_flight", version=handed)
+
+    def __enter__(self) -> InFlightUpdates:
+        self._stop.clear()
+        self._thread = BackgroundThread(f"{self.name}-weights", self._watch)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join(self.timeout)
+
+
 def rollout_loop(worker, queue, receiver, steps: range, *, max_staleness: int, batch_size: int, timeout: float,
                  timeline=None, name: str = "rollout", consumer: str | None = None, scorer=None, cores=None,
-                 history: SamplerHistory | None = None) -> int:
+                 history: SamplerHistory | None = None, on_weight_update: str = "finish") -> int:
     """Generate partitions `steps` in order, respecting the staleness bound (the rollout side of every
-    workflow but `sync`). Weights change only between partitions. Returns rows generated. `consumer`
+    workflow but `sync`). Weights change between partitions, and with `on_weight_update="resume"` also
+    while one generates (`InFlightUpdates`). Returns rows generated. `consumer`
     names this replica to the queue, so its rows can be released if it dies; `scorer` scores the
     responses in place (see `RolloutWorker.run_partition`); `cores` (a `CoreLending`) is told when
     this replica waits for weights, so another role may use its cores meanwhile; `history` records the
     engine's generator state after each partition."""
     try:
+        in_flight = None
+        if on_weight_update == "resume":
+            in_flight = InFlightUpdates(worker.engine, receiver, timeout=timeout, timeline=timeline, name=name)
         return _rollout_loop(
             worker, queue, receiver, steps, max_staleness=max_staleness, batch_size=batch_size, timeout=timeout,
             timeline=timeline, name=name, consumer=consumer, scorer=scorer, cores=cores, history=history,
+            in_flight=in_flight,
         )
     finally:
         if history is not None:
@@ -89,7 +140,7 @@ def rollout_loop(worker, queue, receiver, steps: range, *, max_staleness: int, b
 
 
 def _rollout_loop(worker, queue, receiver, steps, *, max_staleness, batch_size, timeout, timeline, name, consumer,
-                  scorer, cores, history) -> int:
+                  scorer, cores, history, in_flight) -> int:
     engine = worker.engine
     generated = 0
     for step in steps:
@@ -105,9 +156,10 @@ def _rollout_loop(worker, queue, receiver, steps, *, max_staleness, batch_size, 
         if newest is not None:
             engine.update_weights(newest[1], newest[0])
         t2 = time.time()
-        generated += worker.run_partition(
-            queue, partition_name(step), batch_size=batch_size, timeout=timeout, consumer=consumer, scorer=scorer
-        )
+        with in_flight or contextlib.nullcontext():
+            generated += worker.run_partition(
+                queue, partition_name(step), batch_size=batch_size, timeout=timeout, consumer=consumer, scorer=scorer
+            )
         if history is not None:
             history.record(step, engine)
         if timeline is not None:

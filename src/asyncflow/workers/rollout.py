@@ -5,7 +5,11 @@ Owns: the `Rollout` record (one sampled response and everything later stages add
 completion order.
 
 Invariants:
-- Every rollout carries the weight version of the engine that generated it.
+- Every rollout carries the weight version of the engine that generated it. A partial rollout (its
+  tokens sampled by several versions: `rollout.on_weight_update: resume`) carries each token's
+  version; the row's version, which the queue stores and the staleness bound reads, is its oldest.
+  In the queue the per-token versions travel as row metadata `version_runs`, `[[first token, version],
+  ...]` at each version change (a few integers, present only on rows spanning versions).
 - A group is complete when all `group_size` of its rollouts have finished; `complete_groups`
   yields each group exactly once, in the order groups complete.
 """
@@ -30,16 +34,45 @@ class Rollout:
     response_ids: list[int]
     rollout_logprobs: list[float]
     finish_reason: str
-    weight_version: int
+    weight_version: int  # the oldest version among the response's tokens
     answer: str
     metadata: dict = field(default_factory=dict)
     reward: float | None = None
     advantages: torch.Tensor | None = None  # [len(response_ids)] float32
     response_text: str | None = None
+    token_versions: list[int] | None = None  # per response token; None = all `weight_version`
+    loss_mask: list[int] | None = None  # per response token, 1 = trained; None = all (see `Completion.loss_mask`)
 
     @property
     def row_id(self) -> tuple[int, int]:
         return (self.group_id, self.sample_index)
+
+    def versions(self) -> list[int]:
+        """The weight version of every response token."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return [self.weight_version] * len(self.response_ids)
+
+
+def version_runs(token_versions: list[int]) -> list[list[int]]:
+    """Per-token versions -> `[[first token, version], ...]`, one entry where the version changes."""
+    return [[t, v] for t, v in enumerate(token_versions) if t == 0 or v != token_versions[t - 1]]
+
+
+def expand_version_runs(runs: list[list[int]], length: int) -> list[int]:
+    """Inverse of `version_runs` for a response of `length` tokens."""
+    bounds = [start for start, _ in runs[1:]] + [length]
+    return [v for (start, v), end in zip(runs, bounds) for _ in range(end - start)]
+
+
+def row_fields(completion: Completion) -> tuple[int, dict]:
+    """(row version, row metadata) of a completion as the queue stores it: its oldest token's version, its
+    finish reason and, when it spans versions, its `version_runs`."""
+    meta = {"finish_reason": completion.finish_reason}
+    versions = completion.token_versions
+    if not versions or min(versions) == max(versions):
+        return (versions[0] if versions else completion.weight_version), meta
+    return min(versions), {**meta, "version_runs": version_runs(versions)}
 
 
 PROMPT_COLUMNS = ["prompt_ids"]
@@ -59,14 +92,13 @@ class RolloutWorker:
         """Generate every row of `partition` not yet taken by another rollout worker.
 
         Prompt rows are pulled from the queue as engine slots free up; finished responses are
-        written back (with the engine's weight version) in writes of `WRITE_ROWS` rows (at least a
+        written back (with their weight versions, see `row_fields`) in writes of `WRITE_ROWS` rows (at least a
         group), so a remote queue sees one round trip per few groups' worth of rows, not one per row
         (a Ray write costs a few ms). A write travels while the engine goes on decoding; it is awaited
         before the next write and before returning, so a failed write fails the partition. With a
         `scorer` (a `RewardWorker` placed beside this worker) the `reward` column goes in the same write.
         Returns rows generated.
         """
-        version = self.engine.weight_version
         metadata: dict[int, dict] = {}
 
         def requests():
@@ -90,15 +122,12 @@ class RolloutWorker:
                 columns["reward"] = scorer.score_ids(
                     [c.response_ids for c in finished], [metadata[c.request_id] for c in finished]
                 )
+            versions, row_meta = zip(*map(row_fields, finished))
             if in_flight is not None:
                 in_flight.wait()
             in_flight = queue.write(
-                partition,
-                [c.request_id for c in finished],
-                columns,
-                wait=False,
-                weight_version=version,
-                metadata=[{"finish_reason": c.finish_reason} for c in finished],
+                partition, [c.request_id for c in finished], columns, wait=False, weight_version=list(versions),
+                metadata=list(row_meta),
             )
             finished.clear()
 
@@ -134,17 +163,19 @@ class RolloutWorker:
                 response_ids=list(completion.response_ids),
                 rollout_logprobs=list(completion.logprobs),
                 finish_reason=completion.finish_reason,
-                weight_version=completion.weight_version,
+                weight_version=row_fields(completion)[0],
                 answer=prompt.answer,
                 metadata=prompt.metadata,
+                token_versions=completion.token_versions,
             )
 
 
 def rollouts_from_batch(batch) -> list[Rollout]:
-    """Queue rows (prompt, response and optional reward columns) -> `Rollout` records."""
+    """Queue rows (prompt, response and optional reward and loss-mask columns) -> `Rollout` records."""
     meta = batch.meta
     columns = batch.data
     rewards = columns["reward"].tolist() if "reward" in columns else [None] * len(meta)
+    masks = [m.tolist() for m in batch.rows("loss_mask")] if "loss_mask" in columns else [None] * len(meta)
     prompts, responses, logprobs = batch.rows("prompt_ids"), batch.rows("response_ids"), batch.rows("rollout_logprobs")
     return [
         Rollout(
@@ -158,6 +189,11 @@ def rollouts_from_batch(batch) -> list[Rollout]:
             answer=meta.metadata[i]["answer"],
             metadata=meta.metadata[i],
             reward=rewards[i],
+            token_versions=(
+                expand_version_runs(meta.metadata[i]["version_runs"], len(responses[i]))
+                if "version_runs" in meta.metadata[i] else None
+            ),
+            loss_mask=masks[i],
         )
         for i in range(len(meta))
     ]

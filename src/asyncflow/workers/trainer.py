@@ -2,7 +2,14 @@
 
 Owns: turning scored groups into per-token advantages (the configured estimator, DAPO dynamic
 sampling and overlong filtering) and accumulating the clipped policy loss (+ KL to the
-reference, entropy bonus, optional truncated importance sampling) micro-batch by micro-batch.
+reference, entropy bonus, optional train/inference mismatch correction) micro-batch by micro-batch,
+with the staleness and mismatch metrics of each step.
+
+Staleness is counted per row and per token: a row's staleness (what `max_staleness` bounds, and
+`staleness/mean|max` report) is the policy version minus its oldest token's version; `staleness/token_mean|max`
+average over tokens, and `staleness/rows_spanning_versions` is the fraction of partial rollouts (rows
+whose tokens were sampled by more than one version). A token sampled by an older version than the
+policy is stale on its own: its PPO old log-prob is its own sampling log-prob (`stale_old_logprobs`).
 
 Invariants:
 - Losses are accumulated as *sums* and the whole batch's normaliser (tokens or sequences) is
@@ -14,11 +21,13 @@ Invariants:
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from asyncflow.algos.advantages import compute_advantages
+from asyncflow.algos.correction import mismatch_sums
 from asyncflow.algos.filtering import keep_groups_with_variance
 from asyncflow.algos.losses import rl_objective
 from asyncflow.config import AlgoConfig
@@ -28,6 +37,8 @@ from asyncflow.models.tri_model import TriLogProbs
 from asyncflow.workers.rollout import Rollout, complete_groups, rollouts_from_batch
 
 TRAIN_COLUMNS = ["prompt_ids", "response_ids", "rollout_logprobs", "reward"]
+PER_SEQUENCE_STATS = ("mismatch/masked_sequences_fraction",)  # step metrics divided by sequences, not tokens
+LOSS_MASK_COLUMN = "loss_mask"  # written by multi-turn rollouts: 1 = model-sampled token (trained)
 
 
 class StalenessError(RuntimeError):
@@ -76,9 +87,60 @@ class StepAccumulator:
             self.stats[k] = self.stats.get(k, 0.0) + v * weight
 
 
+@dataclass
+class PolicyLoss:
+    """`rl_objective` of one micro-batch as a picklable `RowLoss` (an engine on several ranks ships each rank
+    the `select` of its rows). advantages, rollout_logprobs [N, L] (right-padded), stale [N] bool,
+    lengths [N] response lengths; moved to the log-probs' device when called."""
+
+    advantages: torch.Tensor  # [N, L]
+    rollout_logprobs: torch.Tensor  # [N, L]
+    stale: torch.Tensor | None  # [N, L] bool: tokens whose PPO old log-prob is their sampling log-prob
+    current: torch.Tensor  # [N, L] bool: tokens sampled by the weights the trainer holds
+    lengths: list[int]
+    algo: AlgoConfig
+
+    def __call__(self, out: TriLogProbs) -> tuple[torch.Tensor, dict[str, float]]:
+        algo, device = self.algo, out.policy.logprobs.device
+        rollout_logprobs = self.rollout_logprobs.to(device)
+        loss, stats = rl_objective(
+            out.policy.logprobs,
+            out.policy.mask,
+            out.old,
+            rollout_logprobs,
+            self.advantages.to(device),
+            entropy=out.policy.entropy,
+            ref_logprobs=out.ref,
+            stale=None if self.stale is None else self.stale.to(device),
+            clip_low=algo.clip_low,
+            clip_high=algo.clip_high,
+            aggregation=algo.loss_agg,
+            kl_coef=algo.kl_coef,
+            kl_estimator=algo.kl_estimator,
+            entropy_coef=algo.entropy_coef,
+            correction=algo.mismatch_correction,
+            correction_threshold=algo.mismatch_threshold,
+        )
+        gap = mismatch_sums(out.old, rollout_logprobs, out.policy.mask, same_version=self.current.to(device))
+        return loss, {**stats, **{f"mismatch/{name}": value for name, value in gap.items()}}
+
+    def select(self, rows: Sequence[int]) -> PolicyLoss:
+        """The loss of `rows` alone, padded to their own longest response."""
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        lengths = [self.lengths[i] for i in rows]
+        width = max(lengths, default=0)
+        return PolicyLoss(
+            self.advantages[index, :width], self.rollout_logprobs[index, :width],
+            None if self.stale is None else self.stale[index, :width], self.current[index, :width], lengths, self.algo,
+        )
+
+
 class PolicyTrainer:
-    def __init__(self, engine: TrainEngine, algo: AlgoConfig, *, micro_batch_size: int, temperature: float):
+    def __init__(self, engine: TrainEngine, algo: AlgoConfig, *, micro_batch_size: int, temperature: float,
+                 loss_mask: bool = False):
+        """`loss_mask`: rows carry a `loss_mask` column (multi-turn rollouts); only its 1s are trained."""
         self.engine = engine
+        self.columns = TRAIN_COLUMNS + ([LOSS_MASK_COLUMN] if loss_mask else [])
         self.algo = algo
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature if temperature > 0 else 1.0
@@ -91,16 +153,19 @@ class PolicyTrainer:
         """Consume complete groups of `partition` in completion order, accumulating gradients; the next
         micro-batch is read from the queue while this one trains.
 
-        Checks every row: `policy_version - row.weight_version <= max_staleness`. Returns the consumed
+        Checks every row: `policy_version - row.weight_version <= max_staleness` (its oldest token) and no token
+        newer than the policy. Returns the consumed
         rollouts and their stats (call `finish_step` afterwards for the update). With a `timeline`,
         records `wait_rows` (blocked on the queue) and `train_micro_batch` spans; with `cores` (a
         `CoreLending`) the trainer is idle while it waits for rows and busy otherwise. `alive` is called
         while it waits and raises if the workers producing the rows have failed."""
         rollouts: list[Rollout] = []
         staleness: list[int] = []
+        token_staleness: list[int] = []
+        spanning = 0
         dropped = 0.0
         batches = queue.loader(
-            partition, "train", TRAIN_COLUMNS, group_size * groups_per_batch, sampler=sampler, timeout=timeout,
+            partition, "train", self.columns, group_size * groups_per_batch, sampler=sampler, timeout=timeout,
             alive=alive, prefetch=True,  # the trainer writes nothing back for its rows
         )
         while True:
@@ -117,11 +182,14 @@ class PolicyTrainer:
                 break
             rows = rollouts_from_batch(batch)
             for r in rows:
+                versions = r.versions()
                 staleness.append(policy_version - r.weight_version)
-                if not 0 <= staleness[-1] <= max_staleness:
+                token_staleness.extend(policy_version - v for v in versions)
+                spanning += len(set(versions)) > 1
+                if not (0 <= staleness[-1] <= max_staleness and max(versions, default=0) <= policy_version):
                     raise StalenessError(
-                        f"row of group {r.group_id} in {partition!r} was generated by weight version "
-                        f"{r.weight_version} "
+                        f"row of group {r.group_id} in {partition!r} was generated by weight versions "
+                        f"{min(versions, default=r.weight_version)}..{max(versions, default=r.weight_version)} "
                         f"but the policy is at version {policy_version} (max_staleness={max_staleness})"
                     )
             groups = list(complete_groups(rows, group_size))
@@ -136,6 +204,9 @@ class PolicyTrainer:
             "filtered/dropped_samples": dropped,
             "staleness/mean": sum(staleness) / max(1, len(staleness)),
             "staleness/max": float(max(staleness, default=0)),
+            "staleness/token_mean": sum(token_staleness) / max(1, len(token_staleness)),
+            "staleness/token_max": float(max(token_staleness, default=0)),
+            "staleness/rows_spanning_versions": spanning / max(1, len(staleness)),
         }
 
     def accumulate(self, rollouts: list[Rollout], policy_version: int | None = None) -> None:
@@ -147,38 +218,20 @@ class PolicyTrainer:
 
     def _micro_batch(self, batch: list[Rollout], policy_version: int | None = None) -> None:
         algo = self.algo
-        samples = [TrainSample(r.prompt_ids, r.response_ids, r.group_id) for r in batch]
+        samples = [TrainSample(r.prompt_ids, r.response_ids, r.group_id, r.loss_mask) for r in batch]
         L = max(len(r.response_ids) for r in batch)
         device = self.engine.device
         advantages = padded([r.advantages for r in batch], L).to(device)
         rollout_logprobs = padded([r.rollout_logprobs for r in batch], L).to(device)
-        stale = torch.tensor([
-            algo.stale_old_logprobs == "rollout" and policy_version is not None
-            and r.weight_version is not None and r.weight_version < policy_version
-            for r in batch
-        ], device=device)  # fmt: skip
+        # Tokens sampled by the weights the trainer holds (all of them without a version to compare with).
+        current = torch.ones(len(batch), L, dtype=torch.bool, device=device)
+        if policy_version is not None:
+            current = padded([[float(v == policy_version) for v in r.versions()] for r in batch], L).bool().to(device)
+        stale = ~current if algo.stale_old_logprobs == "rollout" else None
 
-        def loss_fn(out: TriLogProbs):
-            return rl_objective(
-                out.policy.logprobs,
-                out.policy.mask,
-                out.old,
-                rollout_logprobs,
-                advantages,
-                entropy=out.policy.entropy,
-                ref_logprobs=out.ref,
-                stale=stale,
-                clip_low=algo.clip_low,
-                clip_high=algo.clip_high,
-                aggregation=algo.loss_agg,
-                kl_coef=algo.kl_coef,
-                kl_estimator=algo.kl_estimator,
-                entropy_coef=algo.entropy_coef,
-                tis_cap=algo.tis_cap,
-            )
-
+        loss_fn = PolicyLoss(advantages, rollout_logprobs, stale, current, [len(r.response_ids) for r in batch], algo)
         stats = self.engine.backward_micro_batch(samples, loss_fn, temperature=self.temperature)
-        n_tokens = sum(len(r.response_ids) for r in batch)
+        n_tokens = sum(len(r.response_ids) if r.loss_mask is None else sum(r.loss_mask) for r in batch)
         self.acc.tokens += n_tokens
         self.acc.sequences += len(batch)
         self.acc.add({k: v for k, v in stats.items() if k != "loss"}, 1.0)
@@ -193,8 +246,17 @@ class PolicyTrainer:
         else:
             denom = acc.tokens if self.algo.loss_agg == "token_mean" else acc.sequences
             result = self.engine.optimizer_step(grad_scale=1.0 / denom)
-            metrics = {k: v / acc.tokens for k, v in acc.stats.items() if k != "loss"}
+            same_version = acc.stats.pop("mismatch/same_version_tokens", 0.0)
+            same_version_gap = acc.stats.pop("mismatch/abs_log_ratio_same_version", 0.0)
+            metrics = {
+                k: v / (acc.sequences if k in PER_SEQUENCE_STATS else acc.tokens)
+                for k, v in acc.stats.items() if k != "loss"
+            }
             metrics["loss"] = acc.stats.get("loss", 0.0) / denom
+            # the engines' mismatch alone: null in a step that trained no token of the current version
+            metrics["mismatch/abs_log_ratio_same_version"] = (
+                same_version_gap / same_version if same_version else float("nan")
+            )
         metrics.update({"grad_norm": result["grad_norm"], "lr": result["lr"], "train/skipped_step": result["skipped"]})
         metrics.update({"train/sequences": float(acc.sequences), "train/tokens": float(acc.tokens)})
         return metrics

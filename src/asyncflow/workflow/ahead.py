@@ -13,7 +13,7 @@ sampler states come back bit for bit).
 Invariants:
 - A row is identified by (group id, sample index); the resumed run re-feeds the partition from the
   same data cursor, so the prompts, group ids and sample indices match, or `replay_rows` refuses.
-- Replayed rows keep their weight versions and finish reasons, and are consumed and acknowledged for
+- Replayed rows keep their weight versions (per token too) and finish reasons, and are consumed and acknowledged for
   the rollout task (and the reward task, when it is registered), so no worker generates or scores
   them again; the trainer sees ordinary rows.
 """
@@ -44,24 +44,34 @@ def decode_tensor(encoded: dict) -> torch.Tensor:
     return torch.from_numpy(array.astype(array.dtype.newbyteorder("="), copy=True))
 
 
-def read_rows(queue, partition: str, num_rows: int, timeout: float) -> dict:
+def read_rows(queue, partition: str, num_rows: int, timeout: float, *, loss_mask: bool = False) -> dict:
     """Every row of a partition whose `ROW_COLUMNS` are all written, as JSON-able data; consumes nothing for
-    the workers (the reading task is reset afterwards)."""
-    meta = queue.request(partition, READER, ROW_COLUMNS, num_rows, timeout=timeout)
+    the workers (the reading task is reset afterwards). `loss_mask`: the rows have one (multi-turn)."""
+    meta = queue.request(partition, READER, ROW_COLUMNS + ["loss_mask"] * loss_mask, num_rows, timeout=timeout)
     if len(meta) != num_rows:
         raise RuntimeError(f"checkpoint: read {len(meta)} of the {num_rows} finished rows of {partition!r}")
     batch = queue.get(meta)
     queue.reset(partition, READER)
+    masks = {"loss_mask": encode_tensor(batch.data["loss_mask"])} if loss_mask else {}
     return {
+        **masks,
         "group_ids": list(meta.group_ids),
         "sample_index": [m["sample_index"] for m in meta.metadata],
         "weight_version": list(meta.weight_versions),
         "finish_reason": [m.get("finish_reason", "stop") for m in meta.metadata],
+        "version_runs": [m.get("version_runs") for m in meta.metadata],  # partial rollouts' per-token versions
         "response_lengths": batch.lengths["response_ids"].tolist(),
         "response_ids": encode_tensor(batch.data["response_ids"]),
         "rollout_logprobs": encode_tensor(batch.data["rollout_logprobs"]),
         "reward": encode_tensor(batch.data["reward"]),
     }
+
+
+def row_metadata(rows: dict, i: int) -> dict:
+    """The row metadata rollout wrote for row `i` of `read_rows` (checkpoints older than partial rollouts
+    carry no `version_runs`)."""
+    runs = rows.get("version_runs", [None] * len(rows["group_ids"]))[i]
+    return {"finish_reason": rows["finish_reason"][i], **({"version_runs": runs} if runs else {})}
 
 
 def replay_rows(queue, partition: str, rows: dict, tasks: Sequence[str], timeout: float) -> int:
@@ -81,12 +91,15 @@ def replay_rows(queue, partition: str, rows: dict, tasks: Sequence[str], timeout
     responses = decode_tensor(rows["response_ids"]).split(lengths)
     logprobs = decode_tensor(rows["rollout_logprobs"]).split(lengths)
     rewards = decode_tensor(rows["reward"])
+    columns = {"response_ids": [responses[i] for i in order], "rollout_logprobs": [logprobs[i] for i in order],
+               "reward": rewards[order]}
+    if "loss_mask" in rows:
+        masks = decode_tensor(rows["loss_mask"]).split(lengths)
+        columns["loss_mask"] = [masks[i] for i in order]
     queue.write(
-        partition, meta.indices,
-        {"response_ids": [responses[i] for i in order], "rollout_logprobs": [logprobs[i] for i in order],
-         "reward": rewards[order]},
+        partition, meta.indices, columns,
         weight_version=[rows["weight_version"][i] for i in order],
-        metadata=[{"finish_reason": rows["finish_reason"][i]} for i in order],
+        metadata=[row_metadata(rows, i) for i in order],
     )  # fmt: skip
     queue.ack(partition, "rollout", meta.indices)
     if "reward" in tasks:

@@ -2,9 +2,11 @@
 
 Owns: writing, verifying and reading a checkpoint folder:
 - `model.safetensors`: policy weights;
-- `training_state.pt`: optimizer and LR schedule state;
+- `training_state.pt`: optimizer and LR schedule state (and the LoRA adapter, under LoRA);
 - `rng.pt`: python, numpy and torch RNG states (and the inference engine's generator);
 - `state.json`: step, data position, weight version, counters;
+- `sharded/` (multi-rank engines only): every rank's shards of weights and optimizer state, written by
+  `torch.distributed.checkpoint` (`.metadata` and one `.distcp` per rank);
 - `manifest.json`: the size and sha256 of each file above, written last.
 
 Invariants:
@@ -37,6 +39,7 @@ from safetensors.torch import load_file, save_file
 STEP_PREFIX = "step_"
 MANIFEST = "manifest.json"
 FILES = ("model.safetensors", "training_state.pt", "rng.pt", "state.json")
+SHARDED_DIR = "sharded"
 _STEP_NAME = re.compile(rf"{STEP_PREFIX}(\d+)")
 
 
@@ -53,8 +56,10 @@ class CheckpointWriteError(OSError):
 
 def save_checkpoint(
     run_dir: Path, step: int, weights: dict[str, torch.Tensor], training_state: dict, state: dict,
-    generator_state: torch.Tensor | None = None, keep: int = 2,
+    generator_state: torch.Tensor | None = None, keep: int = 2, write_sharded: Callable[[Path], None] | None = None,
 ) -> Path:
+    """Write checkpoint `step_N` (see the module docstring); `write_sharded(folder)` writes a multi-rank engine's
+    shards into `sharded/` (every file of it goes into the manifest)."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"{STEP_PREFIX}{step}"
     tmp = root / f".tmp_{STEP_PREFIX}{step}"
@@ -82,6 +87,12 @@ def save_checkpoint(
             current = tmp / name
             write(current)
             manifest[name] = _fsync_and_describe(current)
+        if write_sharded is not None:
+            current = tmp / SHARDED_DIR
+            write_sharded(current)
+            for path in sorted(current.iterdir()):
+                manifest[f"{SHARDED_DIR}/{path.name}"] = _fsync_and_describe(path)
+            _fsync(current)
         current = tmp / MANIFEST
         current.write_text(json.dumps({"step": step, "files": manifest}, indent=2))
         _fsync_and_describe(current)
@@ -126,7 +137,8 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def verify_checkpoint(checkpoint: Path, files: tuple[str, ...] = FILES) -> None:
-    """Raise `CheckpointError` naming the first of `files` that is missing, cut off or altered."""
+    """Raise `CheckpointError` naming the first of `files` that is missing, cut off or altered (with the default
+    `files`, the `sharded/` files its manifest lists too)."""
     checkpoint = Path(checkpoint)
     if not checkpoint.is_dir():
         raise FileNotFoundError(
@@ -139,6 +151,8 @@ def verify_checkpoint(checkpoint: Path, files: tuple[str, ...] = FILES) -> None:
             manifest = json.loads(manifest_path.read_text())["files"]
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
             raise CheckpointError(f"{manifest_path}: damaged (not a checkpoint manifest)") from None
+    if files == FILES and manifest is not None:
+        files = files + tuple(name for name in manifest if name.startswith(f"{SHARDED_DIR}/"))
     for name in files:
         path = checkpoint / name
         if not path.is_file():
@@ -159,6 +173,12 @@ def load_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     checkpoint = Path(checkpoint)
     verify_checkpoint(checkpoint, files=("model.safetensors",))
     return _read(checkpoint / "model.safetensors", lambda path: load_file(str(path)))
+
+
+def load_training_state(checkpoint: Path) -> dict:
+    checkpoint = Path(checkpoint)
+    verify_checkpoint(checkpoint, files=("training_state.pt",))
+    return _read(checkpoint / "training_state.pt", lambda path: torch.load(path, weights_only=False))
 
 
 def load_checkpoint(checkpoint: Path) -> tuple[dict[str, torch.Tensor], dict, dict, dict]:

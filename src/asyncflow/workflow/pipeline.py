@@ -59,11 +59,13 @@ log = logging.getLogger(__name__)
 
 def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     """Reward, length and truncation statistics of a step's rows, and which prompts they were: group ids are
-    handed out in data order, so `data/groups` distinct ids spanning `data/group_id_min..max` name them."""
+    handed out in data order, so `data/groups` distinct ids spanning `data/group_id_min..max` name them. For
+    multi-turn episodes also `env/turns_mean`, `env/sampled_tokens` (trained) and the step's tool calls, tool
+    errors, tool timeouts and malformed calls."""
     rewards = np.array([r.reward for r in rollouts], dtype=np.float64)
     lengths = np.array([len(r.response_ids) for r in rollouts], dtype=np.float64)
     groups = {r.group_id for r in rollouts}
-    return {
+    metrics = {
         "data/groups": float(len(groups)),
         "data/group_id_min": float(min(groups, default=-1)),
         "data/group_id_max": float(max(groups, default=-1)),
@@ -75,6 +77,13 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
         "rollout/samples": float(len(rollouts)),
         "rollout/tokens": float(lengths.sum()),
     }
+    if rollouts and "turns" in rollouts[0].metadata:  # multi-turn episodes (`asyncflow.workers.multiturn`)
+        metrics["env/turns_mean"] = float(np.mean([r.metadata.get("turns", 0) for r in rollouts]))
+        trained = [sum(r.loss_mask) for r in rollouts if r.loss_mask is not None]
+        metrics["env/sampled_tokens"] = float(sum(trained))
+        for key in ("env/tool_calls", "env/tool_errors", "env/tool_timeouts", "env/malformed_calls"):
+            metrics[key] = float(sum(r.metadata.get(key, 0) for r in rollouts))
+    return metrics
 
 
 def feed_prompts(run, queue: TransferQueue, step: int) -> None:
@@ -102,7 +111,9 @@ class PipelineWorkflow:
         self.timeout = cfg.runtime.call_timeout_s
         # Registered tasks must acknowledge a partition before it is cleared: a replica that scores its own
         # responses leaves no separate reward task to wait for.
-        scored_in_rollout = self.mode != "sync" and runtime.scores_in_rollout
+        # A multi-turn rollout writes the rewards its environments gave, in every mode.
+        scored_in_rollout = (self.mode != "sync" and runtime.scores_in_rollout) or run.multiturn is not None
+        self.scored_in_rollout = scored_in_rollout
         self.tasks = ["rollout", "train"] if scored_in_rollout else ["rollout", "reward", "train"]
         self.queue = runtime.make_queue(tasks=self.tasks)
         self.runtime = runtime
@@ -126,7 +137,10 @@ class PipelineWorkflow:
         t0 = time.time()
         run.rollout.run_partition(self.queue, partition, batch_size=cfg.rollout.max_batch_size, timeout=self.timeout)
         t1 = time.time()
-        run.rewards.run_partition(self.queue, partition, batch_size=cfg.rollout.max_batch_size, timeout=self.timeout)
+        if not self.scored_in_rollout:
+            run.rewards.run_partition(
+                self.queue, partition, batch_size=cfg.rollout.max_batch_size, timeout=self.timeout
+            )
         t2 = time.time()
         rollouts, stats = self._train(run, partition, groups_per_batch=cfg.rollout.prompts_per_step)
         t3 = time.time()
@@ -157,7 +171,7 @@ class PipelineWorkflow:
             run, self.queue, self.publisher.receiver_spec, steps, max_staleness=self.k,
             make_scorer=partial(make_reward_worker, cfg), sampler_states=samplers,
         )
-        if not self.runtime.scores_in_rollout:
+        if not self.scored_in_rollout:
             self.reward_thread = BackgroundThread(
                 "reward", reward_loop, run.rewards, self.queue, steps, batch_size=cfg.rollout.group_size,
                 timeout=self.timeout, timeline=run.timeline,
@@ -233,7 +247,8 @@ class PipelineWorkflow:
         for step in range(run.step, fed + 1):
             if not self._finished(step):
                 break
-            rows = read_rows(self.queue, partition_name(step), self._rows_per_partition(run), self.timeout)
+            rows = read_rows(self.queue, partition_name(step), self._rows_per_partition(run), self.timeout,
+                             loss_mask=run.multiturn is not None)
             ahead.append({"step": step, **rows})
         samplers = self.runtime.sampler_states(run.step - 1 + len(ahead), self.timeout)
         state["rollouts_ahead"] = ahead

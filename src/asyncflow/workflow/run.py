@@ -2,8 +2,8 @@
 
 Owns: building the pieces a workflow needs from the config (policy, inference engine, reward,
 trainer, datasets), writing the run's outputs (config.yaml, metrics.jsonl, checkpoints/, plots,
-TensorBoard) into a run folder claimed through `asyncflow.workflow.run_folder`, resuming from the
-checkpoint its plan names, and the non-finite-loss policy.
+TensorBoard, the final export) into a run folder claimed through `asyncflow.workflow.run_folder`,
+resuming from the checkpoint its plan names, and the non-finite-loss policy.
 
 The workflow (`sync`, `stream`, `async`) only decides how one step's rollouts are produced and
 consumed; see `asyncflow.workflow.pipeline`.
@@ -33,24 +33,28 @@ from pathlib import Path
 import torch
 
 from asyncflow.config import Config
-from asyncflow.engines.base import make_inference_engine
-from asyncflow.engines.torch_train import TorchTrainEngine
+from asyncflow.engines.base import ShardedCheckpointing, make_inference_engine, make_train_engine
 from asyncflow.models.loading import load_model, load_tokenizer, resolve_model_path
 from asyncflow.observe import MetricsLogger, Timeline, TrainProgress, plot_metrics
 from asyncflow.rewards import RewardHealth
+from asyncflow.workers.loops import check_updates_in_flight
 from asyncflow.workers.reward import RewardWorker
-from asyncflow.workers.rollout import Prompt, RolloutWorker
+from asyncflow.workers.multiturn import make_rollout_worker
+from asyncflow.workers.rollout import Prompt
 from asyncflow.workers.trainer import PolicyTrainer
-from asyncflow.workflow.checkpoint import load_checkpoint, save_checkpoint
+from asyncflow.workflow.checkpoint import SHARDED_DIR, CheckpointError, load_checkpoint, save_checkpoint
 from asyncflow.workflow.evaluation import evaluate
+from asyncflow.workflow.export import EXPORT_DIR, export_run
 from asyncflow.workflow.run_folder import Plan, RunFolder
 from asyncflow.workflow.setup import (
     Preflight,
     build_reward_runner,
     datasets,
+    multiturn_spec,
     prompt_encoder,
     sampling_params,
     seed_everything,
+    train_engine_options,
 )
 
 log = logging.getLogger(__name__)
@@ -80,31 +84,26 @@ class RLRun:
         self.model_path = resolve_model_path(config.model.path, seed=config.run.seed)
         self.tokenizer = load_tokenizer(self.model_path)
         policy = self._load_policy()
-        self.train_engine = TorchTrainEngine(
-            policy,
-            lr=config.train.lr,
-            weight_decay=config.train.weight_decay,
-            betas=config.train.betas,
-            grad_clip=config.train.grad_clip,
-            lr_schedule=config.train.lr_schedule,
-            warmup_steps=config.train.warmup_steps,
-            total_steps=config.train.steps,
-            use_reference=config.algo.kl_coef > 0,
-            packing=config.train.packing,
+        rollout_model = copy.deepcopy(policy).eval().requires_grad_(False)  # before LoRA adds adapters to `policy`
+        self.train_engine = make_train_engine(
+            config.train.engine, **train_engine_options(config, policy, self.model_path)
         )
-        rollout_model = copy.deepcopy(policy).eval().requires_grad_(False)
         self.inference_engine = make_inference_engine(
             config.rollout.engine, model=rollout_model, max_batch_size=config.rollout.max_batch_size,
             device=config.model.device, seed=config.run.seed,
         )
+        if config.rollout.on_weight_update == "resume":
+            check_updates_in_flight(self.inference_engine)
         self.params = sampling_params(config, self.tokenizer)
         self.eval_params = sampling_params(config, self.tokenizer, greedy=True)
-        self.rollout = RolloutWorker(self.inference_engine, self.params, config.rollout.group_size)
+        self.multiturn = multiturn_spec(config)
+        self.rollout = make_rollout_worker(self.inference_engine, self.params, config.rollout.group_size,
+                                           multiturn=self.multiturn, tokenizer=self.tokenizer)
         self.rewards = RewardWorker(build_reward_runner(config), self.tokenizer)
         self.reward_health = RewardHealth(config.reward.max_error_fraction, config.reward.max_error_steps)
         self.trainer = PolicyTrainer(
             self.train_engine, config.algo, micro_batch_size=config.train.micro_batch_size,
-            temperature=config.rollout.temperature,
+            temperature=config.rollout.temperature, loss_mask=self.multiturn is not None,
         )
         self.train_set, self.test_set = (checked.train_set, checked.test_set) if checked else datasets(config)
         self.encoder = prompt_encoder(config, self.tokenizer)
@@ -120,6 +119,7 @@ class RLRun:
         self.start_wall = 0.0
         self.timeline = Timeline()
         self.eval_engine = None  # built on first evaluation
+        self.eval_episodes = None  # its multi-turn worker, with `env.name`
         resuming = plan is not None and plan.checkpoint is not None
         if resuming:
             self._resume(plan.checkpoint)
@@ -178,20 +178,29 @@ class RLRun:
 
     def save(self) -> Path:
         generator = getattr(self.inference_engine, "generator", None)
+        engine = self.train_engine
         return save_checkpoint(
             self.run_dir,
             self.step,
-            self.train_engine.state_dict(),
-            self.train_engine.training_state(),
+            engine.state_dict(),
+            engine.training_state(),
             self._state(),
             generator.get_state() if generator is not None else None,
             keep=self.config.checkpoint.keep,
+            write_sharded=engine.save_sharded if isinstance(engine, ShardedCheckpointing) else None,
         )
 
     def _resume(self, checkpoint: Path) -> None:
         weights, training_state, state, rng = load_checkpoint(checkpoint)
-        self.train_engine.load_state_dict(weights)
-        self.train_engine.load_training_state(training_state)
+        sharded = checkpoint / SHARDED_DIR
+        if isinstance(self.train_engine, ShardedCheckpointing) and sharded.is_dir():
+            self.train_engine.load_sharded(sharded)  # weights and optimizer state, resharded to this world size
+            self.train_engine.load_training_state(training_state)
+        elif sharded.is_dir():
+            raise CheckpointError(f"{checkpoint}: written by a multi-rank engine (its optimizer state is sharded in "
+                                  f"{SHARDED_DIR}/): resume it with train.engine=fsdp2 (any train.world_size)")
+        else:
+            self.train_engine.load_checkpoint(weights, training_state)
         self.step = state["step"]
         self.version = state["version"]
         self.data_position = state["data_position"]
@@ -226,14 +235,27 @@ class RLRun:
                 device=self.config.model.device,
                 seed=self.config.run.seed,
             )
+            if self.multiturn is not None:
+                self.eval_episodes = make_rollout_worker(self.eval_engine, self.eval_params, 1,
+                                                         multiturn=self.multiturn, tokenizer=self.tokenizer)
         self.eval_engine.update_weights(self.train_engine.state_dict(), self.version)
         t0 = time.time()
-        result = evaluate(self.eval_engine, self.rewards, self.encoder, self.test_set, self.eval_params)
+        result = evaluate(self.eval_engine, self.rewards, self.encoder, self.test_set, self.eval_params,
+                          episodes=self.eval_episodes)
         self.timeline.add_span("trainer", "evaluate", t0, time.time(), step=self.step)
         return result
 
     def train(self, workflow) -> list[dict]:
-        """Run `workflow.step(self)` until `train.steps`; returns the logged metrics rows."""
+        """Run `workflow.step(self)` until `train.steps`; returns the logged metrics rows. The training engine is
+        closed at the end (a multi-rank engine stops its ranks), also when a step fails."""
+        try:
+            return self._train(workflow)
+        finally:
+            close = getattr(self.train_engine, "close", None)
+            if close is not None:
+                close()
+
+    def _train(self, workflow) -> list[dict]:
         cfg = self.config
         history = []
         self.workflow = workflow
@@ -249,8 +271,14 @@ class RLRun:
         show = {"reward": "reward/mean", "acc": "eval/accuracy", "loss": "loss", "entropy": "entropy"}
         if cfg.algo.kl_coef > 0:  # `kl` is measured only against a reference model
             show["kl"] = "kl"
+        show["mismatch"] = "mismatch/abs_log_ratio"
+        if cfg.algo.mismatch_correction != "off":
+            show["corrected"] = {"token_tis": "mismatch/truncated_tokens_fraction",
+                                 "geo_mis": "mismatch/masked_sequences_fraction"}[cfg.algo.mismatch_correction]
         if cfg.workflow.mode == "async":
             show["stale"] = "staleness/mean"
+            if cfg.rollout.on_weight_update == "resume":
+                show["spanning"] = "staleness/rows_spanning_versions"
         bar = TrainProgress(
             cfg.train.steps,
             initial=self.step,
@@ -282,6 +310,8 @@ class RLRun:
         workflow.close()
         self.metrics.close()
         self.write_reports()
+        if cfg.export.at_end:
+            export_run(self.run_dir, self.run_dir / EXPORT_DIR, merged=cfg.export.merged, replace=True)
         return history
 
     def write_reports(self) -> None:

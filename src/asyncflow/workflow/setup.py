@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,9 +23,15 @@ from asyncflow.config import Config
 from asyncflow.data import DatasetError, Example, make_task
 from asyncflow.data.prompts import PromptEncoder, TrainSet, open_datasets
 from asyncflow.engines.base import SamplingParams
+from asyncflow.envs.base import resolve_environment
+from asyncflow.envs.tools import SandboxLimits
 from asyncflow.models.loading import load_tokenizer, prompt_lengths, render_prompt, resolve_model_path
 from asyncflow.rewards import RewardRunner, check_reward_specs
+from asyncflow.workers.multiturn import MultiTurnSpec
 from asyncflow.workers.reward import RewardWorker
+
+if TYPE_CHECKING:
+    from asyncflow.engines.lora import LoRASettings
 
 
 def seed_everything(seed: int) -> None:
@@ -43,6 +50,42 @@ def prompt_encoder(config: Config, tokenizer) -> PromptEncoder:
     return PromptEncoder(
         lambda text: render_prompt(tokenizer, text, use_chat), config.data.max_prompt_tokens, config.data.on_long_prompt
     )
+
+
+def lora_settings(config: Config) -> LoRASettings | None:
+    """The LoRA settings of `config.train.lora`, or None when `rank` is 0 (peft is imported only otherwise)."""
+    lora = config.train.lora
+    if lora.rank == 0:
+        return None
+    from asyncflow.engines.lora import LoRASettings
+
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else tuple(lora.target_modules)
+    return LoRASettings(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=targets)
+
+
+def train_engine_options(config: Config, policy: torch.nn.Module, model_path) -> dict:
+    """Keyword arguments of `make_train_engine(config.train.engine, ...)`. A multi-rank engine also gets
+    `world_size`, `model_path` (its ranks load the policy themselves), `dtype`, `timeout_s` and `launcher`: its
+    ranks are Ray actors under the Ray runtime, local processes under the inline one."""
+    t = config.train
+    options = dict(
+        model=policy, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas, grad_clip=t.grad_clip,
+        lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=t.steps,
+        use_reference=config.algo.kl_coef > 0, packing=t.packing,
+    )
+    if t.engine == "torch":
+        return {**options, "lora": lora_settings(config)}
+    from asyncflow.runtime.factory import runtime_kind
+
+    launcher = "processes"
+    if runtime_kind(config) == "ray":
+        from asyncflow.runtime.ray_runtime import ray_rank_launcher
+
+        launcher = ray_rank_launcher(config)
+    return {
+        **options, "world_size": t.world_size, "model_path": str(model_path), "dtype": config.model.dtype,
+        "timeout_s": config.runtime.call_timeout_s, "launcher": launcher,
+    }
 
 
 def reward_specs(config: Config) -> list[str]:
@@ -70,6 +113,25 @@ def make_reward_worker(config: Config) -> RewardWorker:
     return RewardWorker(build_reward_runner(config), tokenizer)
 
 
+def multiturn_spec(config: Config) -> MultiTurnSpec | None:
+    """The multi-turn rollout settings of `env` (None without `env.name`: single-turn rollouts). The
+    environment's final answers are scored by `reward.fns`."""
+    env = config.env
+    if env.name is None:
+        return None
+    specs = reward_specs(config)
+    weights = config.reward.weights or [1.0] * len(specs)
+    return MultiTurnSpec(
+        env=env.name, reward_specs=tuple(zip(specs, weights)), max_turns=env.max_turns,
+        max_context_tokens=env.max_context_tokens, concurrency=env.concurrency or config.rollout.max_batch_size,
+        tool_timeout_s=env.tool_timeout_s, tool_workers=env.tool_workers,
+        max_tool_output_chars=env.max_tool_output_chars,
+        sandbox=SandboxLimits(timeout_s=env.tool_timeout_s, cpu_s=env.python_cpu_s, memory_mb=env.python_memory_mb,
+                              max_output_bytes=env.python_max_output_bytes),
+        use_chat_template=config.model.use_chat_template, turn_timeout_s=config.runtime.call_timeout_s,
+    )
+
+
 def sampling_params(config: Config, tokenizer, *, greedy: bool = False) -> SamplingParams:
     r = config.rollout
     stop = tuple(dict.fromkeys(i for i in [tokenizer.eos_token_id, *r.stop_token_ids] if i is not None))
@@ -94,6 +156,8 @@ def preflight(config: Config, *, training: bool = True) -> Preflight:
     """Every check that needs only the config, in the order a user would fix them. `training=False`
     (`asyncflow eval`) checks the held-out prompts only. Raises ValueError subclasses naming the input."""
     check_reward_spec(config)
+    if config.env.name is not None:
+        resolve_environment(config.env.name)  # raises EnvironmentSpecError naming env.name
     train_set, test_set = check_data(config)
     tokenizer = load_tokenizer(resolve_model_path(config.model.path, seed=config.run.seed))
     if config.data.on_long_prompt == "error":

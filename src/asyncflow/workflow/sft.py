@@ -5,6 +5,9 @@ Owns: the SFT loop (cross-entropy on answer tokens only, AdamW with warm-up then
 decaying LR), its stopping rule, and saving the result as an ordinary Hugging Face folder that
 `model.path` can point at, with `sft_summary.json` beside the weights.
 
+With `env.name` (multi-turn), SFT trains on the environment's tool-use demonstrations (model turns and
+tool outputs as ids, only the model's turns in the loss), and validation runs episodes.
+
 Stopping rule: with `sft.stop_accuracy` set, every `sft.check_every` steps (and at `sft.steps`) the
 model's greedy accuracy is measured on the validation split, exactly as the RL run measures its
 held-out accuracy (same inference engine, sampling parameters and rewards; a sample counts when its
@@ -28,6 +31,7 @@ import logging
 import random
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -39,10 +43,11 @@ from asyncflow.engines.torch_train import lr_lambda
 from asyncflow.models.loading import load_model, load_tokenizer, render_prompt, resolve_model_path
 from asyncflow.models.logprobs import TrainSample, response_logprobs
 from asyncflow.observe.progress import TrainProgress
+from asyncflow.workers.multiturn import make_rollout_worker
 from asyncflow.workers.reward import RewardWorker
 from asyncflow.workflow.evaluation import evaluate
 from asyncflow.workflow.setup import (
-    build_reward_runner, datasets, prompt_encoder, sampling_params, seed_everything,
+    build_reward_runner, datasets, multiturn_spec, prompt_encoder, sampling_params, seed_everything,
 )
 
 log = logging.getLogger(__name__)
@@ -85,13 +90,46 @@ class ValidationProbe:
         self.rewards = RewardWorker(build_reward_runner(config), tokenizer)
         self.encoder = prompt_encoder(config, tokenizer)
         self.params = sampling_params(config, tokenizer, greedy=True)
+        spec = multiturn_spec(config)
+        self.episodes = None if spec is None else make_rollout_worker(
+            self.engine, self.params, 1, multiturn=spec, tokenizer=tokenizer
+        )
         self.version = 0
 
     def accuracy(self, model: torch.nn.Module) -> float:
         self.version += 1
         self.engine.update_weights(model.state_dict(), self.version)
-        result = evaluate(self.engine, self.rewards, self.encoder, self.validation, self.params)
+        result = evaluate(self.engine, self.rewards, self.encoder, self.validation, self.params,
+                          episodes=self.episodes)
         return float(result.get("eval/accuracy", 0.0))
+
+
+def demonstration_samples(config: Config, tokenizer) -> Callable[[Example], TrainSample] | None:
+    """With `env.name`: example -> the SFT sample of its tool-use demonstration (the environment's
+    `demonstration(row)` turns, played through the episode runner, so the ids and loss mask are those a
+    rollout would produce: only the model's turns are trained). None without an environment."""
+    spec = multiturn_spec(config)
+    if spec is None:
+        return None
+    runner = spec.build(tokenizer, sampling_params(config, tokenizer))
+    cache: dict[str, TrainSample] = {}
+
+    def to_sample(example: Example) -> TrainSample:
+        if example.prompt not in cache:
+            row = {"answer": example.answer, **example.metadata}
+            turns = getattr(runner.make_env(), "demonstration", lambda _row: None)(row)
+            if not turns:
+                raise ValueError(f"env.name={spec.env!r} gives no demonstration for {example.source or 'a row'}: "
+                                 "SFT before RL needs one (an environment's demonstration(row) method)")
+            prompt_ids = render_prompt(tokenizer, example.prompt, config.model.use_chat_template)
+            episode = runner.demonstration(prompt_ids, row, turns)
+            if episode.reward < 1.0:
+                raise ValueError(f"the demonstration of {example.source or 'a row'} does not solve it "
+                                 f"(reward {episode.reward}): {turns!r}")
+            cache[example.prompt] = TrainSample(prompt_ids, episode.response_ids, loss_mask=episode.loss_mask)
+        return cache[example.prompt]
+
+    return to_sample
 
 
 def run_sft(config: Config, output: str | Path) -> Path:
@@ -109,6 +147,7 @@ def run_sft(config: Config, output: str | Path) -> Path:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, cfg.steps))
     use_chat = config.model.use_chat_template
+    to_sample = demonstration_samples(config, tokenizer)
     checks: list[tuple[int, float]] = []
     reached = False
     step = 0
@@ -116,13 +155,16 @@ def run_sft(config: Config, output: str | Path) -> Path:
     with TrainProgress(cfg.steps, description="sft", enabled=config.run.progress) as bar:
         while step < cfg.steps and not reached:
             examples = [train[rng.randrange(len(train))] for _ in range(cfg.batch_size)]
-            samples = [
-                TrainSample(
-                    render_prompt(tokenizer, ex.prompt, use_chat),
-                    tokenizer(ex.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id],
-                )
-                for ex in examples
-            ]
+            if to_sample is not None:
+                samples = [to_sample(ex) for ex in examples]
+            else:
+                samples = [
+                    TrainSample(
+                        render_prompt(tokenizer, ex.prompt, use_chat),
+                        tokenizer(ex.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id],
+                    )
+                    for ex in examples
+                ]
             out = response_logprobs(model, samples)
             loss = -(out.logprobs * out.mask).sum() / out.mask.sum()
             loss.backward()

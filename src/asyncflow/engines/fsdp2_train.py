@@ -1,0 +1,567 @@
+"""The FSDP2 training engine (`train.engine: fsdp2`): the policy sharded over N ranks with
+`torch.distributed.fsdp.fully_shard`, driven from the trainer's process like the built-in engine.
+
+Owns: the driver-side `FSDP2TrainEngine` (implements `TrainEngine`), the rank-side `RankTrainer`
+(one per rank, the same code whether the ranks are torch multiprocessing processes or Ray actors),
+`ProcessRanks` (the processes launcher and its command loop), the split of a micro-batch over the
+ranks (`assign_rows`), the full state dict gathered to rank 0 for weight sync, and the sharded
+checkpoint (torch.distributed.checkpoint) of weights and optimizer.
+
+How a step runs: the driver splits each micro-batch over the ranks, balanced by forward tokens and
+keeping GRPO groups whole when packing may use them (`assign_rows`); each rank runs the tri-model
+forward on its rows, the loss object's `select` of those rows (`RowLoss`), and backpropagates the
+loss SUM. Gradients are SUMMED across ranks (`set_force_sum_reduction_for_comms`), so after the
+trainer's `optimizer_step(grad_scale=1 / global tokens or sequences)` they are exactly the
+gradients one process computes on the whole batch, whatever the ranks' token counts: every
+`algo.loss_agg` mode is a per-row sum divided by a count of the whole step (see
+`asyncflow.algos.losses`), and the driver, which sees every row, knows that count.
+
+Invariants:
+- Every rank runs the same sequence of collectives: each micro-batch is a forward and backward on
+  every rank (a rank given no rows runs a zero-weighted forward on a one-token dummy), and a
+  non-finite loss on any rank skips the step on all ranks (the flag is all-reduced).
+- Each call to the ranks and every collective is bounded by `timeout_s`; a rank that dies or fails
+  ends the call with `RankFailedError` naming the rank, and the other ranks are stopped.
+- The full state dict is gathered at most once per weight version (`state_dict` caches it until the
+  next `optimizer_step` or load); rank 0 packs it into buckets (`asyncflow.weights.buckets`).
+- Sharded checkpoints (`save_sharded` / `load_sharded`) hold every rank's weights and optimizer
+  state; DCP reshards them on load, so a checkpoint resumes with another `world_size` too.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+import torch
+
+from asyncflow.engines.base import RowLoss, register_train_engine
+from asyncflow.engines.torch_train import lr_lambda
+from asyncflow.models.logprobs import TrainSample
+from asyncflow.weights.buckets import DEFAULT_BUCKET_BYTES, Manifest, allocate_payload, bucket_views, pack, \
+    plan_buckets, unpack
+
+log = logging.getLogger(__name__)
+POLL_S = 0.05
+ROOT_CAUSE_WAIT_S = 3.0  # after a rank reports an error, how long to look for a rank that died (the cause)
+
+
+class RankFailedError(ChildProcessError):
+    """A training rank died, failed or did not answer in time; the message names the rank and the call (an
+    `OSError`: the command line reports it in one line)."""
+
+
+# ------------------------------------------------------------------------------------------- the split
+def assign_rows(samples: Sequence[TrainSample], world: int, *, keep_groups: bool = True) -> list[list[int]]:
+    """Split a micro-batch's rows over `world` ranks, balanced by forward tokens; -> each rank's row indices
+    (in the micro-batch's order).
+
+    Units are the runs of consecutive rows sharing a `group_id` when `keep_groups` (shared-prompt packing
+    runs a group's prompt once, so a unit costs `P + sum R` tokens) and single rows otherwise (`P + R`).
+    Greedy longest-processing-time: the costliest unit goes to the least loaded rank. With fewer groups
+    than ranks the rows are split individually, so every rank has work whenever there are `world` rows."""
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    units: list[list[int]] = []
+    for i, sample in enumerate(samples):
+        if keep_groups and units and samples[units[-1][0]].group_id == sample.group_id:
+            units[-1].append(i)
+        else:
+            units.append([i])
+    if keep_groups and len(units) < world <= len(samples):
+        units = [[i] for i in range(len(samples))]
+
+    def cost(unit: list[int]) -> int:
+        return len(samples[unit[0]].prompt_ids) + sum(len(samples[i].response_ids) for i in unit)
+
+    loads = [0] * world
+    shares: list[list[int]] = [[] for _ in range(world)]
+    for unit in sorted(units, key=lambda u: (-cost(u), u[0])):
+        rank = min(range(world), key=lambda r: (loads[r], r))
+        loads[rank] += cost(unit)
+        shares[rank].extend(unit)
+    return [sorted(share) for share in shares]
+
+
+# ------------------------------------------------------------------------------------------- one rank
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank needs to build its part of the engine (picklable; sent to every rank)."""
+
+    model_path: str
+    dtype: str = "float32"
+    device: str = "cpu"  # "cpu" or "cuda": rank r uses its local GPU
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float = 1.0
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 1
+    use_reference: bool = False
+    packing: str = "auto"
+    threads: int = 1
+    timeout_s: float = 600.0
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+
+def shard_model(model: torch.nn.Module, mesh, **options) -> torch.nn.Module:
+    """FSDP2: one unit per decoder layer (the classes HF lists in `_no_split_modules`), then the root
+    (embeddings, final norm, head). Returns the same module, now sharded."""
+    from torch.distributed.fsdp import fully_shard
+
+    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if type(module).__name__ in layer_classes:
+            fully_shard(module, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
+    return model
+
+
+class RankTrainer:
+    """One rank: its shard of the policy (and reference), AdamW over the shards, the LR schedule.
+    Every method is a collective: the driver calls it on every rank at once."""
+
+    def __init__(self, rank: int, world: int, master_addr: str, master_port: int, spec: RankSpec):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FSDPModule
+
+        from asyncflow.models.loading import load_model
+        from asyncflow.models.tri_model import make_reference
+
+        self.rank, self.world, self.spec = rank, world, spec
+        if spec.device == "cpu":
+            torch.set_num_threads(spec.threads)
+            if master_addr in ("127.0.0.1", "localhost"):
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            self.device = torch.device("cpu")
+        else:
+            local = rank % max(1, torch.cuda.device_count())
+            torch.cuda.set_device(local)
+            self.device = torch.device("cuda", local)
+        dist.init_process_group(
+            "gloo" if self.device.type == "cpu" else "nccl", init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank, world_size=world, timeout=timedelta(seconds=spec.timeout_s),
+        )
+        self.mesh = init_device_mesh(self.device.type, (world,))
+        policy = load_model(spec.model_path, dtype=spec.dtype, device="cpu")
+        reference = make_reference(policy) if spec.use_reference else None
+        self.model = shard_model(policy, self.mesh)
+        for module in self.model.modules():  # the ranks' gradient sums add up; the driver normalises them
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+                module.set_gradient_divide_factor(1.0)
+        self.model.train()
+        self.reference = shard_model(reference, self.mesh) if reference is not None else None
+        # The optimizer is built after sharding: over the DTensor shards (built before, it would not train).
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad], lr=spec.lr, betas=spec.betas,
+            weight_decay=spec.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(spec.lr_schedule, spec.warmup_steps, spec.total_steps)
+        )
+        self.nonfinite = False
+        self._payloads: list[torch.Tensor] = []  # shared-memory payloads of `full_weights`, newest first
+
+    def backward(self, samples: list[TrainSample], loss_fn: RowLoss | None, temperature: float) -> dict[str, float]:
+        """Forward + backward this rank's rows; -> the loss function's stats plus `loss` (sums over these rows).
+        `samples` empty: a forward on a dummy row with zero weight, so the collectives stay in step."""
+        from asyncflow.models.tri_model import tri_model_logprobs
+
+        rows = samples or [TrainSample([0], [0])]
+        out = tri_model_logprobs(
+            self.model, rows, reference=self.reference, old_policy=None, packing=self.spec.packing,
+            temperature=temperature, with_entropy=True,
+        )
+        if not samples:
+            (out.policy.logprobs.sum() * 0.0).backward()
+            return {}
+        loss, stats = loss_fn(out)
+        stats = {**stats, "train/packed_fraction": float(out.policy.mask.sum()) if out.packed else 0.0}
+        if not torch.isfinite(loss):
+            self.nonfinite = True  # still backpropagated: every rank must run the same reduce-scatters
+        loss.backward()
+        return {**stats, "loss": float(loss.detach())}
+
+    def step(self, grad_scale: float) -> dict[str, float]:
+        """Scale the summed gradient shards, clip by the global norm, step (all ranks skip together)."""
+        import torch.distributed as dist
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(grad_scale)  # a local op on this rank's shard
+        norm = torch.nn.utils.clip_grad_norm_(params, self.spec.grad_clip)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        flag = torch.tensor([1.0 if self.nonfinite else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        skipped = bool(flag.item()) or not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite = False
+        return {"grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "skipped": float(skipped)}
+
+    def full_weights(self, share: bool = False) -> tuple[Manifest, torch.Tensor] | None:
+        """Gather the full state dict to rank 0 and pack it into one payload of buckets; -> (manifest, payload)
+        on rank 0, None elsewhere. `share`: two payloads in shared memory are reused in turn, so the driver reads
+        version v without a copy while version v + 1 is written into the other one."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank != 0:
+            return None
+        manifest = plan_buckets(full, self.spec.bucket_bytes)
+        if not share:
+            payload = allocate_payload(manifest)
+        else:
+            if any(p.nbytes != manifest.payload_bytes for p in self._payloads):
+                self._payloads = []
+            if len(self._payloads) < 2:
+                self._payloads.insert(0, allocate_payload(manifest).share_memory_())
+            else:
+                self._payloads.reverse()
+            payload = self._payloads[0]
+        pack(full, manifest, bucket_views(manifest, payload))
+        return manifest, payload
+
+    def full_gradients(self) -> dict[str, torch.Tensor] | None:
+        """The accumulated gradients (before `step`), gathered whole to rank 0 (None elsewhere): for checks."""
+        grads = {}
+        for name, p in self.model.named_parameters():
+            if p.grad is not None:
+                grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                grads[name] = grad.detach().cpu()
+        return grads if self.rank == 0 else None
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor] | None) -> None:
+        """Load a full state dict given to rank 0 (None elsewhere), broadcast into every rank's shards."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(
+            self.model, dict(state_dict or {}),
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )
+
+    def save_sharded(self, folder: str) -> None:
+        """Every rank writes its shards of weights and optimizer state into `folder` (one `.distcp` each)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
+
+    def load_sharded(self, folder: str) -> None:
+        """Load `folder` (written by any number of ranks) into this rank's shards, in place."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=folder)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def scheduler_state(self) -> dict:
+        return self.scheduler.state_dict()
+
+    def load_scheduler_state(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state)
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------- launchers
+class RankGroup(Protocol):
+    """N ranks running `RankTrainer`s; `call` runs one method on every rank at once."""
+
+    def call(self, method: str, args: Sequence[tuple], timeout: float) -> list[Any]:
+        """`getattr(rank_r, method)(*args[r])` on every rank r; -> the results in rank order. Raises
+        `RankFailedError` when a rank dies, raises or does not answer within `timeout` seconds."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, spec: RankSpec, conn) -> None:
+    """A rank process: build the `RankTrainer`, then answer (method, args) messages until `None` or EOF."""
+    try:
+        trainer = RankTrainer(rank, world, "127.0.0.1", port, spec)
+        conn.send(("ok", None))
+    except BaseException as err:  # noqa: BLE001 - reported to the driver, which raises it
+        conn.send(("error", _describe(err), traceback.format_exc()))
+        return
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the driver is gone
+            break
+        if message is None:
+            break
+        method, args = message
+        try:
+            conn.send(("ok", getattr(trainer, method)(*args)))
+        except BaseException as err:  # noqa: BLE001
+            conn.send(("error", _describe(err), traceback.format_exc()))
+    trainer.shutdown()
+
+
+def _describe(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"
+
+
+# Imported once by the fork server: each rank then starts in well under a second instead of importing torch and
+# transformers itself (20+ s on a loaded 2-core machine), and forks from a process that runs no threads.
+FORKSERVER_PRELOAD = ["asyncflow.engines", "asyncflow.models.loading", "torch.distributed.fsdp",
+                      "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict"]
+
+
+class ProcessRanks:
+    """The ranks as torch multiprocessing processes on this machine (forked by the fork server), each answering
+    over a pipe. Tensors in messages travel through shared memory (torch's reductions)."""
+
+    def __init__(self, world: int, spec: RankSpec, timeout: float):
+        import torch.multiprocessing as mp
+
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(FORKSERVER_PRELOAD)
+        port = free_port()
+        self.conns, self.processes = [], []
+        for rank in range(world):
+            parent, child = context.Pipe()
+            process = context.Process(
+                target=_rank_main, args=(rank, world, port, spec, child), name=f"fsdp2-rank{rank}", daemon=True
+            )
+            process.start()
+            child.close()
+            self.conns.append(parent)
+            self.processes.append(process)
+        try:
+            self._collect("start", timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def call(self, method: str, args: Sequence[tuple], timeout: float) -> list[Any]:
+        for conn, rank_args in zip(self.conns, args, strict=True):
+            try:
+                conn.send((method, rank_args))
+            except (BrokenPipeError, OSError):
+                pass  # the rank is gone: `_collect` names it
+        return self._collect(method, timeout)
+
+    def _collect(self, method: str, timeout: float) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        results: dict[int, Any] = {}
+        while len(results) < len(self.conns):
+            for rank, conn in enumerate(self.conns):
+                if rank in results:
+                    continue
+                if conn.poll(POLL_S / len(self.conns)):
+                    try:
+                        reply = conn.recv()
+                    except (EOFError, OSError):
+                        self._fail(rank, method, self._death(rank) or "closed its pipe")
+                    if reply[0] == "error":
+                        log.debug("fsdp2 rank %d failed in %s:\n%s", rank, method, reply[2])
+                        self._fail(rank, method, reply[1])
+                    results[rank] = reply[1]
+                elif (death := self._death(rank)) is not None:
+                    self._fail(rank, method, death)
+            if len(results) < len(self.conns) and time.monotonic() > deadline:
+                waiting = [r for r in range(len(self.conns)) if r not in results]
+                self.close()
+                raise RankFailedError(
+                    f"train.engine=fsdp2: rank(s) {waiting} did not finish {method} within {timeout:.0f} s "
+                    "(runtime.call_timeout_s); the ranks were stopped"
+                )
+        return [results[r] for r in range(len(self.conns))]
+
+    def _death(self, rank: int) -> str | None:
+        code = self.processes[rank].exitcode
+        return None if code is None else f"exited with code {code}"
+
+    def _fail(self, rank: int, method: str, reason: str) -> None:
+        """Raise for `rank`, naming instead a rank that died meanwhile (a dead peer makes the others' collectives
+        fail: the dead one is the cause)."""
+        deadline = time.monotonic() + ROOT_CAUSE_WAIT_S
+        while time.monotonic() < deadline:
+            dead = [r for r in range(len(self.processes)) if self._death(r) is not None]
+            if dead:
+                if rank not in dead:
+                    rank = dead[0]
+                reason = self._death(rank)
+                break
+            time.sleep(POLL_S)
+        pid = self.processes[rank].pid
+        self.close()
+        raise RankFailedError(
+            f"train.engine=fsdp2: rank {rank} (pid {pid}) {reason} during {method}; the other ranks were stopped "
+            "(resume the run from its last checkpoint with --resume)"
+        )
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for process in self.processes:
+            process.join(timeout=5.0)
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=5.0)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5.0)
+        for conn in self.conns:
+            conn.close()
+        self.conns, self.processes = [], []
+
+
+Launcher = Callable[[int, RankSpec, float], RankGroup]  # (world_size, spec, timeout) -> the started ranks
+
+
+# ------------------------------------------------------------------------------------------- the driver
+@register_train_engine("fsdp2")
+@dataclass(eq=False)
+class FSDP2TrainEngine:
+    """`TrainEngine` over `world_size` FSDP2 ranks (see the module docstring). `model` (the driver's copy of the
+    policy) gives the device; the ranks load the weights from `model_path` through the normal loading code.
+    `launcher`: `"processes"` (torch multiprocessing on this machine) or a `Launcher` (the Ray runtime's)."""
+
+    model: torch.nn.Module | None = None
+    model_path: str | Path | None = None
+    world_size: int = 2
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float = 1.0
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 1
+    use_reference: bool = False
+    packing: str = "auto"
+    dtype: str = "float32"
+    launcher: str | Launcher = "processes"
+    timeout_s: float = 600.0
+    threads_per_rank: int | None = None
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ranks: RankGroup = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if self.model_path is None:
+            raise ValueError("train.engine=fsdp2 needs the model folder (model_path) for its ranks to load")
+        if self.world_size < 1:
+            raise ValueError(f"train.world_size must be >= 1, got {self.world_size}")
+        if self.packing not in ("auto", "on", "off"):
+            raise ValueError(f"packing must be 'auto', 'on' or 'off', got {self.packing!r}")
+        device = next(self.model.parameters()).device if self.model is not None else torch.device("cpu")
+        self.model = None  # the ranks hold the policy; the driver keeps no reference to its copy
+        threads = self.threads_per_rank or max(1, torch.get_num_threads() // self.world_size)
+        spec = RankSpec(
+            model_path=str(self.model_path), dtype=self.dtype, device=device.type, lr=self.lr,
+            weight_decay=self.weight_decay, betas=tuple(self.betas), grad_clip=self.grad_clip,
+            lr_schedule=self.lr_schedule, warmup_steps=self.warmup_steps, total_steps=self.total_steps,
+            use_reference=self.use_reference, packing=self.packing, threads=threads, timeout_s=self.timeout_s,
+            bucket_bytes=self.bucket_bytes,
+        )
+        self.shared_payload = self.launcher == "processes"
+        launch = ProcessRanks if self.launcher == "processes" else self.launcher
+        self.ranks = launch(self.world_size, spec, self.timeout_s)
+        self._weights: dict[str, torch.Tensor] | None = None
+
+    device = torch.device("cpu")  # where the trainer builds a micro-batch's loss tensors; ranks move them
+
+    def _all(self, method: str, *args) -> list[Any]:
+        return self.ranks.call(method, [args] * self.world_size, self.timeout_s)
+
+    def backward_micro_batch(self, samples: list[TrainSample], loss_fn: RowLoss, *, temperature: float = 1.0):
+        """Each rank forwards and backpropagates its share of the rows (`assign_rows`); -> the summed stats."""
+        if not hasattr(loss_fn, "select"):
+            raise TypeError("train.engine=fsdp2 splits micro-batches over ranks: loss_fn must be a RowLoss "
+                            "(with `select(rows)`), not a plain function")
+        shares = assign_rows(samples, self.world_size, keep_groups=self.packing != "off")
+        args = [([samples[i] for i in rows], loss_fn.select(rows) if rows else None, temperature) for rows in shares]
+        stats: dict[str, float] = {}
+        for rank_stats in self.ranks.call("backward", args, self.timeout_s):
+            for key, value in rank_stats.items():
+                stats[key] = stats.get(key, 0.0) + value
+        return stats
+
+    def optimizer_step(self, grad_scale: float = 1.0) -> dict[str, float]:
+        self._weights = None
+        return self._all("step", grad_scale)[0]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full policy weights, gathered to rank 0 once per version (cached until the next step or load)."""
+        if self._weights is None:
+            manifest, payload = self._all("full_weights", self.shared_payload)[0]
+            # Shared: views of the rank's payload, valid until the version after next (every consumer copies
+            # what it keeps: publish, update_weights, checkpoints). Otherwise a copy of what the launcher returned.
+            owned = payload if self.shared_payload else payload.clone()
+            self._weights = unpack(manifest, bucket_views(manifest, owned))
+        return self._weights
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """The gradients accumulated since the last `optimizer_step`, whole (for checks and diagnostics)."""
+        return self._all("full_gradients")[0]
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        self._weights = None
+        args = [(dict(state_dict),)] + [(None,)] * (self.world_size - 1)
+        self.ranks.call("load_weights", args, self.timeout_s)
+
+    def training_state(self) -> dict:
+        """The LR schedule (the optimizer state is in the sharded checkpoint: `save_sharded`)."""
+        return {"engine": "fsdp2", "scheduler": self._all("scheduler_state")[0]}
+
+    def load_training_state(self, state: dict) -> None:
+        if state.get("engine") != "fsdp2":
+            raise ValueError("this checkpoint was written by the single-process engine (its optimizer state is not "
+                             "sharded): resume it with train.engine=torch")
+        self._all("load_scheduler_state", state["scheduler"])
+
+    def load_checkpoint(self, weights: Mapping[str, torch.Tensor], training_state: dict) -> None:
+        """A checkpoint without a sharded folder: only one this engine wrote can resume here."""
+        self.load_training_state(training_state)
+        self.load_state_dict(weights)
+
+    def save_sharded(self, folder: Path) -> None:
+        """Weights and optimizer state of every rank into `folder` (torch.distributed.checkpoint)."""
+        self._all("save_sharded", str(folder))
+
+    def load_sharded(self, folder: Path) -> None:
+        self._weights = None
+        self._all("load_sharded", str(folder))
+
+    def close(self) -> None:
+        """Stop the ranks (idempotent)."""
+        if getattr(self, "ranks", None) is not None:
+            self.ranks.close()
+            self.ranks = None

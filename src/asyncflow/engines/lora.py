@@ -1,0 +1,109 @@
+"""LoRA adapters through peft: the only module of asyncflow that imports peft.
+
+Owns: `LoRASettings`, wrapping a policy with adapters (`add_adapters`), the merged weights
+(`merged_state_dict`: base + alpha/r * B @ A under the base model's own parameter names, what a
+rollout engine loads), the adapter's own tensors (`adapter_state_dict`, `load_adapter_state_dict`), and
+writing an adapter folder in peft format (`save_adapter`).
+
+Invariants:
+- After `add_adapters` only adapter parameters require grad; the base weights are never changed by
+  training (an optimizer built from `requires_grad` parameters holds the adapters alone).
+- `merged_state_dict(model)` has exactly the keys and shapes of the model's state dict before
+  `add_adapters`, so any engine that loads full weights of that architecture loads it. With B = 0 (a
+  fresh adapter) it equals the base weights bit for bit.
+- The model keeps its own class and `forward` (peft injects layers in place); the training code runs it
+  as it runs any policy.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft.tuners.lora import LoraLayer
+
+ADAPTER = "default"  # peft's adapter name; a policy carries one adapter
+
+
+@dataclass(frozen=True)
+class LoRASettings:
+    rank: int
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] | str = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+    def peft_config(self, base_model_name_or_path: str | None = None) -> LoraConfig:
+        targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
+        return LoraConfig(
+            r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=targets,
+            task_type="CAUSAL_LM", base_model_name_or_path=base_model_name_or_path,
+        )  # fmt: skip
+
+
+def add_adapters(model: torch.nn.Module, settings: LoRASettings):
+    """Inject LoRA adapters into `model` in place and freeze its base weights; -> the peft wrapper (for saving).
+
+    `model` itself stays the module to train and run (same class and forward). Raises `ValueError` naming
+    `train.lora.target_modules` when none of them is in the model."""
+    try:
+        with warnings.catch_warnings():  # peft asks transformers 5 about gradient checkpointing the old way
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            wrapper = get_peft_model(model, settings.peft_config())
+    except ValueError as err:
+        raise ValueError(f"train.lora.target_modules={settings.target_modules!r}: {err}") from None
+    return wrapper
+
+
+def lora_layers(model: torch.nn.Module) -> dict[str, LoraLayer]:
+    """Module path (in `model`) -> LoRA layer."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+
+
+@torch.no_grad()
+def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights of the adapted `model` as one plain model of its architecture: for every LoRA layer
+    `weight = base_weight + alpha/r * B @ A`; every other tensor as it is. Keys as before `add_adapters`."""
+    layers = lora_layers(model)
+    merged: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        if ".lora_" in key:
+            continue
+        key = key.replace(".base_layer.", ".")
+        merged[key] = value.detach()
+    for name, layer in layers.items():
+        weight = layer.get_base_layer().weight
+        merged[f"{name}.weight"] = weight + layer.get_delta_weight(ADAPTER).to(weight.dtype)
+    return merged
+
+
+def adapter_state_dict(wrapper) -> dict[str, torch.Tensor]:
+    """The adapter's tensors, in peft's saved naming (what `adapter_model.safetensors` holds)."""
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(wrapper, adapter_name=ADAPTER).items()}
+
+
+def load_adapter_state_dict(wrapper, tensors: dict[str, torch.Tensor]) -> None:
+    """Restore `adapter_state_dict` output into `wrapper`; every adapter tensor must be given."""
+    result = set_peft_model_state_dict(wrapper, tensors, adapter_name=ADAPTER)
+    missing = [k for k in result.missing_keys if ".lora_" in k]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"adapter tensors do not match the model: missing {missing[:3]}, "
+                         f"unexpected {list(result.unexpected_keys)[:3]}")
+
+
+@torch.no_grad()
+def reset_adapters(model: torch.nn.Module) -> None:
+    """Zero every B matrix: the adapted model then computes exactly its base weights."""
+    for layer in lora_layers(model).values():
+        layer.lora_B[ADAPTER].weight.zero_()
+
+
+def save_adapter(out: Path, settings: LoRASettings, tensors: dict[str, torch.Tensor], base_model: str) -> None:
+    """Write `adapter_config.json` + `adapter_model.safetensors` (peft's format) for `base_model` (a folder)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    settings.peft_config(base_model_name_or_path=base_model).save_pretrained(str(out))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))

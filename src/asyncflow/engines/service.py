@@ -1,0 +1,152 @@
+"""One long-running generation loop over an inference engine, fed by many threads.
+
+Owns: `EngineService`, which runs `engine.generate` in a background thread over a request source
+that never blocks the batch, and hands each caller a `Future[Completion]`. It is what lets an HTTP
+server, or many multi-turn episodes each waiting on a tool, share one engine with continuous
+batching: a new request joins the running batch as soon as the engine has a free slot.
+
+Invariants:
+- Each `submit` resolves exactly once: with its `Completion`, or with the error that stopped the loop
+  (later submits then raise `EngineServiceError` at once).
+- `update_weights` lets every in-flight request finish on the old weights ("finish" semantics), swaps
+  the weights while no `generate` is open, then resumes; requests submitted meanwhile wait, and every
+  completion's `weight_version` is the version that generated it.
+- While nothing is in flight the source blocks on its inbox (no busy polling); while requests are in
+  flight it yields `None` when it has nothing new, so the engine keeps decoding.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Mapping
+
+import torch
+
+from asyncflow.engines.base import Completion, GenerationRequest, InferenceEngine, SamplingParams
+
+_IDLE_CHECK_S = 0.1  # how often an idle loop looks for close() / a weight update
+
+
+class EngineServiceError(RuntimeError):
+    """The generation loop stopped (closed, or the engine raised)."""
+
+
+class EngineService:
+    def __init__(self, engine: InferenceEngine, params: SamplingParams, *, name: str = "engine-service"):
+        self.engine = engine
+        self.params = params
+        self._inbox: queue.SimpleQueue[tuple[GenerationRequest, Future]] = queue.SimpleQueue()
+        self._pending: dict[int, Future] = {}  # in the engine, by internal request id
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._update: tuple[Mapping[str, torch.Tensor], int, Future] | None = None
+        self._closed = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ callers
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Future:
+        """Queue one generation; the future resolves to its `Completion` (whose `request_id` is internal)."""
+        with self._lock:
+            if self._closed or self._error is not None:
+                raise EngineServiceError(f"the engine service is stopped: {self._error or 'closed'}")
+            future: Future = Future()
+            self._inbox.put((GenerationRequest(next(self._ids), list(prompt_ids), params), future))
+        return future
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams | None = None, *, timeout: float) -> Completion:
+        """`submit` and wait (at most `timeout` seconds)."""
+        return self.submit(prompt_ids, params).result(timeout=timeout)
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, *, timeout: float) -> None:
+        """Load new weights once the requests in flight have finished; blocks until loaded."""
+        done: Future = Future()
+        with self._lock:
+            if self._update is not None:
+                raise RuntimeError("a weight update is already waiting")
+            self._update = (state_dict, version, done)
+        done.result(timeout=timeout)
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop taking requests, let the ones in flight finish, stop the loop."""
+        with self._lock:
+            self._closed = True
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"engine service did not stop within {timeout} s")
+
+    def __enter__(self) -> "EngineService":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        try:
+            while not self._stopping():
+                for completion in self.engine.generate(self._requests(), self.params):
+                    self._pending.pop(completion.request_id).set_result(completion)
+                self._apply_update()
+        except BaseException as error:  # noqa: BLE001 -- every waiting caller must learn why
+            with self._lock:
+                self._error = error
+            for future in [*self._pending.values(), *self._drain_inbox()]:
+                future.set_exception(EngineServiceError(f"generation loop failed: {error!r}"))
+            if self._update is not None:
+                self._update[2].set_exception(EngineServiceError(f"generation loop failed: {error!r}"))
+        else:
+            for future in self._drain_inbox():
+                future.set_exception(EngineServiceError("the engine service was closed"))
+
+    def _requests(self):
+        """The engine's request source: ends (closing this `generate`) when stopping or a weight update waits
+        and nothing is in flight; blocks only when the engine is idle."""
+        while True:
+            if self._update is not None or self._stopping():
+                if not self._pending:
+                    return
+                yield None  # let the requests in flight finish first
+                continue
+            try:
+                request, future = self._inbox.get(block=not self._pending, timeout=_IDLE_CHECK_S)
+            except queue.Empty:
+                yield None
+                continue
+            if not future.set_running_or_notify_cancel():
+                continue
+            self._pending[request.request_id] = future
+            yield request
+
+    def _apply_update(self) -> None:
+        if self._update is None:
+            return
+        state_dict, version, done = self._update
+        try:
+            self.engine.update_weights(state_dict, version)
+        except BaseException as error:
+            done.set_exception(error)
+        else:
+            done.set_result(None)
+        finally:
+            with self._lock:
+                self._update = None
+
+    def _stopping(self) -> bool:
+        return self._closed and self._inbox.empty()
+
+    def _drain_inbox(self) -> list[Future]:
+        futures = []
+        while True:
+            try:
+                futures.append(self._inbox.get_nowait()[1])
+            except queue.Empty:
+                return futures

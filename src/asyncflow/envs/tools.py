@@ -1,0 +1,217 @@
+"""Built-in tools and `ToolBox`, which runs tool calls with limits.
+
+Owns: `calculator` (exact arithmetic on a parsed expression tree: nothing is evaluated as code),
+`run_python` (Python in a child process with CPU-time, memory, output and wall-clock limits and no
+network), `TOOLS` (name -> tool) and `ToolBox`.
+
+Sandbox of `run_python`: the child runs `python -I` (isolated: no user site, no environment variables
+read), sets its own hard rlimits before the code runs (RLIMIT_CPU, RLIMIT_AS for memory, RLIMIT_FSIZE
+for output: stdout and stderr go to a file, so a flood is stopped by the kernel with SIGXFSZ), installs
+an audit hook that refuses every `socket.*` event and process creation, and, where the machine allows
+unprivileged user namespaces, runs under `unshare -rn` (a network namespace with no interface). The
+wall-clock timeout kills the child's whole process group.
+
+Invariants:
+- A tool call never raises out of `ToolBox.call`: an exception, a timeout or a flood becomes a
+  `ToolResult` with `error` / `timeout` set and a message for the model; observations are cut to
+  `max_output_chars`.
+- Every call is bounded by `timeout_s` (an in-process tool that hangs keeps its pool thread, and counts
+  as a timeout; the Python tool's child is killed).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, Callable
+
+MAX_EXPRESSION_CHARS = 200
+MAX_POWER = 64  # exponents beyond this are refused: 9**9**9 would hang a calculator that evaluates it
+
+
+class CalculatorError(ValueError):
+    pass
+
+
+_BINARY = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b,
+    ast.FloorDiv: lambda a, b: a // b,
+    ast.Mod: lambda a, b: a % b,
+}
+
+
+def _power(a: Fraction, b: Fraction) -> Fraction:
+    if b.denominator != 1 or abs(b) > MAX_POWER:
+        raise CalculatorError(f"exponent must be an integer in [-{MAX_POWER}, {MAX_POWER}]")
+    return a ** int(b)
+
+
+def calculator(expression: str) -> str:
+    """Evaluate `+ - * / // % **` and parentheses over integers and decimals, exactly (fractions); integers
+    print as integers, other values as decimals (12 significant digits)."""
+    if not isinstance(expression, str):
+        raise CalculatorError("expression must be a string")
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise CalculatorError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError:
+        raise CalculatorError(f"cannot parse {expression!r}") from None
+
+    def visit(node: ast.AST) -> Fraction:
+        if isinstance(node, ast.Expression):
+            return visit(node.body)
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return Fraction(str(node.value))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            value = visit(node.operand)
+            return -value if isinstance(node.op, ast.USub) else value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+            return _power(visit(node.left), visit(node.right))
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+            left, right = visit(node.left), visit(node.right)
+            if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and right == 0:
+                raise CalculatorError("division by zero")
+            return _BINARY[type(node.op)](left, right)
+        raise CalculatorError(f"unsupported expression element {type(node).__name__}")
+
+    value = visit(tree)
+    if value.denominator == 1:
+        return str(value.numerator)
+    return f"{float(value):.12g}"
+
+
+_CHILD = r"""
+import resource, sys
+cpu, memory, output = (int(x) for x in sys.argv[1:4])
+resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+resource.setrlimit(resource.RLIMIT_FSIZE, (output, output))
+code = sys.stdin.read()
+_BLOCKED = ("subprocess.Popen", "os.system", "os.exec", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn")
+def _guard(event, args):
+    if event.startswith("socket.") or event in _BLOCKED:
+        raise PermissionError(f"sandbox: {event} is not allowed")
+sys.addaudithook(_guard)
+del _guard
+exec(compile(code, "<tool>", "exec"), {"__name__": "__main__"})
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def network_namespace_prefix() -> tuple[str, ...]:
+    """`("unshare", "-rn")` when an unprivileged user + network namespace can be made here, else `()` (the audit
+    hook alone then refuses sockets)."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return ()
+    try:
+        ok = subprocess.run([unshare, "-rn", "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    return (unshare, "-rn") if ok else ()
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    timeout_s: float = 5.0
+    cpu_s: int = 2
+    memory_mb: int = 256
+    max_output_bytes: int = 4096
+
+
+def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> str:
+    """Run `code` in the sandbox (module docstring); returns its stdout+stderr, or raises `ToolLimitError` naming
+    the limit it hit (`TimeoutError` for the wall clock)."""
+    if not isinstance(code, str):
+        raise TypeError("code must be a string")
+    with tempfile.TemporaryFile() as out:
+        command = [
+            *network_namespace_prefix(), sys.executable, "-I", "-c", _CHILD,
+            str(limits.cpu_s), str(limits.memory_mb * 2**20), str(limits.max_output_bytes + 1),
+        ]
+        child = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=out, stderr=out, start_new_session=True, cwd=tempfile.gettempdir(),
+        )
+        try:
+            child.communicate(code.encode(), timeout=limits.timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            raise TimeoutError(f"python: killed after the {limits.timeout_s:g} s time limit") from None
+        out.seek(0)
+        text = out.read(limits.max_output_bytes + 1).decode("utf-8", errors="replace")
+    if child.returncode == -signal.SIGXFSZ or len(text) > limits.max_output_bytes:
+        raise ToolLimitError(f"python: output exceeded {limits.max_output_bytes} bytes")
+    if child.returncode == -signal.SIGXCPU or child.returncode == -signal.SIGKILL:
+        raise ToolLimitError(f"python: killed after {limits.cpu_s} s of CPU time")
+    if "MemoryError" in text:
+        raise ToolLimitError(f"python: exceeded the {limits.memory_mb} MB memory limit")
+    if child.returncode != 0:
+        lines = text.strip().splitlines()
+        raise ToolLimitError(f"python: exited with status {child.returncode}: {lines[-1] if lines else ''}")
+    return text
+
+
+class ToolLimitError(RuntimeError):
+    """A tool hit one of its limits (CPU, memory, output) or failed; the message is shown to the model."""
+
+
+TOOLS: dict[str, Callable[..., str]] = {"calculator": calculator, "python": run_python}
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    text: str
+    error: bool = False
+    timeout: bool = False
+
+
+class ToolBox:
+    """The tools an environment may call, run on a thread pool with a per-call timeout; thread-safe.
+
+    `tools`: name -> function taking the call's arguments as keywords and returning text (the `python` tool
+    takes `code` and runs with `limits`)."""
+
+    def __init__(self, tools: dict[str, Callable[..., str]] | None = None, *, timeout_s: float = 5.0,
+                 max_output_chars: int = 1024, workers: int = 8, limits: SandboxLimits | None = None):
+        self.tools = dict(TOOLS if tools is None else tools)
+        self.timeout_s = timeout_s
+        self.max_output_chars = max_output_chars
+        self.limits = limits or SandboxLimits(timeout_s=timeout_s)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tool")
+
+    def call(self, name: str, arguments: dict[str, Any]) -> ToolResult:
+        if name not in self.tools:
+            return ToolResult(f"error: unknown tool {name!r} (tools: {', '.join(sorted(self.tools))})", error=True)
+        tool = self.tools[name]
+        if tool is run_python:
+            arguments = {**arguments, "limits": self.limits}
+        try:
+            text = self._pool.submit(tool, **arguments).result(timeout=self.timeout_s + 1.0)
+        except (FutureTimeout, TimeoutError, subprocess.TimeoutExpired):
+            return ToolResult(f"error: {name} timed out after {self.timeout_s:g} s", error=True, timeout=True)
+        except Exception as err:  # noqa: BLE001 -- any failure of a tool is an observation for the model
+            message = str(err) if isinstance(err, (ToolLimitError, CalculatorError)) else f"{type(err).__name__}: {err}"
+            return ToolResult(f"error: {message}"[: self.max_output_chars], error=True)
+        if not isinstance(text, str):
+            text = str(text)
+        if len(text) > self.max_output_chars:
+            text = text[: self.max_output_chars] + "...[truncated]"
+        return ToolResult(text)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

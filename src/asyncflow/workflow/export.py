@@ -1,0 +1,108 @@
+"""Exporting a run's policy as a Hugging Face folder: `asyncflow export RUN_DIR OUT` and the final export.
+
+Owns: what an export folder holds, written from one checkpoint of a run:
+- full fine-tuning (and LoRA with `merged`): `config.json`, `model.safetensors` and
+  `generation_config.json` as `save_pretrained` writes them for the model's own architecture class
+  (e.g. `LlamaForCausalLM`), plus the tokenizer of the model the run trained from (a `preset:NAME`'s
+  character tokenizer, or the user's folder's). `AutoModelForCausalLM` / `AutoTokenizer` and vLLM load it.
+- LoRA: the adapter in peft's format (`adapter_config.json`, `adapter_model.safetensors`, its
+  `base_model_name_or_path` the folder the run trained from) with the tokenizer; with `merged`, the full
+  model as above in OUT and the adapter in `OUT/adapter/`.
+- `asyncflow_export.json`: the run folder, step and LoRA setting it came from.
+
+Invariants:
+- The weights are the checkpoint's `model.safetensors` (verified against its manifest), loaded into the
+  run's architecture with every key matched: a model loaded from OUT gives the trainer's log-probs exactly.
+- OUT is written under a temporary name and renamed into place, so it is complete or absent; an existing
+  non-empty OUT is never written into unless `replace` (the final export of a run replaces its own).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from asyncflow.config import Config, load_config
+from asyncflow.models.loading import load_model, resolve_model_path
+from asyncflow.workflow.checkpoint import (
+    CheckpointError,
+    checkpoint_step,
+    list_checkpoints,
+    load_training_state,
+    load_weights,
+    verify_checkpoint,
+)
+from asyncflow.workflow.setup import lora_settings
+
+EXPORT_DIR = "export"  # RUN_DIR/export: the final export of a run
+ADAPTER_DIR = "adapter"  # OUT/adapter: the LoRA adapter when the merged model fills OUT
+INFO_FILE = "asyncflow_export.json"
+
+
+class ExportError(ValueError):
+    """An export that cannot be written: the message names the folder or checkpoint."""
+
+
+def pick_checkpoint(run_dir: Path, step: int | None = None) -> Path:
+    """`checkpoints/step_{step}`, or the newest checkpoint that verifies when `step` is None."""
+    if step is not None:
+        return Path(run_dir) / "checkpoints" / f"step_{step}"
+    found = list_checkpoints(run_dir)
+    for checkpoint in reversed(found):
+        try:
+            verify_checkpoint(checkpoint)
+            return checkpoint
+        except CheckpointError:
+            continue
+    raise ExportError(f"{run_dir}: no intact checkpoint to export" + (f" (damaged: {found})" if found else ""))
+
+
+def export_run(
+    run_dir: str | Path, out: str | Path, *, step: int | None = None, merged: bool = False, replace: bool = False
+) -> Path:
+    """Write the policy of `run_dir` at checkpoint `step` (default: the newest intact one) to `out`; -> `out`."""
+    run_dir, out = Path(run_dir), Path(out)
+    config_file = run_dir / "config.yaml"
+    if not config_file.is_file():
+        raise ExportError(f"{run_dir} holds no run (no config.yaml)")
+    if out.exists() and any(out.iterdir()) and not replace:
+        raise ExportError(f"export folder {out} exists and is not empty: give a new folder")
+    config = load_config(config_file)
+    checkpoint = pick_checkpoint(run_dir, step)
+    weights = load_weights(checkpoint)  # verified: a damaged file is named
+    lora = lora_settings(config)
+    adapter = load_training_state(checkpoint)["adapter"] if lora is not None else None
+
+    model_path = resolve_model_path(config.model.path, seed=config.run.seed)
+    tmp = out.parent / f".tmp_{out.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_path))  # as the run's model folder has it
+        if lora is None or merged:
+            model = load_model(model_path, dtype=config.model.dtype)
+            model.load_state_dict(weights, strict=True)  # every weight of the architecture, no more
+            model.save_pretrained(str(tmp))
+            tokenizer.save_pretrained(str(tmp))
+        if lora is not None:
+            from asyncflow.engines.lora import save_adapter
+
+            adapter_dir = tmp / ADAPTER_DIR if merged else tmp
+            save_adapter(adapter_dir, lora, adapter, base_model=str(model_path.resolve()))
+            tokenizer.save_pretrained(str(adapter_dir))
+        info = {
+            "run_dir": str(run_dir.resolve()), "step": checkpoint_step(checkpoint), "base_model": str(model_path),
+            "lora": None if lora is None else config.train.lora.model_dump(mode="json"),
+            "merged": lora is None or merged,
+        }  # fmt: skip
+        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,118 @@
+"""LoRA on the built-in training engine (issue 17): only the adapters train and sit in the optimizer, the base
+weights stay bit-identical, the merged weights a rollout engine loads reproduce the trainer's log-probs there,
+and bad settings are named."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from test_inference_engine import assert_logprobs_match_training_side, make_requests
+
+from asyncflow.config import ConfigError, build_config
+from asyncflow.engines import SamplingParams, make_inference_engine
+from asyncflow.engines.lora import LoRASettings, lora_layers
+from asyncflow.engines.torch_inference import TorchInferenceEngine
+from asyncflow.engines.torch_train import TorchTrainEngine
+from asyncflow.models.loading import load_model
+from asyncflow.models.logprobs import TrainSample, response_logprobs
+from asyncflow.models.tri_model import TriLogProbs
+
+SETTINGS = LoRASettings(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
+
+
+def push_up_sampled_tokens(out: TriLogProbs):
+    """A loss whose gradient is never zero: raise the log-prob of every response token."""
+    return -(out.policy.logprobs * out.policy.mask).sum(), {}
+
+
+def train_steps(engine: TorchTrainEngine, steps: int = 3) -> None:
+    requests = make_requests(4, seed=5, lengths=(2, 8))
+    samples = [TrainSample(r.prompt_ids, [5 + i, 9, 11 + i], i) for i, r in enumerate(requests)]
+    for _ in range(steps):
+        engine.backward_micro_batch(samples, push_up_sampled_tokens)
+        assert engine.optimizer_step()["skipped"] == 0.0
+
+
+@pytest.fixture
+def lora_engine(tiny_llama_path, one_torch_thread):
+    torch.manual_seed(0)
+    return TorchTrainEngine(load_model(tiny_llama_path), lr=1e-2, lora=SETTINGS)
+
+
+def test_only_the_adapters_train_and_the_base_stays_bit_identical(tiny_llama_path, lora_engine):
+    plain = load_model(tiny_llama_path)
+    before = {k: v.clone() for k, v in lora_engine.model.state_dict().items()}
+    train_steps(lora_engine)
+
+    adapter = {n: p for n, p in lora_engine.model.named_parameters() if ".lora_" in n}
+    assert len(adapter) == 2 * 3 * plain.config.num_hidden_layers  # A and B of 3 modules per layer
+    optimized = {id(p) for group in lora_engine.optimizer.param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in adapter.values()}
+    after = lora_engine.model.state_dict()
+    for key, value in before.items():
+        if ".lora_" in key:
+            continue
+        assert torch.equal(after[key], value), f"base weight {key} changed"
+    assert all(not torch.equal(after[key], before[key]) for key in adapter if ".lora_B." in key)
+
+    merged = lora_engine.state_dict()
+    assert {k: v.shape for k, v in merged.items()} == {k: v.shape for k, v in plain.state_dict().items()}
+    changed = {k for k in merged if not torch.equal(merged[k], plain.state_dict()[k])}
+    assert changed == {f"{name}.weight" for name in lora_layers(lora_engine.model)}
+
+
+def test_synced_merged_weights_reproduce_the_trainers_logprobs_in_the_rollout_engine(tiny_llama_path, lora_engine):
+    train_steps(lora_engine)
+    rollout = make_inference_engine("torch", model=load_model(tiny_llama_path).eval(), max_batch_size=4, seed=1)
+    rollout.update_weights(lora_engine.state_dict(), 3)
+    completions = list(rollout.generate(make_requests(6, seed=2), SamplingParams(temperature=1.0, max_new_tokens=8)))
+    assert {c.weight_version for c in completions} == {3}
+    lora_engine.model.eval()  # the trainer's own forward (with the adapter layers), no dropout
+    assert_logprobs_match_training_side(lora_engine.model, completions, temperature=1.0)
+    stale = TorchInferenceEngine(load_model(tiny_llama_path).eval(), seed=1)  # the base alone differs: a real check
+    with pytest.raises(AssertionError):
+        assert_logprobs_match_training_side(stale.model, completions, temperature=1.0)
+
+
+def test_loading_full_weights_makes_them_the_base_with_a_fresh_adapter(tiny_llama_path, lora_engine):
+    train_steps(lora_engine, steps=1)
+    other = TorchTrainEngine(load_model(tiny_llama_path), lr=1e-2, lora=SETTINGS)
+    other.load_state_dict(lora_engine.state_dict())  # what `asyncflow eval` does with a checkpoint
+    assert all(torch.equal(other.state_dict()[k], v) for k, v in lora_engine.state_dict().items())
+    samples = [TrainSample([1, 20, 21], [30, 31, 32])]
+    with torch.no_grad():
+        torch.testing.assert_close(
+            response_logprobs(other.model, samples).logprobs, response_logprobs(lora_engine.model, samples).logprobs,
+            rtol=0, atol=1e-5,
+        )  # fmt: skip
+
+
+def test_lora_checkpoint_state_resumes_the_adapter_and_checks_the_base(tiny_llama_path, lora_engine):
+    train_steps(lora_engine, steps=2)
+    weights, state = lora_engine.state_dict(), copy.deepcopy(lora_engine.training_state())
+    resumed = TorchTrainEngine(load_model(tiny_llama_path), lr=1e-2, lora=SETTINGS)
+    resumed.load_checkpoint(weights, state)
+    train_steps(lora_engine, steps=1)
+    train_steps(resumed, steps=1)
+    assert all(torch.equal(resumed.state_dict()[k], v) for k, v in lora_engine.state_dict().items())
+
+    with pytest.raises(ValueError, match="written with LoRA"):
+        TorchTrainEngine(load_model(tiny_llama_path), lr=1e-2).load_checkpoint(weights, state)
+    changed_base = load_model(tiny_llama_path)
+    torch.nn.init.zeros_(changed_base.model.layers[0].self_attn.q_proj.weight)
+    with pytest.raises(ValueError, match="model.path changed"):
+        TorchTrainEngine(changed_base, lr=1e-2, lora=SETTINGS).load_checkpoint(weights, state)
+
+
+def test_bad_lora_settings_are_named(tiny_llama_path):
+    with pytest.raises(ConfigError, match="train.lora.target_modules.*not supported"):
+        build_config({}, ["train.lora.rank=4", "train.lora.target_modules=[q_proj,lm_head]"])
+    with pytest.raises(ConfigError, match="train.lora.rank"):
+        build_config({}, ["train.lora.rank=-1"])
+    with pytest.raises(ValueError, match="train.lora.target_modules"):
+        TorchTrainEngine(load_model(tiny_llama_path), lr=1e-2, lora=LoRASettings(rank=2, target_modules=("qkv",)))
