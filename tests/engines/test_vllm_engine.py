@@ -1,0 +1,271 @@
+"""The vLLM adapter against the built-in torch engine and the training-side log-probs, on vLLM's CPU build.
+
+Marker `vllm`: run with `bash scripts/test_vllm.sh` (the .venv-vllm environment). One vLLM engine serves the
+whole module (starting one costs ~25-40 CPU-s); every test that changes its weights puts the preset's back.
+"""
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from asyncflow.engines.base import GenerationRequest, InferenceEngine, SamplingParams, make_inference_engine
+from asyncflow.engines.torch_inference import TorchInferenceEngine
+from asyncflow.models.loading import ModelLoadError, load_model
+from asyncflow.models.logprobs import TrainSample, response_logprobs
+from asyncflow.weights import make_weight_sync
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]  # the module's engine starts in the first test's setup
+vllm = pytest.importorskip("vllm", reason="needs vLLM: bash scripts/test_vllm.sh")
+
+EOS = 2
+STOP_MANY = tuple(range(40, 70))
+BLOCK = 128  # vLLM's KV block on CPU: only prompts longer than this reach the prefix cache
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama_path):
+    return load_model(tiny_llama_path).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_path):
+    engine = make_inference_engine("vllm", model_path=str(tiny_llama_path), max_batch_size=8, seed=0)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture
+def restore_weights(engine, llama):
+    """Put the preset's weights back after a test that updates them."""
+    yield
+    engine.update_weights(llama.state_dict(), version=0)
+
+
+def make_requests(n: int, seed: int = 0, lengths=(2, 30)) -> list[GenerationRequest]:
+    rng = random.Random(seed)
+    return [
+        GenerationRequest(i, [1] + [rng.randrange(3, 98) for _ in range(rng.randrange(*lengths))]) for i in range(n)
+    ]
+
+
+def long_requests(n: int, seed: int = 7) -> list[GenerationRequest]:
+    """Prompts of 2-3 KV blocks sharing their first two blocks: the second and later hit the prefix cache."""
+    rng = random.Random(seed)
+    shared = [1] + [rng.randrange(3, 98) for _ in range(2 * BLOCK + 5)]
+    return [GenerationRequest(i, shared + [rng.randrange(3, 98) for _ in range(1 + i)]) for i in range(n)]
+
+
+def run(engine, requests, **params) -> dict:
+    return {c.request_id: c for c in engine.generate(requests, SamplingParams(**params))}
+
+
+def torch_greedy(model, requests, **params) -> dict:
+    return run(TorchInferenceEngine(model, max_batch_size=8), requests, temperature=0.0, **params)
+
+
+def logprob_gap(model, completions, temperature: float) -> tuple[float, float]:
+    """max and mean |vLLM log-prob - trainer's recomputed log-prob| over every response token (fp32)."""
+    samples = [TrainSample(c.prompt_ids, c.response_ids) for c in completions]
+    with torch.no_grad():
+        ref = response_logprobs(model, samples, temperature=temperature)
+    gaps = torch.cat([
+        (torch.tensor(c.logprobs) - ref.logprobs[i, : len(c.response_ids)]).abs() for i, c in enumerate(completions)
+    ])
+    return gaps.max().item(), gaps.mean().item()
+
+
+def perturbed(model, scale: float = 0.05, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+
+
+def test_greedy_equals_the_torch_engine(engine, llama):
+    requests = make_requests(12, seed=1) + long_requests(3)
+    assert isinstance(engine, InferenceEngine)
+    got = run(engine, requests, temperature=0.0, max_new_tokens=16, stop_token_ids=(EOS,))
+    want = torch_greedy(llama, requests, max_new_tokens=16, stop_token_ids=(EOS,))
+    assert sorted(got) == sorted(want)
+    for key, c in got.items():
+        assert (c.response_ids, c.finish_reason) == (want[key].response_ids, want[key].finish_reason)
+        assert c.weight_version == 0 and c.token_versions is None
+    max_gap, _ = logprob_gap(llama, list(got.values()), temperature=1.0)  # greedy reports T = 1 log-probs
+    assert max_gap < 1e-3
+
+
+def test_stop_tokens_and_max_new_tokens(engine):
+    stop = STOP_MANY[:10]
+    completions = run(engine, make_requests(16), max_new_tokens=6, stop_token_ids=stop).values()
+    for c in completions:
+        stops = [i for i, t in enumerate(c.response_ids) if t in stop]
+        if c.finish_reason == "stop":
+            assert stops == [len(c.response_ids) - 1]  # the first stop token ends the sample and is kept
+        else:
+            assert c.finish_reason == "length" and stops == [] and len(c.response_ids) == 6
+    assert {c.finish_reason for c in completions} == {"stop", "length"}
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9)])
+def test_sampling_logprobs_match_the_trainer(engine, llama, temperature, top_k, top_p):
+    """vLLM's sampling log-probs against `response_logprobs` (the trainer's recomputation), fp32 on CPU."""
+    completions = list(
+        run(engine, make_requests(24, seed=2), temperature=temperature, top_k=top_k, top_p=top_p,
+            max_new_tokens=24, stop_token_ids=(EOS, 50, 51)).values()
+    )
+    max_gap, mean_gap = logprob_gap(llama, completions, temperature)
+    print(f"\nT={temperature} top_k={top_k} top_p={top_p}: |vLLM - trainer| log-prob max {max_gap:.2e} "
+          f"mean {mean_gap:.2e} over {sum(len(c.response_ids) for c in completions)} tokens")
+    assert max_gap < 1e-3 and mean_gap < 1e-4
+
+
+def test_completions_stream_in_completion_order_and_requests_are_pulled_lazily(engine):
+    pulled, at_yield = [], []
+
+    def requests():
+        for r in make_requests(12, seed=3):
+            pulled.append(r.request_id)
+            yield r
+            if r.request_id == 5:
+                yield None  # "nothing ready now": the engine keeps decoding and asks again
+
+    engine.max_batch_size = 4
+    try:
+        completions = []
+        for c in engine.generate(requests(), SamplingParams(max_new_tokens=20, stop_token_ids=STOP_MANY)):
+            at_yield.append(len(pulled) - len(completions))
+            completions.append(c)
+    finally:
+        engine.max_batch_size = 8
+    assert sorted(c.request_id for c in completions) == list(range(12))
+    assert max(at_yield) <= 4  # never more requests in flight than slots
+    by_request = [len(c.response_ids) for c in sorted(completions, key=lambda c: c.request_id)]
+    assert [len(c.response_ids) for c in completions] != by_request  # not request order
+
+
+@pytest.mark.parametrize("transport", ["inprocess", "shared_memory", "ray", "torch_distributed"])
+def test_weight_update_through_each_transport(engine, llama, restore_weights, transport, request):
+    """After an update the engine is the new weights' greedy policy, prompts longer than a KV block included
+    (their prefix-cached blocks from the old weights are gone)."""
+    requests = long_requests(3) + make_requests(5, seed=4)
+    before = run(engine, requests, temperature=0.0, max_new_tokens=12)
+    new_weights = perturbed(llama, seed=len(transport))
+    received = receive_through(transport, new_weights, version=7, request=request)
+    engine.update_weights(received, version=7)
+    assert engine.weight_version == 7
+    new_model = load_model(request.getfixturevalue("tiny_llama_path"))
+    new_model.load_state_dict(new_weights)
+    want = torch_greedy(new_model, requests, max_new_tokens=12)
+    after = run(engine, requests, temperature=0.0, max_new_tokens=12)
+    assert {k: c.response_ids for k, c in after.items()} == {k: c.response_ids for k, c in want.items()}
+    assert {c.weight_version for c in after.values()} == {7}
+    assert {k: c.response_ids for k, c in after.items()} != {k: c.response_ids for k, c in before.items()}
+
+
+def receive_through(transport: str, state_dict, version: int, request) -> dict[str, torch.Tensor]:
+    """Publish `state_dict` through `transport` and return what a rollout-side receiver gets."""
+    if transport == "ray":
+        request.getfixturevalue("ray_cluster")
+    if transport == "torch_distributed":
+        return _receive_gloo(state_dict, version)
+    publisher = make_weight_sync(transport)
+    try:
+        publisher.publish(state_dict, version)
+        publisher.wait_published(30)
+        receiver = publisher.receiver_spec.open()
+        try:
+            got_version, received = receiver.wait_for(version, timeout=30)
+        finally:
+            receiver.close()
+    finally:
+        publisher.close()
+    assert got_version == version
+    return received
+
+
+def _receive_gloo(state_dict, version):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    publisher_box = {}
+
+    def publish():  # rank 0 (the trainer) joins the group in its constructor, as rank 1 does in open()
+        publisher_box["p"] = make_weight_sync("torch_distributed", num_receivers=1, port=port, timeout_s=60)
+        publisher_box["p"].publish(state_dict, version)
+        publisher_box["p"].wait_published(60)
+
+    thread = threading.Thread(target=publish)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while "p" not in publisher_box and time.monotonic() < deadline:
+        time.sleep(0.01)
+    receiver = publisher_box["p"].receiver_spec.for_rank(1).open()
+    try:
+        got_version, received = receiver.wait_for(version, timeout=60)
+        received = {k: v.clone() for k, v in received.items()}
+    finally:
+        thread.join(60)
+        receiver.close()
+        publisher_box["p"].close()
+    assert got_version == version
+    return received
+
+
+def test_update_while_generating_labels_each_token_with_its_version(engine, llama, restore_weights, tiny_llama_path):
+    """An update from another thread during generate(): kept requests go on with the new weights (their KV
+    recomputed), and each token carries the version that sampled it."""
+    requests = make_requests(6, seed=5, lengths=(5, 20))
+    requests[0].params = SamplingParams(temperature=0.0, max_new_tokens=2)  # a per-request override: back first
+    new_weights = perturbed(llama, seed=9)
+    updater = None
+    completions = []
+    for c in engine.generate(requests, SamplingParams(temperature=0.0, max_new_tokens=200)):
+        completions.append(c)
+        if updater is None:  # the others are mid-way through their 200 tokens
+            assert c.request_id == 0 and len(c.response_ids) == 2
+            updater = threading.Thread(target=engine.update_weights, args=(new_weights, 1))
+            updater.start()
+    updater.join(60)
+    assert engine.weight_version == 1
+    mixed = [c for c in completions if c.token_versions is not None]
+    assert mixed, "no completion spanned the update"
+    new_model = load_model(tiny_llama_path)
+    new_model.load_state_dict(new_weights)
+    switches = {}
+    for c in mixed:
+        assert c.weight_version == 1 and len(c.token_versions) == len(c.response_ids)
+        switches[c.request_id] = switch = c.token_versions.index(1)
+        assert set(c.token_versions[:switch]) == {0} and set(c.token_versions[switch:]) == {1}
+    # the first tokens after the switch are the new weights' greedy continuation of everything before
+    prefixes = [GenerationRequest(c.request_id, c.prompt_ids + c.response_ids[: switches[c.request_id]]) for c in mixed]
+    continued = torch_greedy(new_model, prefixes, max_new_tokens=16)
+    for c in mixed:
+        switch = switches[c.request_id]
+        assert continued[c.request_id].response_ids == c.response_ids[switch : switch + 16]
+
+
+def test_bad_input_is_refused_before_work(engine, tmp_path, tiny_llama_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["NoSuchModelForCausalLM"]}')
+    t0 = time.monotonic()
+    with pytest.raises(ModelLoadError, match="NoSuchModelForCausalLM"):
+        make_inference_engine("vllm", model_path=str(tmp_path))
+    with pytest.raises(ValueError, match="does not match the installed vLLM build"):
+        make_inference_engine("vllm", model_path=str(tiny_llama_path), device="cuda")
+    assert time.monotonic() - t0 < 10  # no engine was started
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate(make_requests(1), SamplingParams(temperature=-1.0))
+    with pytest.raises(ValueError, match="outside"):
+        run(engine, [GenerationRequest("x", [1, 10_000])])
+    with pytest.raises(ValueError, match="max_model_len"):
+        run(engine, [GenerationRequest("x", [1] * 600)])

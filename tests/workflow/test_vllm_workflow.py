@@ -1,0 +1,56 @@
+"""Short runs of the workflow with `rollout.engine=vllm` (marker `vllm`: `bash scripts/test_vllm.sh`): sync, and
+async k=1 (weights swapped into vLLM by the rollout thread while the trainer trains), each training every row of
+every step. Inline runtime: each run starts two vLLM engines (rollout and evaluation) instead of three on Ray, where
+the same engine runs inside the rollout replica (checked by the runs recorded in BENCHMARKS.md)."""
+
+import pytest
+
+from asyncflow.config import build_config
+from asyncflow.workflow.pipeline import make_workflow
+from asyncflow.workflow.run import RLRun
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]  # two engine starts, ~30 CPU-s each
+pytest.importorskip("vllm", reason="needs vLLM: bash scripts/test_vllm.sh")
+
+
+def vllm_config(tmp_path, *overrides: str):
+    return build_config({}, [
+        f"run.output_dir={tmp_path}", "run.progress=false", "model.path=preset:tiny-llama", "rollout.engine=vllm",
+        "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "rollout.max_batch_size=16",
+        "train.micro_batch_size=16", "eval.every=0", "data.test_size=4", "checkpoint.every=0",
+        "runtime.call_timeout_s=300", *overrides,
+    ])  # fmt: skip
+
+
+def test_sync_inline(tmp_path):
+    config = vllm_config(tmp_path, "train.steps=3", "workflow.mode=sync", "runtime.kind=inline")
+    run = RLRun(config)
+    try:
+        assert type(run.inference_engine).__name__ == "VLLMInferenceEngine"
+        history = run.train(make_workflow(config, run))
+        rows = [h for h in history if "staleness/max" in h]
+        assert [h["staleness/max"] for h in rows] == [0.0, 0.0, 0.0]
+        assert all(h["rollout/samples"] == 16 for h in rows)
+        assert run.inference_engine.weight_version == run.version == 3  # each new version reached vLLM
+    finally:
+        run.inference_engine.shutdown()
+        if run.eval_engine is not None:
+            run.eval_engine.shutdown()
+
+
+def test_async_k1(tmp_path):
+    config = vllm_config(
+        tmp_path, "train.steps=4", "workflow.mode=async", "workflow.max_staleness=1", "runtime.kind=inline"
+    )
+    run = RLRun(config)
+    try:
+        history = run.train(make_workflow(config, run))
+        assert run.inference_engine.weight_version >= 2  # swapped in by the rollout thread: partition 3 needs >= 2
+    finally:
+        run.inference_engine.shutdown()
+        if run.eval_engine is not None:
+            run.eval_engine.shutdown()
+    rows = [h for h in history if "staleness/max" in h]
+    assert len(rows) == 4 and all(0 <= h["staleness/max"] <= 1 for h in rows)
+    assert max(h["staleness/max"] for h in rows) == 1, "rollout never ran ahead of training"
+    assert all(h["rollout/samples"] == 16 for h in rows)
