@@ -52,12 +52,12 @@ class LongTailEngine(TorchInferenceEngine):
     """The torch engine, except that a queue row whose index is a multiple of `LONG_EVERY` ignores the stop
     tokens (evaluation requests, named by (group, sample), stop as usual)."""
 
-    def _append(self, slots, logits, params):
-        super()._append(slots, logits, params)
+    def _append(self, slots, logits):
+        super()._append(slots, logits)
         for s in slots:
             long = isinstance(s.request.request_id, int) and s.request.request_id % LONG_EVERY == 0  # a queue row
             if s.finish_reason == "stop" and long:
-                s.finish_reason = "length" if len(s.response_ids) >= params.max_new_tokens else None
+                s.finish_reason = "length" if len(s.response_ids) >= s.params.max_new_tokens else None
 
 
 def long_tail_engine(*, model, **kwargs) -> LongTailEngine:
