@@ -54,7 +54,7 @@ def _run_one(kind: str, args, results) -> None:
         base_mem = _rss_mib()
     lora = None
     if kind == "lora":
-        from asyncflow.engines.lora import LoRASettings
+        from asyncflow.engines.peft_lora import LoRASettings
 
         lora = LoRASettings(rank=args.rank, alpha=2.0 * args.rank, target_modules=tuple(args.targets.split(",")))
     engine = TorchTrainEngine(model, lr=1e-4, packing="off", lora=lora)

@@ -10,17 +10,9 @@ from asyncflow.engines.torch_inference import TorchInferenceEngine
 from asyncflow.models.loading import load_model
 from asyncflow.models.logprobs import TrainSample, response_logprobs
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one intra-op thread
+
 STOP_MANY = tuple(range(40, 70))  # ~30% of the vocabulary: samples stop after a few tokens, at varied lengths
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy shared machine every op would wait for a
-    preempted OpenMP worker (a 128-wide linear then takes milliseconds)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

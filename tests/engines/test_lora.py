@@ -15,7 +15,7 @@ from test_inference_engine import assert_logprobs_match_training_side, make_requ
 
 from asyncflow.config import ConfigError, build_config
 from asyncflow.engines import SamplingParams, make_inference_engine
-from asyncflow.engines.lora import LoRASettings, lora_layers
+from asyncflow.engines.peft_lora import LoRASettings, lora_layers
 from asyncflow.engines.torch_inference import TorchInferenceEngine
 from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.models.loading import load_model

@@ -17,20 +17,13 @@ from asyncflow.models.loading import ModelLoadError, load_model
 from asyncflow.models.logprobs import TrainSample, response_logprobs
 from asyncflow.weights import make_weight_sync
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]  # the module's engine starts in the first test's setup
+# the module's engine starts in the first test's setup (hence the timeout); tiny models run on one torch thread
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread")]
 vllm = pytest.importorskip("vllm", reason="needs vLLM: bash scripts/test_vllm.sh")
 
 EOS = 2
 STOP_MANY = tuple(range(40, 70))
 BLOCK = 128  # vLLM's KV block on CPU: only prompts longer than this reach the prefix cache
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

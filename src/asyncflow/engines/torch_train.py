@@ -5,7 +5,7 @@ schedule, micro-batch forward/backward with gradient accumulation, non-finite lo
 and the state that checkpoints save. Every micro-batch goes through the tri-model forward
 (`asyncflow.models.tri_model`): policy log-probs with grad, reference log-probs without, and the
 old policy taken as the policy itself (one update per step), packed by shared prompt according
-to `packing` (`auto`: the rule `should_pack`; `on`; `off`). With `lora` (`asyncflow.engines.lora`)
+to `packing` (`auto`: the rule `should_pack`; `on`; `off`). With `lora` (`asyncflow.engines.peft_lora`)
 the policy gets adapters and only they are optimized; `state_dict` is then the merged weights under
 the base model's names (what rollout engines and checkpoints' `model.safetensors` take) and
 `training_state` carries the adapter, so `load_checkpoint` restores it onto the frozen base.
@@ -32,7 +32,7 @@ from asyncflow.models.logprobs import TrainSample
 from asyncflow.models.tri_model import make_reference, tri_model_logprobs
 
 if TYPE_CHECKING:
-    from asyncflow.engines.lora import LoRASettings
+    from asyncflow.engines.peft_lora import LoRASettings
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
@@ -74,7 +74,7 @@ class TorchTrainEngine:
         self.reference = make_reference(model) if use_reference else None  # the base, before any adapter
         self.adapted = None  # peft's wrapper of `model` under LoRA (the model itself is trained and run)
         if lora is not None:
-            from asyncflow.engines import lora as lora_adapter  # peft is imported only when asked for
+            from asyncflow.engines import peft_lora as lora_adapter  # peft is imported only when asked for
 
             self.adapted = lora_adapter.add_adapters(model, lora)
         self.model.train()
@@ -144,7 +144,7 @@ class TorchTrainEngine:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's weights under the base model's names (merged with the adapter under LoRA)."""
         if self.adapted is not None:
-            from asyncflow.engines.lora import merged_state_dict
+            from asyncflow.engines.peft_lora import merged_state_dict
 
             return merged_state_dict(self.model)
         return {k: v.detach() for k, v in self.model.state_dict().items()}
@@ -155,7 +155,7 @@ class TorchTrainEngine:
         if self.adapted is None:
             self.model.load_state_dict(state_dict)
             return
-        from asyncflow.engines.lora import reset_adapters
+        from asyncflow.engines.peft_lora import reset_adapters
 
         result = self.model.load_state_dict(_adapted_names(self.model, state_dict), strict=False)
         missing = [key for key in result.missing_keys if ".lora_" not in key]
@@ -168,7 +168,7 @@ class TorchTrainEngine:
         also the adapter (`adapter`, peft's names)."""
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
         if self.adapted is not None:
-            from asyncflow.engines.lora import adapter_state_dict
+            from asyncflow.engines.peft_lora import adapter_state_dict
 
             state["adapter"] = adapter_state_dict(self.adapted)
         return state
@@ -180,7 +180,7 @@ class TorchTrainEngine:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.adapted is not None:
-            from asyncflow.engines.lora import load_adapter_state_dict
+            from asyncflow.engines.peft_lora import load_adapter_state_dict
 
             load_adapter_state_dict(self.adapted, state["adapter"])
 

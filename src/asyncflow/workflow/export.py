@@ -88,7 +88,7 @@ def export_run(
             model.save_pretrained(str(tmp))
             tokenizer.save_pretrained(str(tmp))
         if lora is not None:
-            from asyncflow.engines.lora import save_adapter
+            from asyncflow.engines.peft_lora import save_adapter
 
             adapter_dir = tmp / ADAPTER_DIR if merged else tmp
             save_adapter(adapter_dir, lora, adapter, base_model=str(model_path.resolve()))

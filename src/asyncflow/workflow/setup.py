@@ -32,7 +32,7 @@ from asyncflow.workers.multiturn import MultiTurnSpec
 from asyncflow.workers.reward import RewardWorker
 
 if TYPE_CHECKING:
-    from asyncflow.engines.lora import LoRASettings
+    from asyncflow.engines.peft_lora import LoRASettings
 
 
 def seed_everything(seed: int) -> None:
@@ -58,7 +58,7 @@ def lora_settings(config: Config) -> LoRASettings | None:
     lora = config.train.lora
     if lora.rank == 0:
         return None
-    from asyncflow.engines.lora import LoRASettings
+    from asyncflow.engines.peft_lora import LoRASettings
 
     targets = lora.target_modules if isinstance(lora.target_modules, str) else tuple(lora.target_modules)
     return LoRASettings(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=targets)
