@@ -248,6 +248,20 @@ def test_ray_start_is_retried_once(monkeypatch):
     assert len(calls) == 2 and calls[1]["num_cpus"] == 2
 
 
+def test_ray_start_timeout_ends_in_one_clear_error(monkeypatch):
+    ray = pytest.importorskip("ray")
+    from asyncflow.runtime import ray_runtime
+
+    def init(**kwargs):  # what Ray raises when a local node does not come up in time: a plain Exception
+        raise Exception("The current node timed out during startup. This could happen because ...")
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(ray_runtime, "START_RETRY_PAUSE_S", 0.0)
+    with pytest.raises(ray_runtime.RayStartError, match=r"start a local Ray cluster .*timed out during startup"):
+        ray_runtime.start_ray(address=None, num_cpus=2)
+
+
 # ---------------------------------------------------------------- preflight
 def test_prompt_lengths_match_the_rollout_rendering(tiny_llama_path):
     tokenizer = load_tokenizer(tiny_llama_path)

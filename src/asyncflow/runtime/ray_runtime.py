@@ -65,7 +65,7 @@ def start_ray(*, address: str | None, num_cpus: int | None) -> None:
         try:
             ray.init(address=address, num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
             return
-        except (TimeoutError, ConnectionError, RuntimeError) as err:  # what ray.init raises when start-up fails
+        except Exception as err:  # noqa: BLE001 - ray.init raises plain Exception too (a node's start-up timeout)
             reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
             log.warning("Ray did not start (attempt %d of %d): %s", attempt, attempts, reason)
             log.debug("ray.init failed", exc_info=True)
