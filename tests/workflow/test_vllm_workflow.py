@@ -54,3 +54,26 @@ def test_async_k1(tmp_path):
     assert len(rows) == 4 and all(0 <= h["staleness/max"] <= 1 for h in rows)
     assert max(h["staleness/max"] for h in rows) == 1, "rollout never ran ahead of training"
     assert all(h["rollout/samples"] == 16 for h in rows)
+
+
+
+def test_multiturn_sync(tmp_path):
+    """Episodes through vLLM: every first turn gets an observation (appended as ids, not trained), then a second."""
+    config = vllm_config(
+        tmp_path, "train.steps=2", "workflow.mode=sync", "runtime.kind=inline", "model.path=preset:tiny-llama-tools",
+        "data.task=tool_arithmetic", "env.name=test_multiturn_workflow:two_turn_env", "env.max_context_tokens=48",
+        "rollout.stop_token_ids=[" + ",".join(map(str, range(3, 90))) + "]",  # short turns: both are reached
+    )
+    run = RLRun(config)
+    try:
+        assert type(run.inference_engine).__name__ == "VLLMInferenceEngine"
+        history = run.train(make_workflow(config, run))
+    finally:
+        run.inference_engine.shutdown()
+        if run.eval_engine is not None:
+            run.eval_engine.shutdown()
+    steps = [h for h in history if "loss" in h]
+    assert len(steps) == 2
+    for h in steps:
+        assert h["rollout/samples"] == 16 and h["env/tool_calls"] == 16
+        assert h["train/tokens"] == h["env/sampled_tokens"] < h["rollout/tokens"], "observations are not trained"
