@@ -581,6 +581,8 @@ class _TextStream:
         return text[: len(text) - hold]
 
     def _release(self, text: str) -> str:
+        if self._sent.startswith(text):  # nothing new (or more held back than before)
+            return ""
         if not text.startswith(self._sent):
             log.warning("this tokenizer's decode of more tokens changed text already streamed (%r -> %r)",
                         self._sent, text)
