@@ -11,7 +11,7 @@ streamed chunk carries the `token_ids` / `token_logprobs` of its piece, and the 
 
 Streaming (`stream: true`) is token by token: the engine hands each choice's tokens to the request as they are
 sampled (`EngineService.submit(on_tokens=...)`), and each step's tokens go out as one server-sent event
-(choices of `n > 1` interleaved, each chunk naming its `index`). `_TextStream` turns a choice's ids into text
+(choices of `n > 1` interleaved, each chunk naming its `index`). `TextStream` turns a choice's ids into text
 that is never taken back: it holds back a tail that does not decode cleanly yet (part of a multi-byte
 character), trailing whitespace (a decoder may still merge it with what follows) and a tail that could be the
 start of a stop string. An engine without `streams_tokens` still streams, a choice at a time when it finishes
@@ -490,7 +490,7 @@ class _API:
 
         async def events():
             nonlocal abandoned
-            streams = [_TextStream(tokenizer, body.stop) for _ in futures]
+            streams = [TextStream(tokenizer, body.stop) for _ in futures]
             usage = {"prompt_tokens": sum(len(ids) for ids, _ in rendered), "completion_tokens": 0}
             deadline = loop.time() + self.timeout_s
             try:
@@ -544,7 +544,7 @@ def _cancel(futures: list[Future]) -> None:
         future.cancel()
 
 
-class _TextStream:
+class TextStream:
     """One streamed choice's text as its tokens arrive: pieces that are never taken back, cut at a stop string.
 
     `ids` are the tokens sent so far (up to the one that completed a stop string); `add` returns what may be sent
