@@ -220,11 +220,13 @@ def test_update_while_generating_labels_each_token_with_its_version(engine, llam
     recomputed), and each token carries the version that sampled it."""
     requests = make_requests(6, seed=5, lengths=(5, 20))
     requests[0].params = SamplingParams(temperature=0.0, max_new_tokens=2)  # a per-request override: back first
+    streamed = StreamedTokens(requests[1:4])
     new_weights = perturbed(llama, seed=9)
     updater = None
     completions = []
     for c in engine.generate(requests, SamplingParams(temperature=0.0, max_new_tokens=200)):
         completions.append(c)
+        streamed.finished(c)
         if updater is None:  # the others are mid-way through their 200 tokens
             assert c.request_id == 0 and len(c.response_ids) == 2
             updater = threading.Thread(target=engine.update_weights, args=(new_weights, 1))
@@ -246,6 +248,44 @@ def test_update_while_generating_labels_each_token_with_its_version(engine, llam
     for c in mixed:
         switch = switches[c.request_id]
         assert continued[c.request_id].response_ids == c.response_ids[switch : switch + 16]
+    streamed.check(long=True)
+
+
+class StreamedTokens:
+    """Sets `on_tokens` on `requests`; `finished(c)` after each completion; `check()`: each request's callbacks
+    delivered exactly its completion's tokens and log-probs, in order, none after its completion."""
+
+    def __init__(self, requests: list[GenerationRequest]):
+        self.events: list[tuple] = []  # (request id, ids, logprobs) and (request id, completion)
+        self.completions = {}
+        for r in requests:
+            r.on_tokens = lambda ids, lps, i=r.request_id: self.events.append((i, list(ids), list(lps)))
+
+    def finished(self, completion) -> None:
+        self.events.append((completion.request_id, completion))
+
+    def check(self, *, long: bool) -> None:
+        """`long`: the completions are long enough to have come in several calls."""
+        streamed = {e[0] for e in self.events if len(e) == 3}
+        assert streamed
+        for i in streamed:
+            mine = [e for e in self.events if e[0] == i]
+            completion = mine[-1][1]
+            assert all(len(e) == 3 for e in mine[:-1]) and (len(mine) > 2 or not long)  # tokens, then done
+            assert [t for e in mine[:-1] for t in e[1]] == completion.response_ids
+            assert [lp for e in mine[:-1] for lp in e[2]] == completion.logprobs
+
+
+def test_token_callbacks_deliver_each_completions_tokens_with_stop_tokens(engine):
+    requests = make_requests(8, seed=11)
+    streamed = StreamedTokens(requests[::2])
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, stop_token_ids=STOP_MANY)
+    completions = []
+    for c in engine.generate(requests, params):
+        completions.append(c)
+        streamed.finished(c)
+    streamed.check(long=False)
+    assert {c.finish_reason for c in completions} == {"stop", "length"}
 
 
 def test_bad_input_is_refused_before_work(engine, tmp_path, tiny_llama_path):

@@ -163,7 +163,8 @@ def paused(tiny_llama_path):
     model = load_model(tiny_llama_path).eval()
     engine = PausedAfterFirstToken(TorchInferenceEngine(model, max_batch_size=4))
     service = EngineService(engine, SamplingParams())
-    served = ServedModel(NAME, load_tokenizer(tiny_llama_path), service, 512, model.get_input_embeddings().num_embeddings)
+    vocab_size = model.get_input_embeddings().num_embeddings
+    served = ServedModel(NAME, load_tokenizer(tiny_llama_path), service, 512, vocab_size)
     thread = ServerThread(make_app(served, api_key=KEY, request_timeout_s=3)).start()
     try:
         yield thread, engine, service
