@@ -105,7 +105,8 @@ def test_stop_tokens_and_max_new_tokens(engine):
             assert stops == [len(c.response_ids) - 1]  # the first stop token ends the sample and is kept
         else:
             assert c.finish_reason == "length" and stops == [] and len(c.response_ids) == 6
-    assert {c.finish_reason for c in completions} == {"stop", "length"}
+    stopped = [c for c in completions if c.finish_reason == "stop"]
+    assert stopped and all(c.response_ids[-1] in STOP_MANY for c in stopped)  # the stop token was delivered too
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9)])
@@ -285,7 +286,8 @@ def test_token_callbacks_deliver_each_completions_tokens_with_stop_tokens(engine
         completions.append(c)
         streamed.finished(c)
     streamed.check(long=False)
-    assert {c.finish_reason for c in completions} == {"stop", "length"}
+    stopped = [c for c in completions if c.finish_reason == "stop"]
+    assert stopped and all(c.response_ids[-1] in STOP_MANY for c in stopped)  # the stop token was delivered too
 
 
 def test_bad_input_is_refused_before_work(engine, tmp_path, tiny_llama_path):
@@ -302,3 +304,32 @@ def test_bad_input_is_refused_before_work(engine, tmp_path, tiny_llama_path):
         run(engine, [GenerationRequest("x", [1, 10_000])])
     with pytest.raises(ValueError, match="max_model_len"):
         run(engine, [GenerationRequest("x", [1] * 600)])
+
+
+def test_the_openai_server_streams_vllms_tokens(engine, tiny_llama_path):
+    """End to end: streamed pieces from the vLLM engine concatenate to the non-streamed response (n=2)."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from asyncflow.engines.service import EngineService
+    from asyncflow.models.loading import load_tokenizer
+    from asyncflow.serving.api import ServedModel, make_app
+    from asyncflow.serving.server import ServerThread
+
+    service = EngineService(engine, SamplingParams())
+    served = ServedModel("tiny", load_tokenizer(tiny_llama_path), service, engine.max_model_len, engine.vocab_size)
+    thread = ServerThread(make_app(served, api_key="key", request_timeout_s=120)).start()
+    try:
+        client = openai.OpenAI(base_url=thread.url + "/v1", api_key="key", max_retries=0, timeout=120)
+        assert client.models.list().data[0].streaming == "token"
+        ask = dict(model="tiny", prompt="ab", max_tokens=24, temperature=0, n=2, stop=["bW"])
+        plain = client.completions.create(**ask).choices
+        chunks = [c for chunk in client.completions.create(**ask, stream=True) for c in chunk.choices]
+    finally:
+        thread.stop()
+        service.close()
+    for choice in plain:
+        mine = [c for c in chunks if c.index == choice.index]
+        assert len(mine) > 2 and mine[-1].finish_reason == choice.finish_reason
+        assert "".join(c.text for c in mine) == choice.text
+        assert [t for c in mine for t in c.token_ids] == choice.token_ids
+        assert [lp for c in mine for lp in c.token_logprobs] == choice.token_logprobs
