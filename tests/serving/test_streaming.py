@@ -219,6 +219,27 @@ def test_a_client_that_goes_away_mid_stream_does_not_hurt_other_callers(paused):
     assert len(out.choices[0].token_ids) == 8 and service._thread.is_alive()
 
 
+def sentencepiece_like_tokenizer():
+    """Words with sentencepiece's "▁" for a space: the decoder drops the space before a text's first word."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["▁hello", "▁world", "▁ok", "▁stop", "▁here", "<unk>"]
+    tokenizer = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+def test_text_stream_keeps_the_spaces_of_a_sentencepiece_like_decoder():
+    tokenizer = sentencepiece_like_tokenizer()
+    ids = tokenizer("hello world ok stop here ok", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 6 and tokenizer.decode(ids) == "hello world ok stop here ok"
+    stream = TextStream(tokenizer, ["p h"])
+    pieces = [stream.add([token], [0.0])[0] for token in ids]
+    assert pieces[:3] == ["hello", " world", " ok"] and "".join(pieces) == "hello world ok sto"
+
+
 def byte_level_tokenizer():
     """A tokenizer of single bytes (no merges): a character of several UTF-8 bytes takes several tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -548,8 +548,12 @@ class TextStream:
     """One streamed choice's text as its tokens arrive: pieces that are never taken back, cut at a stop string.
 
     `ids` are the tokens sent so far (up to the one that completed a stop string); `add` returns what may be sent
-    now; `rest(final_text)` what remains of the choice's final text. The text is the decode of all ids so far
-    (as the non-streamed response decodes them); what is held back is described in the module docstring.
+    now; `rest(final_text)` what remains of the choice's final text. The text grows by incremental decoding (as
+    in vLLM): each new token's text is `decode(ids[prefix:])` minus `decode(ids[prefix:read])`, a window of the
+    last few tokens as context, so a token costs a decode of a few tokens (the whole text would cost O(n) per
+    token) and a decoder that strips or merges at a window's start (sentencepiece's leading space) does so
+    on both sides alike; the window moves on only once its text decodes cleanly (no U+FFFD). What is held back
+    is described in the module docstring.
     """
 
     def __init__(self, tokenizer, stops: list[str]):
@@ -557,26 +561,42 @@ class TextStream:
         self.stops = stops
         self.ids: list[int] = []
         self.stopped = False
-        self._text = ""
+        self._text = ""  # decoded text of ids[:read]
+        self._prefix = self._read = 0
         self._sent = ""
 
     def add(self, ids: list[int], logprobs: list[float]) -> tuple[str, list[int], list[float]]:
         """Take a step's tokens -> (text to send now, the ids and log-probs taken: none after a stop string)."""
+        if not ids or self.stopped:
+            return "", [], []
         taken = 0
         while taken < len(ids) and not self.stopped:
             self.ids.append(ids[taken])
             taken += 1
-            self._text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-            cut = min((self._text.find(s) for s in self.stops if s in self._text), default=-1)
+            pending = self._pending_text()
+            text = self._text + pending
+            cut = min((text.find(s) for s in self.stops if s in text), default=-1)
             if cut >= 0:
-                self.stopped, self._text = True, self._text[:cut]
-        return self._release(self._text if self.stopped else self._safe()), ids[:taken], logprobs[:taken]
+                self.stopped, self._text = True, text[:cut]
+        return self._release(self._text if self.stopped else self._safe(pending)), ids[:taken], logprobs[:taken]
+
+    def _pending_text(self) -> str:
+        """The text of the ids after `read` (moving the window on when it decodes cleanly)."""
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
+        context = decode(self.ids[self._prefix : self._read])
+        window = decode(self.ids[self._prefix :])
+        if len(window) <= len(context) or window.endswith("\ufffd"):
+            return window[len(context) :]  # part of a character, or nothing visible yet: keep the window
+        self._text += window[len(context) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        return ""
 
     def rest(self, final_text: str) -> str:
         return self._release(final_text)
 
-    def _safe(self) -> str:
-        text = self._text.rstrip("\ufffd").rstrip()  # U+FFFD: the last tokens end inside a multi-byte character
+    def _safe(self, pending: str) -> str:
+        """The text so far (`pending`: the window's unsettled part) less what must be held back."""
+        text = (self._text + pending).rstrip("\ufffd").rstrip()  # U+FFFD: the end of a multi-byte character is due
         hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
         return text[: len(text) - hold]
 
