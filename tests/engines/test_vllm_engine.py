@@ -329,7 +329,7 @@ def test_the_openai_server_streams_vllms_tokens(engine, tiny_llama_path):
         service.close()
     for choice in plain:
         mine = [c for c in chunks if c.index == choice.index]
-        assert len(mine) > 2 and mine[-1].finish_reason == choice.finish_reason
+        assert mine[-1].finish_reason == choice.finish_reason and not any(c.finish_reason for c in mine[:-1])
         assert "".join(c.text for c in mine) == choice.text
         assert [t for c in mine for t in c.token_ids] == choice.token_ids
         assert [lp for c in mine for lp in c.token_logprobs] == choice.token_logprobs

@@ -11,11 +11,12 @@ streamed chunk carries the `token_ids` / `token_logprobs` of its piece, and the 
 
 Streaming (`stream: true`) is token by token: the engine hands each choice's tokens to the request as they are
 sampled (`EngineService.submit(on_tokens=...)`), and each step's tokens go out as one server-sent event
-(choices of `n > 1` interleaved, each chunk naming its `index`). `TextStream` turns a choice's ids into text
-that is never taken back: it holds back a tail that does not decode cleanly yet (part of a multi-byte
-character), trailing whitespace (a decoder may still merge it with what follows) and a tail that could be the
-start of a stop string. An engine without `streams_tokens` still streams, a choice at a time when it finishes
-(`/v1/models` says which: `"streaming": "token"` or `"choice"`).
+(choices of `n > 1` interleaved, each chunk naming its `index`); tokens that arrived while the previous
+chunk was being sent go out together, one chunk per choice (a slow reader gets fewer, larger chunks).
+`TextStream` turns a choice's ids into text that is never taken back: it holds back a tail that does not
+decode cleanly yet (part of a multi-byte character), trailing whitespace (a decoder may still merge it with
+what follows) and a tail that could be the start of a stop string. An engine without `streams_tokens` still
+streams, a choice at a time when it finishes (`/v1/models` says which: `"streaming": "token"` or `"choice"`).
 
 Episodes (training an agent through this server): `/episodes/{episode_id}/v1/...` serves the same routes
 and records every call under the episode (`asyncflow.serving.episodes`); only episodes the training driver
@@ -501,27 +502,33 @@ class _API:
                 unfinished = len(futures)
                 while unfinished:
                     try:
-                        index, item, lps = await asyncio.wait_for(arrivals.get(), max(deadline - loop.time(), 0))
+                        arrived = [await asyncio.wait_for(arrivals.get(), max(deadline - loop.time(), 0))]
                     except asyncio.TimeoutError:
                         raise self._timed_out() from None
-                    stream = streams[index]
-                    if lps is not None:  # tokens
-                        text, ids, lps = stream.add(item, lps)
+                    while not arrivals.empty():  # what came meanwhile goes out merged: one chunk per choice
+                        arrived.append(arrivals.get_nowait())
+                    waiting: dict[int, tuple[str, list[int], list[float]]] = {}  # by choice, in arrival order
+                    for index, item, lps in arrived:
+                        text, ids, lps_before = waiting.pop(index, ("", [], []))
+                        if lps is not None:  # tokens
+                            more_text, more_ids, more_lps = streams[index].add(item, lps)
+                            waiting[index] = (text + more_text, ids + more_ids, lps_before + more_lps)
+                            continue
+                        unfinished -= 1
+                        try:
+                            completion = item.result()
+                        except EngineServiceError as err:
+                            raise APIError(503, f"the engine stopped: {err}", type="server_error",
+                                           code="engine_unavailable") from None
+                        out = self._finish(completion, body.stop, episode_id, kind, rendered[index // body.n][1])
+                        sent = len(streams[index].ids)
+                        usage["completion_tokens"] += len(out["token_ids"])
+                        yield piece(index, text + streams[index].rest(out["text"]), ids + out["token_ids"][sent:],
+                                    lps_before + out["token_logprobs"][sent:], out["finish_reason"],
+                                    prompt_token_ids=out["prompt_token_ids"], weight_version=out["weight_version"])
+                    for index, (text, ids, lps) in waiting.items():
                         if ids or text:
                             yield piece(index, text, ids, lps)
-                        continue
-                    unfinished -= 1
-                    try:
-                        completion = item.result()
-                    except EngineServiceError as err:
-                        raise APIError(503, f"the engine stopped: {err}", type="server_error",
-                                       code="engine_unavailable") from None
-                    out = self._finish(completion, body.stop, episode_id, kind, rendered[index // body.n][1])
-                    sent = len(stream.ids)
-                    usage["completion_tokens"] += len(out["token_ids"])
-                    yield piece(index, stream.rest(out["text"]), out["token_ids"][sent:], out["token_logprobs"][sent:],
-                                out["finish_reason"], prompt_token_ids=out["prompt_token_ids"],
-                                weight_version=out["weight_version"])
                 if (body.stream_options or {}).get("include_usage"):
                     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
                     yield event([], usage=usage)
