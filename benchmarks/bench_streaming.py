@@ -21,9 +21,11 @@ KEY = "bench"
 def one_call(client, stream: bool, max_tokens: int, out: list) -> None:
     start = time.perf_counter()
     ask = dict(model="bench", prompt="ab", max_tokens=max_tokens, temperature=0, stop=None)
+    chunks = 1
     if stream:
-        first, tokens = None, 0
+        first, tokens, chunks = None, 0, 0
         for chunk in client.completions.create(**ask, stream=True):
+            chunks += 1
             for choice in chunk.choices:
                 if choice.token_ids and first is None:
                     first = time.perf_counter() - start
@@ -31,11 +33,11 @@ def one_call(client, stream: bool, max_tokens: int, out: list) -> None:
     else:
         tokens = len(client.completions.create(**ask).choices[0].token_ids)
         first = time.perf_counter() - start
-    out.append((first, time.perf_counter() - start, tokens))
+    out.append((first, time.perf_counter() - start, tokens, chunks))
 
 
-def round_of(client, clients: int, stream: bool, max_tokens: int) -> tuple[float, float, float]:
-    """-> (mean time to first token, mean call time, tokens/s over the round)."""
+def round_of(client, clients: int, stream: bool, max_tokens: int) -> tuple[float, float, float, float]:
+    """-> (mean time to first token, mean call time, tokens/s over the round, mean chunks per call)."""
     out: list = []
     threads = [threading.Thread(target=one_call, args=(client, stream, max_tokens, out)) for _ in range(clients)]
     start = time.perf_counter()
@@ -44,8 +46,9 @@ def round_of(client, clients: int, stream: bool, max_tokens: int) -> tuple[float
     for t in threads:
         t.join(600)
     wall = time.perf_counter() - start
-    assert len(out) == clients and all(tokens == max_tokens for _, _, tokens in out), out
-    return statistics.mean(o[0] for o in out), statistics.mean(o[1] for o in out), clients * max_tokens / wall
+    assert len(out) == clients and all(o[2] == max_tokens for o in out), out
+    return (statistics.mean(o[0] for o in out), statistics.mean(o[1] for o in out), clients * max_tokens / wall,
+            statistics.mean(o[3] for o in out))
 
 
 def main() -> None:
@@ -72,14 +75,15 @@ def main() -> None:
         round_of(client, args.clients, True, 8)  # warm-up
         round_of(client, args.clients, False, 8)
         print(f"{args.model}, {args.clients} concurrent callers x {args.max_tokens} tokens, greedy, one torch thread")
-        print("| repeat | mode | first token s | whole call s | tok/s | first token / plain call | tok/s vs plain |")
-        print("|---|---|---:|---:|---:|---:|---:|")
+        print("| repeat | mode | first token s | whole call s | tok/s | chunks per call | first token / plain call "
+              "| tok/s vs plain |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
         for repeat in range(args.repeats):
             plain = round_of(client, args.clients, False, args.max_tokens)
             streamed = round_of(client, args.clients, True, args.max_tokens)
-            print(f"| {repeat} | plain | {plain[0]:.3f} | {plain[1]:.3f} | {plain[2]:.0f} | 1.00 | 1.00 |")
+            print(f"| {repeat} | plain | {plain[0]:.3f} | {plain[1]:.3f} | {plain[2]:.0f} | 1 | 1.00 | 1.00 |")
             print(f"| {repeat} | streamed | {streamed[0]:.3f} | {streamed[1]:.3f} | {streamed[2]:.0f} | "
-                  f"{streamed[0] / plain[1]:.3f} | {streamed[2] / plain[2]:.2f} |")
+                  f"{streamed[3]:.0f} | {streamed[0] / plain[1]:.3f} | {streamed[2] / plain[2]:.2f} |")
     finally:
         client.close()
         thread.stop()
