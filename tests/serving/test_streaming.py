@@ -61,6 +61,9 @@ def joined(chunks, kind: str) -> dict[int, dict]:
             choice["ids"] += getattr(c, "token_ids", None) or []
             choice["logprobs"] += getattr(c, "token_logprobs", None) or []
             choice["finish"].append(c.finish_reason)
+            if c.logprobs is not None:  # OpenAI's own field, when asked for
+                choice.setdefault("openai_logprobs", []).extend(
+                    [t.logprob for t in c.logprobs.content or []] if kind == "chat" else c.logprobs.token_logprobs)
     return out
 
 
@@ -86,8 +89,10 @@ def test_streamed_pieces_concatenate_to_the_plain_response(server, kind):
     stop = spanning_stop(first)
     plain = create(**common, n=2, stop=[stop, "never"]).choices
     assert plain[0].finish_reason == "stop" and 0 < len(plain[0].token_ids) < 24
-    streamed = joined(create(**common, n=2, stop=[stop, "never"], stream=True), kind)
+    streamed = joined(create(**common, n=2, stop=[stop, "never"], stream=True, logprobs=True if kind == "chat" else 1),
+                      kind)
     assert_streamed_equals_plain(plain, streamed, kind)
+    assert all(streamed[c.index]["openai_logprobs"] == c.token_logprobs for c in plain)
     whole = create(**common, stream=True, stream_options={"include_usage": True})
     chunks = list(whole)
     assert chunks[-1].usage.completion_tokens == 24 and len(joined(chunks, kind)[0]["ids"]) == 24
