@@ -13,14 +13,14 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from asyncflow.engines.base import SamplingParams  # noqa: E402
-from asyncflow.engines.service import EngineService  # noqa: E402
-from asyncflow.engines.torch_inference import TorchInferenceEngine  # noqa: E402
-from asyncflow.models.loading import load_model, load_tokenizer  # noqa: E402
-from asyncflow.serving.api import ServedModel, TextStream, make_app  # noqa: E402
-from asyncflow.serving.episodes import EpisodeRecorder  # noqa: E402
-from asyncflow.serving.server import ServerThread  # noqa: E402
-from asyncflow.workflow.serve import build_app, load_served  # noqa: E402
+from asyncflow.engines.base import SamplingParams
+from asyncflow.engines.service import EngineService
+from asyncflow.engines.torch_inference import TorchInferenceEngine
+from asyncflow.models.loading import load_model, load_tokenizer
+from asyncflow.serving.api import ServedModel, TextStream, make_app
+from asyncflow.serving.episodes import EpisodeRecorder
+from asyncflow.serving.server import ServerThread
+from asyncflow.workflow.serve import build_app, load_served
 
 KEY = "test-key"
 NAME = "tiny"

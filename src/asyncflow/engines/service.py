@@ -182,7 +182,7 @@ def _guarded(on_tokens: TokenCallback) -> TokenCallback:
             return
         try:
             on_tokens(token_ids, logprobs)
-        except Exception:  # noqa: BLE001 -- the consumer's bug; its request still completes
+        except Exception:  # the consumer's bug; its request still completes
             failed = True
             log.exception("a token callback raised; its request goes on without it")
 
