@@ -105,7 +105,8 @@ def test_stop_tokens_and_max_new_tokens(engine):
             assert stops == [len(c.response_ids) - 1]  # the first stop token ends the sample and is kept
         else:
             assert c.finish_reason == "length" and stops == [] and len(c.response_ids) == 6
-    assert {c.finish_reason for c in completions} == {"stop", "length"}
+    stopped = [c for c in completions if c.finish_reason == "stop"]
+    assert stopped and all(c.response_ids[-1] in STOP_MANY for c in stopped)  # the stop token was delivered too
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9)])
@@ -220,11 +221,13 @@ def test_update_while_generating_labels_each_token_with_its_version(engine, llam
     recomputed), and each token carries the version that sampled it."""
     requests = make_requests(6, seed=5, lengths=(5, 20))
     requests[0].params = SamplingParams(temperature=0.0, max_new_tokens=2)  # a per-request override: back first
+    streamed = StreamedTokens(requests[1:4])
     new_weights = perturbed(llama, seed=9)
     updater = None
     completions = []
     for c in engine.generate(requests, SamplingParams(temperature=0.0, max_new_tokens=200)):
         completions.append(c)
+        streamed.finished(c)
         if updater is None:  # the others are mid-way through their 200 tokens
             assert c.request_id == 0 and len(c.response_ids) == 2
             updater = threading.Thread(target=engine.update_weights, args=(new_weights, 1))
@@ -246,6 +249,45 @@ def test_update_while_generating_labels_each_token_with_its_version(engine, llam
     for c in mixed:
         switch = switches[c.request_id]
         assert continued[c.request_id].response_ids == c.response_ids[switch : switch + 16]
+    streamed.check(long=True)
+
+
+class StreamedTokens:
+    """Sets `on_tokens` on `requests`; `finished(c)` after each completion; `check()`: each request's callbacks
+    delivered exactly its completion's tokens and log-probs, in order, none after its completion."""
+
+    def __init__(self, requests: list[GenerationRequest]):
+        self.events: list[tuple] = []  # (request id, ids, logprobs) and (request id, completion)
+        self.completions = {}
+        for r in requests:
+            r.on_tokens = lambda ids, lps, i=r.request_id: self.events.append((i, list(ids), list(lps)))
+
+    def finished(self, completion) -> None:
+        self.events.append((completion.request_id, completion))
+
+    def check(self, *, long: bool) -> None:
+        """`long`: the completions are long enough to have come in several calls."""
+        streamed = {e[0] for e in self.events if len(e) == 3}
+        assert streamed
+        for i in streamed:
+            mine = [e for e in self.events if e[0] == i]
+            completion = mine[-1][1]
+            assert all(len(e) == 3 for e in mine[:-1]) and (len(mine) > 2 or not long)  # tokens, then done
+            assert [t for e in mine[:-1] for t in e[1]] == completion.response_ids
+            assert [lp for e in mine[:-1] for lp in e[2]] == completion.logprobs
+
+
+def test_token_callbacks_deliver_each_completions_tokens_with_stop_tokens(engine):
+    requests = make_requests(8, seed=11)
+    streamed = StreamedTokens(requests[::2])
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, stop_token_ids=STOP_MANY)
+    completions = []
+    for c in engine.generate(requests, params):
+        completions.append(c)
+        streamed.finished(c)
+    streamed.check(long=False)
+    stopped = [c for c in completions if c.finish_reason == "stop"]
+    assert stopped and all(c.response_ids[-1] in STOP_MANY for c in stopped)  # the stop token was delivered too
 
 
 def test_bad_input_is_refused_before_work(engine, tmp_path, tiny_llama_path):
@@ -262,3 +304,32 @@ def test_bad_input_is_refused_before_work(engine, tmp_path, tiny_llama_path):
         run(engine, [GenerationRequest("x", [1, 10_000])])
     with pytest.raises(ValueError, match="max_model_len"):
         run(engine, [GenerationRequest("x", [1] * 600)])
+
+
+def test_the_openai_server_streams_vllms_tokens(engine, tiny_llama_path):
+    """End to end: streamed pieces from the vLLM engine concatenate to the non-streamed response (n=2)."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from asyncflow.engines.service import EngineService
+    from asyncflow.models.loading import load_tokenizer
+    from asyncflow.serving.api import ServedModel, make_app
+    from asyncflow.serving.server import ServerThread
+
+    service = EngineService(engine, SamplingParams())
+    served = ServedModel("tiny", load_tokenizer(tiny_llama_path), service, engine.max_model_len, engine.vocab_size)
+    thread = ServerThread(make_app(served, api_key="key", request_timeout_s=120)).start()
+    try:
+        client = openai.OpenAI(base_url=thread.url + "/v1", api_key="key", max_retries=0, timeout=120)
+        assert client.models.list().data[0].streaming == "token"
+        ask = dict(model="tiny", prompt="ab", max_tokens=24, temperature=0, n=2, stop=["bW"])
+        plain = client.completions.create(**ask).choices
+        chunks = [c for chunk in client.completions.create(**ask, stream=True) for c in chunk.choices]
+    finally:
+        thread.stop()
+        service.close()
+    for choice in plain:
+        mine = [c for c in chunks if c.index == choice.index]
+        assert mine[-1].finish_reason == choice.finish_reason and not any(c.finish_reason for c in mine[:-1])
+        assert "".join(c.text for c in mine) == choice.text
+        assert [t for c in mine for t in c.token_ids] == choice.token_ids
+        assert [lp for c in mine for lp in c.token_logprobs] == choice.token_logprobs

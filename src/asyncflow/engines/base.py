@@ -9,6 +9,8 @@ Invariants:
 - Every `Completion` carries the weight version of the engine that generated it.
 - `InferenceEngine.generate` yields each completion as soon as it finishes (completion order,
   not request order), so downstream stages can start on the first finished group.
+- An engine with a true `streams_tokens` attribute calls a request's `on_tokens` with its tokens as they are
+  sampled: every response token exactly once, in order, all before its `Completion` is yielded.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from asyncflow.models.logprobs import TrainSample
 from asyncflow.models.tri_model import TriLogProbs
 
 LossFn = Callable[[TriLogProbs], tuple[torch.Tensor, dict[str, float]]]
+TokenCallback = Callable[[list[int], list[float]], None]
+"""`on_tokens(token_ids, logprobs)`: a request's newly sampled tokens and their sampling log-probs."""
 
 
 class RowLoss(Protocol):
@@ -52,6 +56,12 @@ class GenerationRequest:
     params: SamplingParams | None = None
     """This request's sampling settings, overriding those passed to `generate` (a server's per-call
     settings, a multi-turn episode's remaining token budget)."""
+    on_tokens: TokenCallback | None = None
+    """Incremental output, honoured by engines with a true `streams_tokens` attribute (ignored by others): called
+    on the engine's own thread with each step's new tokens of this request (a stop token that ends it included),
+    so the calls concatenate to `Completion.response_ids` / `logprobs`; none after the `Completion` is yielded,
+    none twice (a weight update in flight recomputes the cache, it samples nothing again). It must be cheap and
+    must neither block nor raise: it runs inside the loop every request shares."""
 
 
 @dataclass
@@ -76,6 +86,9 @@ class Completion:
 
 @runtime_checkable
 class InferenceEngine(Protocol):
+    """`weight_version`: the version tokens are sampled with now. Optional capability attributes (absent =
+    False): `updates_in_flight` (see `update_weights`), `streams_tokens` (see `GenerationRequest.on_tokens`)."""
+
     weight_version: int
 
     def generate(self, requests: Iterable[GenerationRequest], params: SamplingParams) -> Iterator[Completion]:

@@ -13,11 +13,15 @@ Invariants:
   completion's `weight_version` is the version that generated it.
 - While nothing is in flight the source blocks on its inbox (no busy polling); while requests are in
   flight it yields `None` when it has nothing new, so the engine keeps decoding.
+- A caller's `on_tokens` gets every response token once, in order, before its future resolves: as sampled
+  when the engine `streams_tokens`, else all at once when the completion arrives. It runs on the loop's
+  thread; one that raises is logged and dropped, never stopping the loop.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 from concurrent.futures import Future
@@ -25,8 +29,9 @@ from typing import Mapping
 
 import torch
 
-from asyncflow.engines.base import Completion, GenerationRequest, InferenceEngine, SamplingParams
+from asyncflow.engines.base import Completion, GenerationRequest, InferenceEngine, SamplingParams, TokenCallback
 
+log = logging.getLogger(__name__)
 _IDLE_CHECK_S = 0.1  # how often an idle loop looks for close() / a weight update
 
 
@@ -40,6 +45,7 @@ class EngineService:
         self.params = params
         self._inbox: queue.SimpleQueue[tuple[GenerationRequest, Future]] = queue.SimpleQueue()
         self._pending: dict[int, Future] = {}  # in the engine, by internal request id
+        self._deliver_at_end: dict[int, TokenCallback] = {}  # on_tokens of requests to an engine that cannot stream
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._update: tuple[Mapping[str, torch.Tensor], int, Future] | None = None
@@ -49,13 +55,16 @@ class EngineService:
         self._thread.start()
 
     # ------------------------------------------------------------------ callers
-    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Future:
-        """Queue one generation; the future resolves to its `Completion` (whose `request_id` is internal)."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
+               on_tokens: TokenCallback | None = None) -> Future:
+        """Queue one generation; the future resolves to its `Completion` (whose `request_id` is internal).
+        `on_tokens(token_ids, logprobs)` receives its tokens before that (see the module docstring)."""
+        callback = _guarded(on_tokens) if on_tokens is not None else None
         with self._lock:
             if self._closed or self._error is not None:
                 raise EngineServiceError(f"the engine service is stopped: {self._error or 'closed'}")
             future: Future = Future()
-            self._inbox.put((GenerationRequest(next(self._ids), list(prompt_ids), params), future))
+            self._inbox.put((GenerationRequest(next(self._ids), list(prompt_ids), params, callback), future))
         return future
 
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None, *, timeout: float) -> Completion:
@@ -74,6 +83,11 @@ class EngineService:
     @property
     def weight_version(self) -> int:
         return self.engine.weight_version
+
+    @property
+    def streams_tokens(self) -> bool:
+        """Whether `on_tokens` sees tokens as they are sampled (else all of them when the completion is done)."""
+        return bool(getattr(self.engine, "streams_tokens", False))
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop taking requests, let the ones in flight finish, stop the loop."""
@@ -94,6 +108,9 @@ class EngineService:
         try:
             while not self._stopping():
                 for completion in self.engine.generate(self._requests(), self.params):
+                    on_tokens = self._deliver_at_end.pop(completion.request_id, None)
+                    if on_tokens is not None:
+                        on_tokens(list(completion.response_ids), list(completion.logprobs))
                     self._pending.pop(completion.request_id).set_result(completion)
                 self._apply_update()
         except BaseException as error:  # noqa: BLE001 -- every waiting caller must learn why
@@ -124,6 +141,9 @@ class EngineService:
             if not future.set_running_or_notify_cancel():
                 continue
             self._pending[request.request_id] = future
+            if request.on_tokens is not None and not self.streams_tokens:
+                self._deliver_at_end[request.request_id] = request.on_tokens
+                request.on_tokens = None
             yield request
 
     def _apply_update(self) -> None:
@@ -150,3 +170,20 @@ class EngineService:
                 futures.append(self._inbox.get_nowait()[1])
             except queue.Empty:
                 return futures
+
+
+def _guarded(on_tokens: TokenCallback) -> TokenCallback:
+    """`on_tokens` that logs what it raises instead of raising it into the loop every caller shares."""
+    failed = False
+
+    def deliver(token_ids: list[int], logprobs: list[float]) -> None:
+        nonlocal failed
+        if failed:
+            return
+        try:
+            on_tokens(token_ids, logprobs)
+        except Exception:  # the consumer's bug; its request still completes
+            failed = True
+            log.exception("a token callback raised; its request goes on without it")
+
+    return deliver

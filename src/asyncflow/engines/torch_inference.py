@@ -34,6 +34,10 @@ Invariants:
 - A request iterator may yield `None` ("nothing ready now"): the engine decodes what it has and asks
   again after the next step (after `IDLE_WAIT_S` when nothing is in flight). Each request may carry its
   own `SamplingParams`; samples with equal settings are drawn together.
+- Token streaming (`streams_tokens = True`): a request's `on_tokens` is called on the generating thread
+  right after each of its tokens is sampled (prefill and decode steps alike), before that token can finish
+  the sample, so the token that ends it is delivered too and its `Completion` comes after every call; a
+  recomputation after a weight update samples nothing, so nothing is delivered twice.
 - One `torch.Generator` seeded with `seed` drives all sampling: the same seed, requests (in the
   same order) and `max_batch_size` give identical completions.
 """
@@ -190,6 +194,7 @@ class TorchInferenceEngine:
     """Continuous-batching sampler around a Hugging Face causal LM (full attention), CPU or one GPU."""
 
     updates_in_flight = True  # `update_weights` may be called while a `generate` runs (module docstring)
+    streams_tokens = True  # requests' `on_tokens` callbacks are called as tokens are sampled
 
     def __init__(
         self,
@@ -425,7 +430,10 @@ class TorchInferenceEngine:
             picked = logits if len(rows) == len(slots) else logits[rows]
             tokens, logprobs = sample_tokens(picked, params, self.generator)
             for row, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist()):
-                slots[row].append(token, logprob, self.weight_version)
+                slot = slots[row]
+                slot.append(token, logprob, self.weight_version)
+                if slot.request.on_tokens is not None:
+                    slot.request.on_tokens([token], [logprob])
 
 
 _END = object()

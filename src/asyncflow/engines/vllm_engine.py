@@ -26,6 +26,10 @@ Invariants:
   kept request's prefix is recomputed with the new weights), labels the new version and resumes. vLLM
   labels every sampled token with the version that sampled it: `Completion.token_versions` (None when a
   sample saw one version), `Completion.weight_version` = the last token's.
+- Token streaming (`streams_tokens = True`): a request with `on_tokens` runs with vLLM's cumulative outputs;
+  each output's tokens beyond those already delivered go to `on_tokens` on the client loop's thread, the final
+  output's included, before the request's completion is handed to `generate` (requests without it get vLLM's
+  final output only).
 - Every blocking call has a timeout (`start_timeout_s` for the start, `call_timeout_s` for weight updates and
   for each wait for the next completion) and ends in a `TimeoutError` naming what was awaited.
 """
@@ -165,6 +169,7 @@ class VLLMInferenceEngine:
     """`InferenceEngine` on vLLM's `AsyncLLM` for a Hugging Face model folder (see the module docstring)."""
 
     updates_in_flight = True  # update_weights may run on another thread while generate() is in flight
+    streams_tokens = True  # requests' `on_tokens` callbacks get tokens as vLLM outputs them
 
     def __init__(
         self,
@@ -195,7 +200,7 @@ class VLLMInferenceEngine:
         self._owned_dir = owned_dir
         self._ids = itertools.count()
         self._id_prefix = f"asyncflow-{os.getpid()}-{id(self):x}-"
-        self._sampling_cache: dict[SamplingParams, Any] = {}
+        self._sampling_cache: dict[tuple[SamplingParams, bool], Any] = {}
         self._update_lock = threading.Lock()
         args = dict(
             model=str(model_dir), dtype=dtype, seed=seed, max_num_seqs=max_batch_size, max_model_len=max_model_len,
@@ -233,9 +238,10 @@ class VLLMInferenceEngine:
         await self._llm.engine_core.set_weight_version_async(str(version))
 
     # ---------------------------------------------------------------- sampling
-    def vllm_sampling_params(self, params: SamplingParams):
-        """The vLLM `SamplingParams` of `params`; ValueError for settings this engine cannot honour."""
-        cached = self._sampling_cache.get(params)
+    def vllm_sampling_params(self, params: SamplingParams, *, streamed: bool = False):
+        """The vLLM `SamplingParams` of `params` (`streamed`: with every step's cumulative output, else the final
+        one only); ValueError for settings this engine cannot honour."""
+        cached = self._sampling_cache.get((params, streamed))
         if cached is not None:
             return cached
         check_sampling_params(params)
@@ -252,9 +258,10 @@ class VLLMInferenceEngine:
         converted = VLLMSamplingParams(
             n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
             max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids), ignore_eos=True,
-            logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+            logprobs=0, detokenize=False,
+            output_kind=RequestOutputKind.CUMULATIVE if streamed else RequestOutputKind.FINAL_ONLY,
         )
-        self._sampling_cache[params] = converted
+        self._sampling_cache[(params, streamed)] = converted
         return converted
 
     def _checked(self, request: GenerationRequest) -> None:
@@ -320,16 +327,24 @@ class VLLMInferenceEngine:
     def _submit(self, request: GenerationRequest, params: SamplingParams, finished: queue.Queue) -> str:
         self._checked(request)
         own = getattr(request, "params", None)  # a per-request override, where GenerationRequest has one
-        sampling = self.vllm_sampling_params(own if own is not None else params)
+        on_tokens = getattr(request, "on_tokens", None)
+        sampling = self.vllm_sampling_params(own if own is not None else params, streamed=on_tokens is not None)
         key = f"{self._id_prefix}{next(self._ids)}"
-        self._loop.submit(self._run_one(key, request.prompt_ids, sampling, finished))
+        self._loop.submit(self._run_one(key, request.prompt_ids, sampling, finished, on_tokens))
         return key
 
-    async def _run_one(self, key: str, prompt_ids: list[int], sampling, finished: queue.Queue) -> None:
-        final = None
+    async def _run_one(self, key: str, prompt_ids: list[int], sampling, finished: queue.Queue, on_tokens) -> None:
+        final, delivered = None, 0
         try:
             async for output in self._llm.generate({"prompt_token_ids": prompt_ids}, sampling, request_id=key):
                 final = output
+                if on_tokens is not None:
+                    sample = output.outputs[0]
+                    new_ids = list(sample.token_ids[delivered:])
+                    if new_ids:
+                        logprobs = [sample.logprobs[delivered + i][token].logprob for i, token in enumerate(new_ids)]
+                        delivered += len(new_ids)
+                        on_tokens(new_ids, logprobs)
         except Exception as err:  # noqa: BLE001 - handed to the consumer, which raises it
             finished.put((key, err))
             return

@@ -6,8 +6,17 @@ package is the only one that imports the HTTP stack.
 
 Extra fields (beyond OpenAI's): each choice carries `token_ids` (the ids sampled), `token_logprobs` (their
 sampling log-probs), `prompt_token_ids` and `weight_version` (the policy version that sampled them); a
-streamed chunk carries the `token_ids` / `token_logprobs` of its piece and the last chunk of a choice
-the rest. `top_k` may be given besides OpenAI's sampling fields.
+streamed chunk carries the `token_ids` / `token_logprobs` of its piece, and the last chunk of a choice also
+`prompt_token_ids` and `weight_version`. `top_k` may be given besides OpenAI's sampling fields.
+
+Streaming (`stream: true`) is token by token: the engine hands each choice's tokens to the request as they are
+sampled (`EngineService.submit(on_tokens=...)`), and each step's tokens go out as one server-sent event
+(choices of `n > 1` interleaved, each chunk naming its `index`); tokens that arrived while the previous
+chunk was being sent go out together, one chunk per choice (a slow reader gets fewer, larger chunks).
+`TextStream` turns a choice's ids into text that is never taken back: it holds back a tail that does not
+decode cleanly yet (part of a multi-byte character), trailing whitespace (a decoder may still merge it with
+what follows) and a tail that could be the start of a stop string. An engine without `streams_tokens` still
+streams, a choice at a time when it finishes (`/v1/models` says which: `"streaming": "token"` or `"choice"`).
 
 Episodes (training an agent through this server): `/episodes/{episode_id}/v1/...` serves the same routes
 and records every call under the episode (`asyncflow.serving.episodes`); only episodes the training driver
@@ -21,17 +30,28 @@ Invariants:
   model, token ids outside the vocabulary, a chat template that fails) is refused with a 4xx JSON error
   `{"error": {"message", "type", "param", "code"}}` before it reaches the engine, so no request can stop
   the generation loop that other callers share. A call still unanswered after `request_timeout_s` gets 504.
-- Streamed responses start only once every choice has finished generating (the engine hands back whole
-  completions), so a failure is always a plain JSON error, never a cut-off stream.
+- A streamed choice is the non-streamed one cut in pieces: its chunks' `text` (chat: `delta.content`),
+  `token_ids` and `token_logprobs` concatenate to exactly the non-streamed values (given the same samples),
+  with a stop string honoured across chunk boundaries; `finish_reason` is on its last chunk, sent once the
+  engine's completion arrives (the engine stops at one-token stops only, so a longer stop string found in the
+  text ends the choice's pieces at once but its last chunk waits for that). `data: [DONE]` ends the stream.
+- Every check above happens before a stream starts; a failure after it started (the engine stopped, the
+  timeout) ends the stream with one event `{"error": {...}}` in OpenAI's shape (the `openai` client raises it)
+  and no `[DONE]`, never a hang. A client that goes away mid-stream has its tokens dropped from then on; the
+  engine finishes its samples (they cannot be cut short) and other callers are not affected.
+- An episode call is recorded once its completion arrives, streamed or not, as it was returned.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
+import logging
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -44,6 +64,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from asyncflow.engines.base import Completion, SamplingParams
 from asyncflow.engines.service import EngineService, EngineServiceError
 from asyncflow.serving.episodes import CallRecord, EpisodeRecorder, UnknownEpisodeError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,9 +92,14 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
 
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
 def error_response(status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": code}}, status)
+    return JSONResponse(error_body(message, type=type, param=param, code=code), status)
 
 
 # ---------------------------------------------------------------- requests
@@ -184,12 +211,18 @@ class _API:
         self.served = served
         self.recorder = recorder
         self.timeout_s = timeout_s
+        self.told_choice_streaming = False
 
     async def models(self, episode_id: str | None = None):
         self._episode(episode_id)
         return {"object": "list", "data": [
             {"id": self.served.name, "object": "model", "created": 0, "owned_by": "asyncflow",
-             "max_model_len": self.served.max_model_len}]}
+             "max_model_len": self.served.max_model_len, "streaming": self._streaming()}]}
+
+    def _streaming(self) -> str | None:
+        """How `stream: true` is sent: "token" (as sampled), "choice" (each choice once finished), None (no engine)."""
+        service = self.served.service
+        return None if service is None else "token" if service.streams_tokens else "choice"
 
     async def completions(self, body: CompletionRequest, episode_id: str | None = None):
         self._check_model(body.model)
@@ -203,11 +236,13 @@ class _API:
             raise APIError(400, "one prompt per call within an episode", param="prompt")
         rendered = [self._completion_prompt(p, episode_id) for p in prompts]
         params = self._params(body, body.max_tokens, [len(ids) for ids, _ in rendered], episode_id)
+        if body.stream:
+            return self._stream(body, rendered, params, "completion", episode_id, logprobs=body.logprobs is not None)
         results = await self._generate([ids for ids, _ in rendered], params, body.n)
         choices = []
         for p, ((ids, text), completions) in enumerate(zip(rendered, results)):
             for c, completion in enumerate(completions):
-                out = self._finish(completion, body.stop, episode_id, "completion", text, skip_special=True)
+                out = self._finish(completion, body.stop, episode_id, "completion", text)
                 choices.append({"index": p * body.n + c, **out})
         return self._respond(body, "text_completion", choices, kind="completion", logprobs=body.logprobs is not None)
 
@@ -216,10 +251,12 @@ class _API:
         self._episode(episode_id, body.n)
         ids, text = self._chat_prompt(body.messages, episode_id)
         params = self._params(body, body.max_completion_tokens or body.max_tokens, [len(ids)], episode_id)
+        if body.stream:
+            return self._stream(body, [(ids, text)], params, "chat", episode_id, logprobs=body.logprobs)
         [completions] = await self._generate([ids], params, body.n)
         choices = []
         for c, completion in enumerate(completions):
-            out = self._finish(completion, body.stop, episode_id, "chat", text, skip_special=False)
+            out = self._finish(completion, body.stop, episode_id, "chat", text)
             choices.append({"index": c, **out})
         return self._respond(body, "chat.completion", choices, kind="chat", logprobs=body.logprobs)
 
@@ -320,28 +357,38 @@ class _API:
                               tuple(dict.fromkeys(stop_ids)))
 
     # ------------------------------------------------------------ generation
-    async def _generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[list[Completion]]:
+    def _submit(self, prompts: list[list[int]], params: SamplingParams, n: int, on_tokens=None) -> list[Future]:
+        """`n` requests per prompt (choice `i` = prompt `i // n`); `on_tokens(choice, ids, logprobs)` if given."""
         service = self.served.service
         if service is None:
             raise APIError(503, "no engine is serving right now", type="server_error", code="engine_unavailable")
+        futures = []
         try:
-            futures = [[service.submit(ids, params) for _ in range(n)] for ids in prompts]
+            for choice, ids in enumerate(ids for ids in prompts for _ in range(n)):
+                callback = None if on_tokens is None else functools.partial(on_tokens, choice)
+                futures.append(service.submit(ids, params, on_tokens=callback))
         except EngineServiceError as err:
+            _cancel(futures)
             raise APIError(503, f"the engine is stopped: {err}", type="server_error", code="engine_unavailable")
-        flat = [f for group in futures for f in group]
+        return futures
+
+    def _timed_out(self) -> APIError:
+        return APIError(504, f"generation did not finish within {self.timeout_s:.0f} s", type="timeout_error",
+                        code="timeout")
+
+    async def _generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[list[Completion]]:
+        futures = self._submit(prompts, params, n)
         try:
-            done = await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for f in flat)), self.timeout_s)
+            done = await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for f in futures)), self.timeout_s)
         except asyncio.TimeoutError:
-            for f in flat:
-                f.cancel()
-            raise APIError(504, f"generation did not finish within {self.timeout_s:.0f} s", type="timeout_error",
-                           code="timeout") from None
+            _cancel(futures)
+            raise self._timed_out() from None
         except EngineServiceError as err:
             raise APIError(503, f"the engine stopped: {err}", type="server_error", code="engine_unavailable")
         return [done[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def _finish(self, completion: Completion, stops: list[str], episode_id: str | None, kind: str, prompt_text: str,
-                *, skip_special: bool) -> dict:
+    def _finish(self, completion: Completion, stops: list[str], episode_id: str | None, kind: str,
+                prompt_text: str) -> dict:
         """One choice: the ids up to the first stop string (that string left out of the text), recorded under the
         episode; the context text it leaves is what the agent will send back to continue."""
         tokenizer = self.served.tokenizer
@@ -356,7 +403,7 @@ class _API:
                     break
         if episode_id is not None:
             call = CallRecord(list(completion.prompt_ids), list(ids), list(logprobs), completion.weight_version, finish)
-            context = prompt_text + tokenizer.decode(ids, skip_special_tokens=skip_special)
+            context = prompt_text + tokenizer.decode(ids, skip_special_tokens=kind == "completion")
             try:
                 self.recorder.record(episode_id, call, kind=kind, text=context)
             except UnknownEpisodeError:
@@ -395,9 +442,6 @@ class _API:
         prompt_tokens = sum(len(c["prompt_token_ids"]) for c in choices[:: body.n])
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": sum(len(c["token_ids"]) for c in choices)}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        if body.stream:
-            events = self._stream(body, rid, created, choices, kind, logprobs, usage)
-            return StreamingResponse(events, media_type="text/event-stream")
         out = []
         for c in choices:
             ids, lps = c["token_ids"], c["token_logprobs"]
@@ -412,37 +456,163 @@ class _API:
         return {"id": rid, "object": object_name, "created": created, "model": self.served.name, "choices": out,
                 "usage": usage}
 
-    def _stream(self, body, rid, created, choices, kind, logprobs, usage):
-        object_name = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    def _stream(self, body: _Sampling, rendered: list[tuple[list[int], str]], params: SamplingParams, kind: str,
+                episode_id: str | None, *, logprobs: bool) -> StreamingResponse:
+        """Submit every choice with a token callback and stream its pieces as they come (module docstring)."""
+        loop = asyncio.get_running_loop()
+        arrivals: asyncio.Queue = asyncio.Queue()
+        abandoned = False  # the stream ended (finished, failed or its client went away): drop late tokens
 
-        def event(choice: dict, **extra) -> str:
+        def on_tokens(choice: int, ids: list[int], lps: list[float]) -> None:  # on the engine's thread
+            if not abandoned:
+                loop.call_soon_threadsafe(arrivals.put_nowait, (choice, ids, lps))
+
+        futures = self._submit([ids for ids, _ in rendered], params, body.n, on_tokens)
+        for choice, future in enumerate(futures):
+            future.add_done_callback(lambda f, c=choice: abandoned or loop.call_soon_threadsafe(
+                arrivals.put_nowait, (c, f, None)))
+        if not self.served.service.streams_tokens and not self.told_choice_streaming:
+            self.told_choice_streaming = True
+            log.warning("this engine cannot stream tokens: a streamed choice is sent once it has finished")
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        created, object_name = int(time.time()), "chat.completion.chunk" if kind == "chat" else "text_completion"
+        tokenizer = self.served.tokenizer
+
+        def event(choices: list[dict], **extra) -> str:
             chunk = {"id": rid, "object": object_name, "created": created, "model": self.served.name,
-                     "choices": [choice], **extra}
+                     "choices": choices, **extra}
             return f"data: {json.dumps(chunk)}\n\n"
 
-        def content(index: int, text: str, **extra) -> dict:
-            if kind == "chat":
-                return {"index": index, "delta": {"content": text} if text else {}, **extra}
-            return {"index": index, "text": text, **extra}
+        def piece(index: int, text: str, ids: list[int], lps: list[float], finish: str | None = None, **extra) -> str:
+            body_part = {"delta": {"content": text} if text else {}} if kind == "chat" else {"text": text}
+            return event([{"index": index, **body_part, "finish_reason": finish, "token_ids": ids,
+                           "token_logprobs": lps, "logprobs": self._logprobs(kind, ids, lps) if logprobs else None,
+                           **extra}])
 
-        def events():
-            for c in choices:
-                index, ids, lps = c["index"], c["token_ids"], c["token_logprobs"]
+        async def events():
+            nonlocal abandoned
+            streams = [TextStream(tokenizer, body.stop) for _ in futures]
+            usage = {"prompt_tokens": sum(len(ids) for ids, _ in rendered), "completion_tokens": 0}
+            deadline = loop.time() + self.timeout_s
+            try:
                 if kind == "chat":
-                    yield event({"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-                pieces = self._pieces(ids)
-                # the visible text may stop before the last ids (a stop string): pieces beyond it are sent empty
-                budget = len(c["text"])
-                for token, lp, piece in zip(ids, lps, pieces):
-                    piece, budget = piece[: max(budget, 0)], budget - len(piece)
-                    yield event(content(index, piece, finish_reason=None, token_ids=[token], token_logprobs=[lp],
-                                        logprobs=self._logprobs(kind, [token], [lp]) if logprobs else None))
-                yield event(content(index, "", finish_reason=c["finish_reason"], prompt_token_ids=c["prompt_token_ids"],
-                                    weight_version=c["weight_version"]))
-            if (body.stream_options or {}).get("include_usage"):
-                summary = {"id": rid, "object": object_name, "created": created, "model": self.served.name,
-                           "choices": [], "usage": usage}
-                yield f"data: {json.dumps(summary)}\n\n"
-            yield "data: [DONE]\n\n"
+                    for index in range(len(futures)):
+                        yield event([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                      "finish_reason": None}])
+                unfinished = len(futures)
+                while unfinished:
+                    try:
+                        arrived = [await asyncio.wait_for(arrivals.get(), max(deadline - loop.time(), 0))]
+                    except asyncio.TimeoutError:
+                        raise self._timed_out() from None
+                    while not arrivals.empty():  # what came meanwhile goes out merged: one chunk per choice
+                        arrived.append(arrivals.get_nowait())
+                    waiting: dict[int, tuple[str, list[int], list[float]]] = {}  # by choice, in arrival order
+                    for index, item, lps in arrived:
+                        text, ids, lps_before = waiting.pop(index, ("", [], []))
+                        if lps is not None:  # tokens
+                            more_text, more_ids, more_lps = streams[index].add(item, lps)
+                            waiting[index] = (text + more_text, ids + more_ids, lps_before + more_lps)
+                            continue
+                        unfinished -= 1
+                        try:
+                            completion = item.result()
+                        except EngineServiceError as err:
+                            raise APIError(503, f"the engine stopped: {err}", type="server_error",
+                                           code="engine_unavailable") from None
+                        out = self._finish(completion, body.stop, episode_id, kind, rendered[index // body.n][1])
+                        sent = len(streams[index].ids)
+                        usage["completion_tokens"] += len(out["token_ids"])
+                        yield piece(index, text + streams[index].rest(out["text"]), ids + out["token_ids"][sent:],
+                                    lps_before + out["token_logprobs"][sent:], out["finish_reason"],
+                                    prompt_token_ids=out["prompt_token_ids"], weight_version=out["weight_version"])
+                    for index, (text, ids, lps) in waiting.items():
+                        if ids or text:
+                            yield piece(index, text, ids, lps)
+                if (body.stream_options or {}).get("include_usage"):
+                    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+                    yield event([], usage=usage)
+                yield "data: [DONE]\n\n"
+            except APIError as err:
+                yield f"data: {json.dumps(error_body(err.message, type=err.type, param=err.param, code=err.code))}\n\n"
+            except Exception as err:  # a bug here: end the stream in OpenAI's shape, not as a cut connection
+                log.exception("a streamed response failed")
+                yield f"data: {json.dumps(error_body(f'internal error: {err!r}', type='server_error'))}\n\n"
+            finally:
+                abandoned = True
+                _cancel(futures)
 
-        return events()
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _cancel(futures: list[Future]) -> None:
+    """Withdraw requests not taken by the engine yet (one in flight runs to its end; its result is dropped)."""
+    for future in futures:
+        future.cancel()
+
+
+class TextStream:
+    """One streamed choice's text as its tokens arrive: pieces that are never taken back, cut at a stop string.
+
+    `ids` are the tokens sent so far (up to the one that completed a stop string); `add` returns what may be sent
+    now; `rest(final_text)` what remains of the choice's final text. The text grows by incremental decoding (as
+    in vLLM): each new token's text is `decode(ids[prefix:])` minus `decode(ids[prefix:read])`, a window of the
+    last few tokens as context, so a token costs a decode of a few tokens (the whole text would cost O(n) per
+    token) and a decoder that strips or merges at a window's start (sentencepiece's leading space) does so
+    on both sides alike; the window moves on only once its text decodes cleanly (no U+FFFD). What is held back
+    is described in the module docstring.
+    """
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.ids: list[int] = []
+        self.stopped = False
+        self._text = ""  # decoded text of ids[:read]
+        self._prefix = self._read = 0
+        self._sent = ""
+
+    def add(self, ids: list[int], logprobs: list[float]) -> tuple[str, list[int], list[float]]:
+        """Take a step's tokens -> (text to send now, the ids and log-probs taken: none after a stop string)."""
+        if not ids or self.stopped:
+            return "", [], []
+        taken = 0
+        while taken < len(ids) and not self.stopped:
+            self.ids.append(ids[taken])
+            taken += 1
+            pending = self._pending_text()
+            text = self._text + pending
+            cut = min((text.find(s) for s in self.stops if s in text), default=-1)
+            if cut >= 0:
+                self.stopped, self._text = True, text[:cut]
+        return self._release(self._text if self.stopped else self._safe(pending)), ids[:taken], logprobs[:taken]
+
+    def _pending_text(self) -> str:
+        """The text of the ids after `read` (moving the window on when it decodes cleanly)."""
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
+        context = decode(self.ids[self._prefix : self._read])
+        window = decode(self.ids[self._prefix :])
+        if len(window) <= len(context) or window.endswith("\ufffd"):
+            return window[len(context) :]  # part of a character, or nothing visible yet: keep the window
+        self._text += window[len(context) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        return ""
+
+    def rest(self, final_text: str) -> str:
+        return self._release(final_text)
+
+    def _safe(self, pending: str) -> str:
+        """The text so far (`pending`: the window's unsettled part) less what must be held back."""
+        text = (self._text + pending).rstrip("\ufffd").rstrip()  # U+FFFD: the end of a multi-byte character is due
+        hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        return text[: len(text) - hold]
+
+    def _release(self, text: str) -> str:
+        if self._sent.startswith(text):  # nothing new (or more held back than before)
+            return ""
+        if not text.startswith(self._sent):
+            log.warning("this tokenizer's decode of more tokens changed text already streamed (%r -> %r)",
+                        self._sent, text)
+            return ""
+        new, self._sent = text[len(self._sent) :], text
+        return new
