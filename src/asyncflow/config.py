@@ -376,7 +376,7 @@ class RuntimeConfig(Section):
     kind: Literal["auto", "inline", "ray"] = "auto"
     """`inline`: every worker in this process (threads); `ray`: rollout replicas as Ray actors on a local
     cluster started for you (or the one at `address`); `auto`: `inline` for the colocated `sync`
-    baseline, `ray` for `stream` and `async`."""
+    baseline, `ray` for `stream` and `async` (`inline` with `agent.fn`)."""
     address: str | None = None
     """Ray cluster address to join; `null` starts a local cluster."""
     num_cpus: int | None = None
@@ -451,8 +451,8 @@ class AgentConfig(Section):
     """An agent written against the `openai` client, as `package.module:function`, called `fn(client, row)` once
     per sample (`asyncflow.workers.agent`): `client` is an `openai.OpenAI` bound to this run's server for that
     episode, `row` an `AgentRow` (prompt, answer, metadata, model). It returns the reward (a number) or its
-    final answer (a string, scored by `reward.fns`). `null` = the built-in single-turn rollout. Needs
-    `workflow.mode: sync` (inline) and the `serve` extra."""
+    final answer (a string, scored by `reward.fns`). `null` = the built-in single-turn rollout. Any
+    `workflow.mode`, on the inline runtime (the rollout thread serves the agent's calls); needs the `serve` extra."""
     concurrency: int | None = Field(None, ge=1)
     """Episodes in flight (threads), each waiting on its calls to the server; `null` = `rollout.max_batch_size`."""
     episode_timeout_s: float = Field(300.0, gt=0)
@@ -489,8 +489,13 @@ class Config(Section):
             raise ValueError(
                 f"reward.weights has {len(self.reward.weights)} entries but reward.fns has {len(self.reward.fns)}"
             )
-        if self.agent.fn is not None and (self.workflow.mode != "sync" or self.runtime.kind == "ray"):
-            raise ValueError("agent.fn: agents train in workflow.mode=sync on the inline runtime only (for now)")
+        if self.agent.fn is not None and self.runtime.kind == "ray":
+            raise ValueError("agent.fn: agents run on the inline runtime (runtime.kind=inline or auto), not on Ray yet")
+        if self.agent.fn is not None and self.rollout.on_weight_update == "resume":
+            raise ValueError(
+                "agent.fn with rollout.on_weight_update=resume: an agent's calls are sampled with the weights of their "
+                "partition only; use on_weight_update=finish"
+            )
         return self
 
 

@@ -3,6 +3,7 @@ agent's calls (prompt = first call's prompt, later context with loss mask 0, sam
 is the agent's number or its answer scored by the task, a failing agent scores 0, and `asyncflow train` trains it."""
 
 import json
+import shutil
 import threading
 
 import pytest
@@ -13,6 +14,7 @@ pytest.importorskip("fastapi")
 
 from asyncflow.cli import main  # noqa: E402
 from asyncflow.config import build_config  # noqa: E402
+from asyncflow.runtime.factory import runtime_kind  # noqa: E402
 from asyncflow.serving.episodes import CallRecord, episode_row  # noqa: E402
 from asyncflow.transfer import TransferQueue  # noqa: E402
 from asyncflow.workers.rollout import rollouts_from_batch  # noqa: E402
@@ -90,10 +92,12 @@ def test_agent_rows_hold_the_recorded_ids_masks_and_rewards(tmp_path, one_torch_
 
 
 @pytest.mark.slow
-def test_asyncflow_train_trains_an_openai_client_agent(tmp_path, capsys, one_torch_thread):
+@pytest.mark.parametrize("mode", ["sync", "stream"])
+def test_asyncflow_train_trains_an_openai_client_agent(tmp_path, capsys, one_torch_thread, mode):
     code = main(["train", f"--output={tmp_path}", "run.progress=false", "model.path=preset:tiny-llama",
-                 "train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=4",
-                 "train.micro_batch_size=8", "eval.every=0", "data.test_size=4", "checkpoint.every=0",
+                 f"workflow.mode={mode}", "train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=4",
+                 "rollout.max_new_tokens=4", "train.micro_batch_size=8", "eval.every=0", "data.test_size=4",
+                 "checkpoint.every=0",
                  "agent.fn=test_agent:two_call_agent", "--threads=1"])
     assert code == 0
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -110,8 +114,37 @@ def test_asyncflow_train_trains_an_openai_client_agent(tmp_path, capsys, one_tor
 
 
 def test_an_agent_run_is_refused_where_it_cannot_run(tmp_path):
-    with pytest.raises(Exception, match="agent.fn"):
-        agent_config(tmp_path, "workflow.mode=async")
+    with pytest.raises(Exception, match="agent.fn: agents run on the inline runtime"):
+        agent_config(tmp_path, "workflow.mode=async", "runtime.kind=ray")
+    with pytest.raises(Exception, match="on_weight_update=resume"):
+        agent_config(tmp_path, "workflow.mode=async", "rollout.on_weight_update=resume")
+    assert runtime_kind(agent_config(tmp_path, "workflow.mode=async")) == "inline"  # `auto` stays inline for agents
     out = tmp_path / "run"
     assert main(["train", f"--output={out}", "model.path=preset:tiny-llama", "agent.fn=no_such_module:f"]) == 1
     assert not out.exists()  # refused before the run folder is written
+
+
+@pytest.mark.slow
+def test_async_agent_run_checkpoints_its_rows_ahead_and_resumes_them(tmp_path, one_torch_thread):
+    """async k=1: the checkpoint after step 2 holds step 3's agent rows (their own prompt ids, loss masks, calls);
+    resumed from it, step 3 trains exactly those rows (same prompts, rewards, loss) and step 4 follows."""
+    args = ["train", f"--output={tmp_path}", "run.progress=false", "model.path=preset:tiny-llama", "train.steps=4",
+            "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=4",
+            "train.micro_batch_size=8", "eval.every=0", "data.test_size=4", "checkpoint.every=1", "checkpoint.keep=4",
+            "workflow.mode=async", "workflow.max_staleness=1", "runtime.lend_idle_cores=false",
+            "agent.fn=test_agent:two_call_agent", "--threads=1"]  # fmt: skip
+    assert main(args) == 0
+    first = {s["step"]: s for s in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    state = json.loads((tmp_path / "checkpoints" / "step_2" / "state.json").read_text())
+    ahead = {rows["step"]: rows for rows in state["workflow"]["rollouts_ahead"]}  # partitions count from 0
+    assert 2 in ahead and set(ahead[2]["columns"]) == {"loss_mask", "agent_prompt_ids"}
+    assert all(m["agent_calls"] == 2 for m in ahead[2]["metadata"])
+    for step in (3, 4):
+        shutil.rmtree(tmp_path / "checkpoints" / f"step_{step}")
+    assert main([*args, "--resume"]) == 0
+    second = {s["step"]: s for s in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(second) == sorted(first)
+    keys = ("data/group_id_min", "data/group_id_max", "reward/mean", "agent/calls_mean", "agent/errors",
+            "agent/trained_tokens", "staleness/max", "loss")
+    assert {k: second[3][k] for k in keys} == {k: first[3][k] for k in keys}  # the replayed rows, trained again
+    assert (second[4]["data/group_id_min"], second[4]["agent/calls_mean"]) == (first[4]["data/group_id_min"], 2.0)

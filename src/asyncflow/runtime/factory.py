@@ -1,5 +1,6 @@
-"""`make_runtime`: the runtime of `runtime.kind` (`auto`: inline for `sync`, Ray for the separated
-workflows). The Ray runtime is imported only when asked for, so `ray` stays unimported otherwise."""
+"""`make_runtime`: the runtime of `runtime.kind` (`auto`: inline for `sync` and for an agent's rollouts, Ray
+for the separated workflows). The Ray runtime is imported only when asked for, so `ray` stays unimported
+otherwise."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ def runtime_kind(config: Config) -> str:
     """`inline` or `ray`: `runtime.kind`, with `auto` resolved by the workflow mode."""
     kind = config.runtime.kind
     if kind == "auto":
-        kind = "inline" if config.workflow.mode == "sync" else "ray"
+        kind = "inline" if config.workflow.mode == "sync" or config.agent.fn is not None else "ray"
     return kind
 
 

@@ -44,34 +44,46 @@ def decode_tensor(encoded: dict) -> torch.Tensor:
     return torch.from_numpy(array.astype(array.dtype.newbyteorder("="), copy=True))
 
 
-def read_rows(queue, partition: str, num_rows: int, timeout: float, *, loss_mask: bool = False) -> dict:
-    """Every row of a partition whose `ROW_COLUMNS` are all written, as JSON-able data; consumes nothing for
-    the workers (the reading task is reset afterwards). `loss_mask`: the rows have one (multi-turn)."""
-    meta = queue.request(partition, READER, ROW_COLUMNS + ["loss_mask"] * loss_mask, num_rows, timeout=timeout)
+def read_rows(queue, partition: str, num_rows: int, timeout: float, *, columns: Sequence[str] = ()) -> dict:
+    """Every row of a partition whose `ROW_COLUMNS` and extra per-token `columns` (a multi-turn row's
+    `loss_mask`, an agent's `agent_prompt_ids`) are all written, as JSON-able data with each row's metadata;
+    consumes nothing for the workers (the reading task is reset afterwards)."""
+    meta = queue.request(partition, READER, ROW_COLUMNS + list(columns), num_rows, timeout=timeout)
     if len(meta) != num_rows:
         raise RuntimeError(f"checkpoint: read {len(meta)} of the {num_rows} finished rows of {partition!r}")
     batch = queue.get(meta)
     queue.reset(partition, READER)
-    masks = {"loss_mask": encode_tensor(batch.data["loss_mask"])} if loss_mask else {}
     return {
-        **masks,
         "group_ids": list(meta.group_ids),
         "sample_index": [m["sample_index"] for m in meta.metadata],
         "weight_version": list(meta.weight_versions),
-        "finish_reason": [m.get("finish_reason", "stop") for m in meta.metadata],
-        "version_runs": [m.get("version_runs") for m in meta.metadata],  # partial rollouts' per-token versions
+        "metadata": [dict(m) for m in meta.metadata],  # the prompt's and what rollout wrote (finish reason, ...)
         "response_lengths": batch.lengths["response_ids"].tolist(),
         "response_ids": encode_tensor(batch.data["response_ids"]),
         "rollout_logprobs": encode_tensor(batch.data["rollout_logprobs"]),
         "reward": encode_tensor(batch.data["reward"]),
+        "columns": {
+            name: {"lengths": batch.lengths[name].tolist(), "data": encode_tensor(batch.data[name])} for name in columns
+        },
     }
 
 
 def row_metadata(rows: dict, i: int) -> dict:
-    """The row metadata rollout wrote for row `i` of `read_rows` (checkpoints older than partial rollouts
-    carry no `version_runs`)."""
+    """The row metadata of row `i` of `read_rows` (checkpoints written before whole metadata was kept carry
+    the finish reason and, after partial rollouts, `version_runs` only)."""
+    if "metadata" in rows:
+        return rows["metadata"][i]
     runs = rows.get("version_runs", [None] * len(rows["group_ids"]))[i]
     return {"finish_reason": rows["finish_reason"][i], **({"version_runs": runs} if runs else {})}
+
+
+def saved_columns(rows: dict) -> dict[str, list[torch.Tensor]]:
+    """The extra per-token columns of `read_rows`, a tensor per row (older checkpoints: `loss_mask` only)."""
+    columns = rows.get("columns")
+    if columns is None:
+        lengths = rows["response_lengths"]
+        columns = {"loss_mask": {"lengths": lengths, "data": rows["loss_mask"]}} if "loss_mask" in rows else {}
+    return {name: list(decode_tensor(c["data"]).split(c["lengths"])) for name, c in columns.items()}
 
 
 def replay_rows(queue, partition: str, rows: dict, tasks: Sequence[str], timeout: float) -> int:
@@ -93,9 +105,8 @@ def replay_rows(queue, partition: str, rows: dict, tasks: Sequence[str], timeout
     rewards = decode_tensor(rows["reward"])
     columns = {"response_ids": [responses[i] for i in order], "rollout_logprobs": [logprobs[i] for i in order],
                "reward": rewards[order]}
-    if "loss_mask" in rows:
-        masks = decode_tensor(rows["loss_mask"]).split(lengths)
-        columns["loss_mask"] = [masks[i] for i in order]
+    for name, values in saved_columns(rows).items():
+        columns[name] = [values[i] for i in order]
     queue.write(
         partition, meta.indices, columns,
         weight_version=[rows["weight_version"][i] for i in order],

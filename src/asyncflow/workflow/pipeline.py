@@ -48,12 +48,13 @@ from asyncflow.transfer import GroupSampler, TransferQueue
 from asyncflow.weights import make_weight_sync
 from asyncflow.weights.segments import sweep_dead_segments
 from asyncflow.workers.loops import BackgroundThread, partition_name, reward_loop
-from asyncflow.workers.rollout import Rollout
+from asyncflow.workers.rollout import AGENT_PROMPT_COLUMN, Rollout
 from asyncflow.workers.trainer import TRAIN_COLUMNS
 from asyncflow.workflow.ahead import decode_tensor, encode_tensor, read_rows, replay_rows
 from asyncflow.workflow.setup import make_reward_worker
 
 WAIT_POLL_S = 0.01
+ROW_EXTRA_COLUMNS = ("loss_mask", AGENT_PROMPT_COLUMN)  # per-token columns some rollouts write (multi-turn, agent)
 log = logging.getLogger(__name__)
 
 
@@ -264,7 +265,7 @@ class PipelineWorkflow:
             if not self._finished(step):
                 break
             rows = read_rows(self.queue, partition_name(step), self._rows_per_partition(run), self.timeout,
-                             loss_mask=run.multiturn is not None)
+                             columns=[c for c in ROW_EXTRA_COLUMNS if c in run.trainer.columns])
             ahead.append({"step": step, **rows})
         samplers = self.runtime.sampler_states(run.step - 1 + len(ahead), self.timeout)
         state["rollouts_ahead"] = ahead
