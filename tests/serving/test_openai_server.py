@@ -13,12 +13,10 @@ pytest.importorskip("fastapi")
 from asyncflow.engines.base import GenerationRequest, SamplingParams  # noqa: E402
 from asyncflow.engines.torch_inference import TorchInferenceEngine  # noqa: E402
 from asyncflow.models.loading import load_model, load_tokenizer  # noqa: E402
-from asyncflow.serving.episodes import EpisodeRecorder, episode_row  # noqa: E402
+from asyncflow.serving.episodes import episode_row  # noqa: E402
 from asyncflow.serving.server import ServerThread  # noqa: E402
-from asyncflow.workflow.serve import build_app, load_served  # noqa: E402
+from server_fixture import KEY, NAME, running_server  # noqa: E402
 
-KEY = "test-key"
-NAME = "tiny"
 TEMPLATE = ("{% for m in messages %}<s>{{ m.role }}: {{ m.content }}</s>{% endfor %}"
             "{% if add_generation_prompt %}<s>assistant: {% endif %}")
 
@@ -26,13 +24,8 @@ TEMPLATE = ("{% for m in messages %}<s>{{ m.role }}: {{ m.content }}</s>{% endfo
 @pytest.fixture(scope="module")
 def server(tiny_llama_path, one_torch_thread):
     """The server with a chat template and an episode recorder, on a free port."""
-    recorder = EpisodeRecorder()
-    app, service = build_app(load_served(str(tiny_llama_path)), api_key=KEY, name=NAME, chat_template=TEMPLATE,
-                             request_timeout_s=60, recorder=recorder)
-    thread = ServerThread(app).start()
-    yield thread, service, recorder, load_tokenizer(tiny_llama_path)
-    thread.stop()
-    service.close()
+    with running_server(tiny_llama_path, TEMPLATE) as (thread, service, recorder):
+        yield thread, service, recorder, load_tokenizer(tiny_llama_path)
 
 
 @pytest.fixture(scope="module")

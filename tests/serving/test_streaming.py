@@ -18,12 +18,9 @@ from asyncflow.engines.service import EngineService
 from asyncflow.engines.torch_inference import TorchInferenceEngine
 from asyncflow.models.loading import load_model, load_tokenizer
 from asyncflow.serving.api import ServedModel, TextStream, make_app
-from asyncflow.serving.episodes import EpisodeRecorder
 from asyncflow.serving.server import ServerThread
-from asyncflow.workflow.serve import build_app, load_served
+from server_fixture import KEY, NAME, running_server
 
-KEY = "test-key"
-NAME = "tiny"
 TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
 PROMPT = "ab"  # the tiny model's greedy continuation changes character after a few tokens
 
@@ -32,13 +29,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_path, one_torch_thread):
-    recorder = EpisodeRecorder()
-    app, service = build_app(load_served(str(tiny_llama_path)), api_key=KEY, name=NAME, chat_template=TEMPLATE,
-                             request_timeout_s=60, recorder=recorder)
-    thread = ServerThread(app).start()
-    yield thread, service, recorder
-    thread.stop()
-    service.close()
+    with running_server(tiny_llama_path, TEMPLATE) as running:
+        yield running
 
 
 def client_of(url: str) -> "openai.OpenAI":

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from asyncflow.config import Config, load_config
+from asyncflow.config import load_config
 from asyncflow.models.loading import load_model, resolve_model_path
 from asyncflow.workflow.checkpoint import (
     CheckpointError,
