@@ -452,7 +452,7 @@ class AgentConfig(Section):
     per sample (`asyncflow.workers.agent`): `client` is an `openai.OpenAI` bound to this run's server for that
     episode, `row` an `AgentRow` (prompt, answer, metadata, model). It returns the reward (a number) or its
     final answer (a string, scored by `reward.fns`). `null` = the built-in single-turn rollout. Any
-    `workflow.mode`, on the inline runtime (the rollout thread serves the agent's calls); needs the `serve` extra."""
+    `workflow.mode`, inline or on Ray (each rollout replica serves its agents' calls); needs the `serve` extra."""
     concurrency: int | None = Field(None, ge=1)
     """Episodes in flight (threads), each waiting on its calls to the server; `null` = `rollout.max_batch_size`."""
     episode_timeout_s: float = Field(300.0, gt=0)
@@ -489,8 +489,6 @@ class Config(Section):
             raise ValueError(
                 f"reward.weights has {len(self.reward.weights)} entries but reward.fns has {len(self.reward.fns)}"
             )
-        if self.agent.fn is not None and self.runtime.kind == "ray":
-            raise ValueError("agent.fn: agents run on the inline runtime (runtime.kind=inline or auto), not on Ray yet")
         if self.agent.fn is not None and self.rollout.on_weight_update == "resume":
             raise ValueError(
                 "agent.fn with rollout.on_weight_update=resume: an agent's calls are sampled with the weights of their "

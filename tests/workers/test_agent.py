@@ -5,6 +5,7 @@ is the agent's number or its answer scored by the task, a failing agent scores 0
 import json
 import shutil
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,9 +114,26 @@ def test_asyncflow_train_trains_an_openai_client_agent(tmp_path, capsys, one_tor
     assert all(torch.equal(served.model.state_dict()[k], v) for k, v in trained.items())
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["stream", "async"])
+def test_an_agent_trains_on_ray_replicas(tmp_path, monkeypatch, mode, ray_cluster, one_torch_thread):
+    """The agent runs inside the rollout actor (its server on 127.0.0.1 there), given as a file path relative to
+    the driver's working directory (the actor's differs)."""
+    monkeypatch.chdir(Path(__file__).parent)
+    out = tmp_path / "run"
+    assert main(["train", f"--output={out}", "run.progress=false", "model.path=preset:tiny-llama",
+                 f"workflow.mode={mode}", "runtime.kind=ray", "runtime.rollout_cpus=0.5", "train.steps=2",
+                 "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=4",
+                 "train.micro_batch_size=8", "eval.every=0", "data.test_size=4", "checkpoint.every=0",
+                 "runtime.call_timeout_s=60", "agent.fn=test_agent.py:two_call_agent", "--threads=1"]) == 0
+    trained = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [r["step"] for r in trained] == [1, 2]
+    for r in trained:
+        assert r["agent/calls_mean"] == 2.0 and r["agent/errors"] == 2.0 and r["agent/trained_tokens"] > 0
+        assert r["staleness/max"] <= (1 if mode == "async" else 0) and r["grad_norm"] > 0
+
+
 def test_an_agent_run_is_refused_where_it_cannot_run(tmp_path):
-    with pytest.raises(Exception, match="agent.fn: agents run on the inline runtime"):
-        agent_config(tmp_path, "workflow.mode=async", "runtime.kind=ray")
     with pytest.raises(Exception, match="on_weight_update=resume"):
         agent_config(tmp_path, "workflow.mode=async", "rollout.on_weight_update=resume")
     assert runtime_kind(agent_config(tmp_path, "workflow.mode=async")) == "inline"  # `auto` stays inline for agents

@@ -96,6 +96,7 @@ class RolloutSpec:
     seed: int
     threads: int
     multiturn: object = None  # MultiTurnSpec: multi-turn episodes instead of single completions
+    agent: dict | None = None  # with `agent.fn`: the `AgentRolloutWorker` options (`RLRun.agent_options`)
 
 
 class RolloutActor:
@@ -111,10 +112,16 @@ class RolloutActor:
         engine = make_inference_engine(
             spec.engine, model=model, max_batch_size=spec.max_batch_size, device=spec.device, seed=spec.seed
         )
-        tokenizer = load_tokenizer(spec.model_path) if spec.multiturn is not None else None
-        self.worker = make_rollout_worker(engine, spec.params, spec.group_size, multiturn=spec.multiturn,
-                                          tokenizer=tokenizer)
+        tokenizer = load_tokenizer(spec.model_path) if spec.multiturn is not None or spec.agent else None
         self.scorer = make_scorer()
+        if spec.agent:  # its server thread binds 127.0.0.1 in this process, where the agent's calls come from
+            from asyncflow.workers.agent import AgentRolloutWorker
+
+            self.worker = AgentRolloutWorker(engine, spec.params, spec.group_size, tokenizer=tokenizer,
+                                             scorer=self.scorer, **spec.agent)
+        else:
+            self.worker = make_rollout_worker(engine, spec.params, spec.group_size, multiturn=spec.multiturn,
+                                              tokenizer=tokenizer)
         self.name = name
         self.incarnation = uuid.uuid4().hex  # new after every restart
         self.history = SamplerHistory()
@@ -240,6 +247,7 @@ class RayRuntime:
                 cfg.run.seed + 1000 * r,
                 max(1, int(rt.rollout_cpus)),
                 run.multiturn,
+                run.agent_options,
             )
             self.actors[name] = actor_cls.remote(spec, name, make_scorer)
             spec_r = receiver_spec.for_rank(r + 1) if self.weight_sync == "torch_distributed" else receiver_spec

@@ -81,6 +81,15 @@ def resolve_agent(spec: str) -> Callable[[Any, AgentRow], Any]:
     return fn
 
 
+def absolute_agent_spec(spec: str) -> str:
+    """`path/to/file.py:function` with the path made absolute (a Ray actor's working directory is not the
+    driver's); `package.module:function` unchanged."""
+    module_name, sep, attr = spec.rpartition(":")
+    if sep and module_name.endswith(".py"):
+        return f"{Path(module_name).resolve()}:{attr}"
+    return spec
+
+
 @dataclass
 class _Outcome:
     row: EpisodeRow | None

@@ -98,6 +98,7 @@ class RLRun:
         self.eval_params = sampling_params(config, self.tokenizer, greedy=True)
         self.multiturn = multiturn_spec(config)
         self.rewards = RewardWorker(build_reward_runner(config), self.tokenizer)
+        self.agent_options: dict | None = None  # with `agent.fn`: how replicas build their `AgentRolloutWorker`
         self.rollout = self._rollout_worker(policy)
         self.reward_health = RewardHealth(config.reward.max_error_fraction, config.reward.max_error_steps)
         self.trainer = PolicyTrainer(
@@ -139,16 +140,17 @@ class RLRun:
         if cfg.agent.fn is None:
             return make_rollout_worker(self.inference_engine, self.params, cfg.rollout.group_size,
                                        multiturn=self.multiturn, tokenizer=self.tokenizer)
-        from asyncflow.workers.agent import AgentRolloutWorker
+        from asyncflow.workers.agent import AgentRolloutWorker, absolute_agent_spec
 
         chat_template = Path(cfg.agent.chat_template).read_text() if cfg.agent.chat_template else None
-        return AgentRolloutWorker(
-            self.inference_engine, self.params, cfg.rollout.group_size, agent=cfg.agent.fn, tokenizer=self.tokenizer,
-            scorer=self.rewards, model_name=cfg.run.name or "policy",
+        self.agent_options = dict(
+            agent=absolute_agent_spec(cfg.agent.fn), model_name=cfg.run.name or "policy",
             max_model_len=int(getattr(policy.config, "max_position_embeddings", 0) or self.tokenizer.model_max_length),
             concurrency=cfg.agent.concurrency or cfg.rollout.max_batch_size,
             episode_timeout_s=cfg.agent.episode_timeout_s, chat_template=chat_template,
         )
+        return AgentRolloutWorker(self.inference_engine, self.params, cfg.rollout.group_size, tokenizer=self.tokenizer,
+                                  scorer=self.rewards, **self.agent_options)
 
     def _load_policy(self) -> torch.nn.Module:
         return load_model(self.model_path, dtype=self.config.model.dtype, device=self.config.model.device)
