@@ -13,8 +13,9 @@ sampler states come back bit for bit).
 Invariants:
 - A row is identified by (group id, sample index); the resumed run re-feeds the partition from the
   same data cursor, so the prompts, group ids and sample indices match, or `replay_rows` refuses.
-- Replayed rows keep their weight versions (per token too) and finish reasons, and are consumed and acknowledged for
-  the rollout task (and the reward task, when it is registered), so no worker generates or scores
+- Replayed rows keep their weight versions (per token too), their metadata (finish reason, an episode's turns
+  and tool counts, an agent's calls) and their per-token columns (loss mask, an agent's own prompt ids), and
+  are consumed and acknowledged for the rollout task (and the reward task, when it is registered), so no worker generates or scores
   them again; the trainer sees ordinary rows.
 """
 
