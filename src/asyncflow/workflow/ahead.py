@@ -15,8 +15,8 @@ Invariants:
   same data cursor, so the prompts, group ids and sample indices match, or `replay_rows` refuses.
 - Replayed rows keep their weight versions (per token too), their metadata (finish reason, an episode's turns
   and tool counts, an agent's calls) and their per-token columns (loss mask, an agent's own prompt ids), and
-  are consumed and acknowledged for the rollout task (and the reward task, when it is registered), so no worker generates or scores
-  them again; the trainer sees ordinary rows.
+  are consumed and acknowledged for the rollout task (and the reward task, when it is registered), so no
+  worker generates or scores them again; the trainer sees ordinary rows.
 """
 
 from __future__ import annotations
