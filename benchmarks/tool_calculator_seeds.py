@@ -34,7 +34,7 @@ EXAMPLE = "examples/tool_calculator_grpo.yaml"
 
 
 def train(seed: int, out: Path, threads: int, overrides: list[str]) -> dict:
-    """One whole run (SFT + GRPO) of the example for `seed`; returns its wall time."""
+    """One whole run (SFT + GRPO) of the example for `seed`; returns its run folder and wall time."""
     run_dir = out / f"seed_{seed}"
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "asyncflow.cli", "train", EXAMPLE, f"run.seed={seed}", "run.progress=false",
