@@ -1,7 +1,8 @@
 """Engine interfaces: what the workers need from an inference engine and a training engine.
 
 Owns: the `InferenceEngine` and `TrainEngine` protocols, the value types that cross them
-(`SamplingParams`, `GenerationRequest`, `Completion`), and the engine registry through which
+(`SamplingParams`, `GenerationRequest`, `Completion`), `Transcript` (completions and the tokens appended
+between them, as a multi-turn row is trained), and the engine registry through which
 adapters (the built-in torch engines, vLLM, an OpenAI-compatible server ...) plug in.
 
 Invariants:
@@ -15,7 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -83,6 +84,30 @@ class Completion:
     (tool output, chat-template tokens in a multi-turn episode; its `logprobs` entry is 0);
     `None` = every token was sampled."""
 
+
+@dataclass
+class Transcript:
+    """A multi-turn row's tokens as they are trained: after `prompt_ids`, each sampled piece (loss mask 1, its
+    sampling log-probs) and each piece appended between them (tool output, template tokens; mask 0, log-prob 0).
+    `response_ids`, `logprobs`, `loss_mask` and `token_versions` stay aligned, token by token."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+
+    def add_sampled(self, ids: Sequence[int], logprobs: Sequence[float], version: int) -> None:
+        self.response_ids += ids
+        self.logprobs += logprobs
+        self.loss_mask += [1] * len(ids)
+        self.token_versions += [version] * len(ids)
+
+    def add_appended(self, ids: Sequence[int], version: int) -> None:
+        self.response_ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.loss_mask += [0] * len(ids)
+        self.token_versions += [version] * len(ids)
 
 @runtime_checkable
 class InferenceEngine(Protocol):

@@ -19,9 +19,10 @@ Invariants:
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
+
+from asyncflow.specs import import_callable
 
 
 class EnvironmentSpecError(ValueError):
@@ -81,18 +82,7 @@ def resolve_environment(spec: str) -> EnvFactory:
                 "or give 'package.module:factory'"
             )
         return ENVIRONMENTS[spec]
-    module_name, _, attr = spec.partition(":")
-    try:
-        target: Any = importlib.import_module(module_name)
-    except Exception as err:  # any import failure is the spec's problem
-        raise EnvironmentSpecError(f"env.name {spec!r}: cannot import module {module_name!r}: {err!r}") from err
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            raise EnvironmentSpecError(f"env.name {spec!r}: {module_name!r} has no attribute {attr!r}")
-        target = getattr(target, part)
-    if not callable(target):
-        raise EnvironmentSpecError(f"env.name {spec!r} is not callable")
-    return target
+    return import_callable(spec, label="env.name", error=EnvironmentSpecError)
 
 
 def make_environment(spec: str, **options: Any) -> Environment:

@@ -16,12 +16,12 @@ Invariants:
 
 from __future__ import annotations
 
-import importlib
 import math
 import pickle
 from collections.abc import Callable, Sequence
 
 from asyncflow.rewards import verifiers
+from asyncflow.specs import import_callable
 from asyncflow.rewards.contract import (
     RewardFailure,
     RewardFn,
@@ -70,20 +70,7 @@ def resolve_reward(spec: str | RewardFn) -> RewardFn:
         raise RewardSpecError(
             f"unknown reward {spec!r}; registered: {sorted(REWARDS)}; or use 'package.module:function'"
         )
-    module_name, _, attr_path = spec.partition(":")
-    if not module_name or not attr_path:
-        raise RewardSpecError(f"reward spec {spec!r} must look like 'package.module:function'")
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as e:  # ModuleNotFoundError, or any error raised while importing it
-        raise RewardSpecError(f"reward spec {spec!r}: cannot import module {module_name!r}: {e!r}") from e
-    for part in attr_path.split("."):
-        if not hasattr(obj, part):
-            raise RewardSpecError(f"reward spec {spec!r}: {module_name!r} has no attribute {attr_path!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise RewardSpecError(f"reward spec {spec!r}: {attr_path!r} is a {type(obj).__name__}, not callable")
-    return obj
+    return import_callable(spec, label="reward spec", error=RewardSpecError)
 
 
 def display_name(spec: str | RewardFn) -> str:

@@ -19,7 +19,9 @@ Invariants:
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from asyncflow.engines.base import Transcript
 
 
 @dataclass(frozen=True)
@@ -34,14 +36,9 @@ class CallRecord:
 
 
 @dataclass
-class EpisodeRow:
-    """A training row: `response_ids`, `logprobs`, `loss_mask` and `token_versions` are aligned."""
+class EpisodeRow(Transcript):
+    """An agent episode's training row."""
 
-    prompt_ids: list[int]
-    response_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    token_versions: list[int] = field(default_factory=list)
     finish_reason: str = "stop"
     calls: int = 0  # calls in the row
     dropped_calls: int = 0  # calls after the first one that did not extend the row's context
@@ -63,11 +60,8 @@ def episode_row(calls: list[CallRecord]) -> EpisodeRow | None:
         if call.prompt_ids[: len(context)] != context:
             row.dropped_calls = len(calls) - index
             break
-        added = call.prompt_ids[len(context) :]
-        row.response_ids += added + call.response_ids
-        row.logprobs += [0.0] * len(added) + list(call.logprobs)
-        row.loss_mask += [0] * len(added) + [1] * len(call.response_ids)
-        row.token_versions += [call.weight_version] * (len(added) + len(call.response_ids))
+        row.add_appended(call.prompt_ids[len(context) :], call.weight_version)
+        row.add_sampled(call.response_ids, call.logprobs, call.weight_version)
         row.finish_reason = call.finish_reason
         row.calls += 1
         context = call.prompt_ids + call.response_ids

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from asyncflow.data.prompts import Prompt
-from asyncflow.engines.base import Completion, InferenceEngine, SamplingParams
+from asyncflow.engines.base import Completion, InferenceEngine, SamplingParams, Transcript
 from asyncflow.engines.service import EngineService
 from asyncflow.envs import Environment, SandboxLimits, ToolBox, make_environment
 from asyncflow.envs.builtin import COUNTERS
@@ -99,30 +99,12 @@ def _chat_pieces(tokenizer) -> tuple[str, str]:
 
 
 @dataclass
-class Episode:
-    prompt_ids: list[int]
-    response_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    token_versions: list[int] = field(default_factory=list)
+class Episode(Transcript):
     turns: int = 0
     finish_reason: str = "stop"
     reward: float = 0.0
     info: dict[str, float] = field(default_factory=dict)
-    weight_version: int = 0
-
-    def add_sampled(self, completion: Completion) -> None:
-        self.response_ids += completion.response_ids
-        self.logprobs += completion.logprobs
-        self.loss_mask += [1] * len(completion.response_ids)
-        self.token_versions += [completion.weight_version] * len(completion.response_ids)
-        self.weight_version = completion.weight_version
-
-    def add_appended(self, ids: list[int]) -> None:
-        self.response_ids += ids
-        self.logprobs += [0.0] * len(ids)
-        self.loss_mask += [0] * len(ids)
-        self.token_versions += [self.weight_version] * len(ids)
+    weight_version: int = 0  # of its latest turn (weights change between partitions, so of every turn)
 
 
 class EpisodeRunner:
@@ -149,7 +131,8 @@ class EpisodeRunner:
                 return self._cut(episode)
             turn_params = replace(params, max_new_tokens=min(params.max_new_tokens, budget))
             completion = generate(episode.prompt_ids + episode.response_ids, turn_params)
-            episode.add_sampled(completion)
+            episode.add_sampled(completion.response_ids, completion.logprobs, completion.weight_version)
+            episode.weight_version = completion.weight_version
             episode.turns += 1
             if completion.finish_reason == "length":
                 return self._cut(episode)
@@ -161,7 +144,7 @@ class EpisodeRunner:
             observation = self.template.observation_ids(self.tokenizer, result.observation or "")
             if len(prompt_ids) + len(episode.response_ids) + len(observation) >= self.max_context_tokens:
                 return self._cut(episode)
-            episode.add_appended(observation)
+            episode.add_appended(observation, episode.weight_version)
         return self._cut(episode)
 
     @staticmethod
