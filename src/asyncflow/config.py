@@ -320,6 +320,12 @@ class SFTConfig(Section):
     """Pairs per step."""
     lr: float = Field(1e-3, gt=0)
     """Peak AdamW learning rate."""
+    betas: tuple[float, float] = (0.9, 0.98)
+    """SFT's AdamW betas (the training engine is built with the `sft.*` optimizer settings, not `train.*`)."""
+    weight_decay: float = Field(0.01, ge=0)
+    """SFT's AdamW weight decay."""
+    grad_clip: float = Field(1.0, gt=0)
+    """SFT's gradient-norm clip."""
     warmup_steps: int = Field(10, ge=0)
     """Linear LR warm-up steps."""
     lr_schedule: Literal["constant", "cosine", "linear"] = "cosine"

@@ -1,6 +1,6 @@
-"""Losses for RL post-training: clipped policy loss (PPO/GRPO/DAPO), KL penalties, entropy,
-clipped value loss, masked aggregation, and the RL objective with its train/inference mismatch
-correction (the weights themselves are `asyncflow.algos.correction`).
+"""Losses for post-training: clipped policy loss (PPO/GRPO/DAPO), KL penalties, entropy,
+clipped value loss, masked aggregation, the RL objective with its train/inference mismatch
+correction (the weights themselves are `asyncflow.algos.correction`), and the supervised (SFT) loss.
 
 Owns: pure functions on tensors. Per-token tensors are `[N, L]` (N responses, right-padded to L)
 with `mask [N, L]` (bool or 0/1 float) marking real response tokens.
@@ -141,6 +141,17 @@ def policy_loss(
         stats["approx_kl"] = masked_mean(ratio - 1.0 - log_ratio, mask).item()
         stats["ratio_mean"] = masked_mean(ratio, mask).item()
     return loss, stats
+
+
+def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, total_tokens: int | float | None = None) -> torch.Tensor:
+    """Supervised cross-entropy on demonstration tokens: their mean negative log-likelihood.
+
+    logprobs [N, L] (policy log-probs of the response tokens, with grad), mask [N, L] (the tokens trained:
+    an answer and its EOS, or a demonstration's model turns) -> scalar
+        loss = -sum_{i,t} m_it * logprobs_it / T       T = total_tokens (default: the valid tokens of `mask`)
+    Pass the whole batch's T for each micro-batch (or rank) and their losses add up to the batch's.
+    """
+    return aggregate(-logprobs, mask, "token_mean", total_tokens)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1") -> torch.Tensor:

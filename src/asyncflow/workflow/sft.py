@@ -1,9 +1,14 @@
 """Supervised warm-up: train on (prompt, answer) pairs so a tiny random model starts RL with a
 non-zero reward.
 
-Owns: the SFT loop (cross-entropy on answer tokens only, AdamW with warm-up then a constant or
-decaying LR), its stopping rule, and saving the result as an ordinary Hugging Face folder that
-`model.path` can point at, with `sft_summary.json` beside the weights.
+Owns: the SFT loop, its stopping rule, and saving the result as an ordinary Hugging Face folder that
+`model.path` can point at, with `sft_summary.json` beside the weights. Training runs on the run's
+`TrainEngine` (`train.engine`, `train.world_size`, `train.lora`, micro-batches of `train.micro_batch_size`)
+with SFT's own optimizer settings (`sft.lr`, `betas`, `weight_decay`, `grad_clip`, warm-up then a constant
+or decaying LR); the loss is `asyncflow.algos.losses.sft_loss`, cross-entropy on the answer tokens only.
+The output folder also holds `metrics.jsonl` (`sft/loss`, `sft/grad_norm`, `sft/lr`, `sft/val_accuracy`
+at checks) and `checkpoints/step_N/` (every `checkpoint.every` steps and at the end, in the RL run's format;
+under LoRA the saved model holds the merged weights).
 
 With `env.name` (multi-turn), SFT trains on the environment's tool-use demonstrations (model turns and
 tool outputs as ids, only the model's turns in the loss), and validation runs episodes.
@@ -29,25 +34,31 @@ import copy
 import json
 import logging
 import random
+import shutil
 import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from asyncflow.algos.losses import sft_loss
 from asyncflow.config import Config
 from asyncflow.data import Example, make_task
 from asyncflow.data.tasks import carve_validation
-from asyncflow.engines.base import make_inference_engine
-from asyncflow.engines.torch_train import lr_lambda
+from asyncflow.engines.base import ShardedCheckpointing, TrainEngine, make_inference_engine, make_train_engine
 from asyncflow.models.loading import load_model, load_tokenizer, render_prompt, resolve_model_path
-from asyncflow.models.logprobs import TrainSample, response_logprobs
-from asyncflow.observe.progress import TrainProgress
+from asyncflow.models.logprobs import TrainSample, response_mask
+from asyncflow.models.tri_model import TriLogProbs
+from asyncflow.observe import MetricsLogger, TrainProgress
 from asyncflow.workers.multiturn import make_rollout_worker
 from asyncflow.workers.reward import RewardWorker
+from asyncflow.workflow.checkpoint import save_checkpoint
 from asyncflow.workflow.evaluation import evaluate
 from asyncflow.workflow.setup import (
     build_reward_runner, datasets, multiturn_spec, prompt_encoder, sampling_params, seed_everything,
+    train_engine_options,
 )
 
 log = logging.getLogger(__name__)
@@ -96,9 +107,9 @@ class ValidationProbe:
         )
         self.version = 0
 
-    def accuracy(self, model: torch.nn.Module) -> float:
+    def accuracy(self, weights: Mapping[str, torch.Tensor]) -> float:
         self.version += 1
-        self.engine.update_weights(model.state_dict(), self.version)
+        self.engine.update_weights(weights, self.version)
         result = evaluate(self.engine, self.rewards, self.encoder, self.validation, self.params,
                           episodes=self.episodes)
         return float(result.get("eval/accuracy", 0.0))
@@ -132,54 +143,98 @@ def demonstration_samples(config: Config, tokenizer) -> Callable[[Example], Trai
     return to_sample
 
 
+@dataclass(frozen=True)
+class SFTLoss:
+    """`sft_loss` of a micro-batch as a picklable `RowLoss`: normalised by the whole step's trained tokens, so the
+    losses of its micro-batches (and of the ranks' rows) add up to the step's loss."""
+
+    total_tokens: int
+
+    def __call__(self, out: TriLogProbs) -> tuple[torch.Tensor, dict[str, float]]:
+        return sft_loss(out.policy.logprobs, out.policy.mask, self.total_tokens), {}
+
+    def select(self, rows: Sequence[int]) -> SFTLoss:
+        return self
+
+
+def sft_engine(config: Config, model: torch.nn.Module, model_path: Path) -> TrainEngine:
+    """The training engine of `train.engine` (LoRA with `train.lora`, ranks with `train.world_size`) with SFT's own
+    optimizer settings. Its rows do not share prompts, so shared-prompt packing is off."""
+    cfg = config.sft
+    options = train_engine_options(config, model, model_path)
+    options.update(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
+                   lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps,
+                   use_reference=False, packing="off")
+    return make_train_engine(config.train.engine, **options)
+
+
+def train_step(engine: TrainEngine, samples: list[TrainSample], micro_batch_size: int) -> dict[str, float]:
+    """One optimizer step of SFT on `samples`, in micro-batches; -> `loss` (the step's mean over trained tokens),
+    `grad_norm`, `lr`, `skipped`."""
+    total = int(response_mask(samples).sum())
+    loss = 0.0
+    for start in range(0, len(samples), micro_batch_size):
+        loss += engine.backward_micro_batch(samples[start:start + micro_batch_size], SFTLoss(total))["loss"]
+    return {"loss": loss, **engine.optimizer_step()}
+
+
 def run_sft(config: Config, output: str | Path) -> Path:
-    """Fine-tune `config.model.path` on the training split until `sft.stop_accuracy` (or `sft.steps`);
-    save model + tokenizer + `sft_summary.json` to `output`."""
+    """Fine-tune `config.model.path` on the training split until `sft.stop_accuracy` (or `sft.steps`) on the
+    `train.engine`; save model + tokenizer + `sft_summary.json` to `output`, `metrics.jsonl` and checkpoints
+    (every `checkpoint.every` steps) under it."""
     cfg = config.sft
     seed_everything(config.run.seed)
     model_path = resolve_model_path(config.model.path, seed=config.run.seed)
     tokenizer = load_tokenizer(model_path)
     model = load_model(model_path, dtype=config.model.dtype, device=config.model.device)
-    model.train()
     train, validation = sft_pools(config)
     probe = ValidationProbe(config, model, tokenizer, validation) if validation else None
+    engine = sft_engine(config, model, model_path)
+    del model  # the engine owns the policy now (a multi-rank engine keeps none in this process)
     rng = random.Random(config.run.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, cfg.steps))
     use_chat = config.model.use_chat_template
     to_sample = demonstration_samples(config, tokenizer)
+    output = Path(output)
+    shutil.rmtree(output / "checkpoints", ignore_errors=True)  # an interrupted SFT's: this one starts again
+    metrics = MetricsLogger(output, tensorboard=False, resume_from_step=0)
     checks: list[tuple[int, float]] = []
     reached = False
     step = 0
     t0 = time.perf_counter()
-    with TrainProgress(cfg.steps, description="sft", enabled=config.run.progress) as bar:
-        while step < cfg.steps and not reached:
-            examples = [train[rng.randrange(len(train))] for _ in range(cfg.batch_size)]
-            if to_sample is not None:
-                samples = [to_sample(ex) for ex in examples]
-            else:
-                samples = [
-                    TrainSample(
-                        render_prompt(tokenizer, ex.prompt, use_chat),
-                        tokenizer(ex.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id],
-                    )
-                    for ex in examples
-                ]
-            out = response_logprobs(model, samples)
-            loss = -(out.logprobs * out.mask).sum() / out.mask.sum()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            metrics = {"sft/loss": float(loss.detach())}
-            if probe is not None and (step % cfg.check_every == 0 or step == cfg.steps):
-                accuracy = probe.accuracy(model)
-                checks.append((step, accuracy))
-                metrics["sft/val_accuracy"] = accuracy
-                reached = accuracy >= cfg.stop_accuracy
-            bar.update(step, metrics)
+    try:
+        with TrainProgress(cfg.steps, description="sft", enabled=config.run.progress) as bar:
+            while step < cfg.steps and not reached:
+                examples = [train[rng.randrange(len(train))] for _ in range(cfg.batch_size)]
+                if to_sample is not None:
+                    samples = [to_sample(ex) for ex in examples]
+                else:
+                    samples = [
+                        TrainSample(
+                            render_prompt(tokenizer, ex.prompt, use_chat),
+                            tokenizer(ex.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id],
+                        )
+                        for ex in examples
+                    ]
+                result = train_step(engine, samples, config.train.micro_batch_size)
+                step += 1
+                row = {f"sft/{name}": value for name, value in result.items()}
+                if probe is not None and (step % cfg.check_every == 0 or step == cfg.steps):
+                    accuracy = probe.accuracy(engine.state_dict())
+                    checks.append((step, accuracy))
+                    row["sft/val_accuracy"] = accuracy
+                    reached = accuracy >= cfg.stop_accuracy
+                metrics.log(step, row)
+                bar.update(step, {k: row[k] for k in ("sft/loss", "sft/val_accuracy") if k in row})
+                if config.checkpoint.every and step % config.checkpoint.every == 0 or step == cfg.steps or reached:
+                    save_checkpoint(output, step, engine.state_dict(), engine.training_state(), {"phase": "sft"},
+                                    keep=config.checkpoint.keep,
+                                    write_sharded=engine.save_sharded if isinstance(engine, ShardedCheckpointing)
+                                    else None)
+        model = load_model(model_path, dtype=config.model.dtype)
+        model.load_state_dict(engine.state_dict())  # under LoRA the merged weights: `output` is a plain model folder
+    finally:
+        metrics.close()
+        getattr(engine, "close", lambda: None)()
     wall_s = time.perf_counter() - t0
     summary = {
         "steps": step,
@@ -204,8 +259,6 @@ def run_sft(config: Config, output: str | Path) -> Path:
             "RL starts from a weaker model than intended; raise sft.steps or sft.lr, or lower sft.stop_accuracy",
             step, cfg.stop_accuracy, max(a for _, a in checks), summary["val_accuracy"],
         )
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output)
     tokenizer.save_pretrained(output)
     (output / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
