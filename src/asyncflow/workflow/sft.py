@@ -2,13 +2,10 @@
 non-zero reward.
 
 Owns: the SFT loop, its stopping rule, and saving the result as an ordinary Hugging Face folder that
-`model.path` can point at, with `sft_summary.json` beside the weights. Training runs on the run's
-`TrainEngine` (`train.engine`, `train.world_size`, `train.lora`, micro-batches of `train.micro_batch_size`)
-with SFT's own optimizer settings (`sft.lr`, `betas`, `weight_decay`, `grad_clip`, warm-up then a constant
-or decaying LR); the loss is `asyncflow.algos.losses.sft_loss`, cross-entropy on the answer tokens only.
-The output folder also holds `metrics.jsonl` (`sft/loss`, `sft/grad_norm`, `sft/lr`, `sft/val_accuracy`
-at checks) and `checkpoints/step_N/` (every `checkpoint.every` steps and at the end, in the RL run's format;
-under LoRA the saved model holds the merged weights).
+`model.path` can point at (merged weights under LoRA), with `sft_summary.json`, `metrics.jsonl` (`sft/*`) and
+`checkpoints/step_N/` (every `checkpoint.every` steps and at the end) beside the weights. It trains on the
+`TrainEngine` of `train.engine` / `world_size` / `lora` in micro-batches of `train.micro_batch_size`, with SFT's
+own optimizer settings (`sft.lr`, `betas`, ...); the loss is `sft_loss`, cross-entropy on the answer tokens only.
 
 With `env.name` (multi-turn), SFT trains on the environment's tool-use demonstrations (model turns and
 tool outputs as ids, only the model's turns in the loss), and validation runs episodes.
@@ -115,13 +112,16 @@ class ValidationProbe:
         return float(result.get("eval/accuracy", 0.0))
 
 
-def demonstration_samples(config: Config, tokenizer) -> Callable[[Example], TrainSample] | None:
-    """With `env.name`: example -> the SFT sample of its tool-use demonstration (the environment's
-    `demonstration(row)` turns, played through the episode runner, so the ids and loss mask are those a
-    rollout would produce: only the model's turns are trained). None without an environment."""
+def sft_samples(config: Config, tokenizer) -> Callable[[Example], TrainSample]:
+    """Example -> its SFT sample: the rendered prompt and the answer followed by EOS; with `env.name` its tool-use
+    demonstration (the environment's `demonstration(row)` turns, played through the episode runner, so the ids and
+    loss mask are those a rollout would produce: only the model's turns are trained)."""
     spec = multiturn_spec(config)
     if spec is None:
-        return None
+        return lambda example: TrainSample(
+            render_prompt(tokenizer, example.prompt, config.model.use_chat_template),
+            tokenizer(example.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id],
+        )
     runner = spec.build(tokenizer, sampling_params(config, tokenizer))
     cache: dict[str, TrainSample] = {}
 
@@ -145,8 +145,7 @@ def demonstration_samples(config: Config, tokenizer) -> Callable[[Example], Trai
 
 @dataclass(frozen=True)
 class SFTLoss:
-    """`sft_loss` of a micro-batch as a picklable `RowLoss`: normalised by the whole step's trained tokens, so the
-    losses of its micro-batches (and of the ranks' rows) add up to the step's loss."""
+    """`sft_loss` as a picklable `RowLoss`, over the whole step's trained tokens (micro-batches and ranks add up)."""
 
     total_tokens: int
 
@@ -158,96 +157,65 @@ class SFTLoss:
 
 
 def sft_engine(config: Config, model: torch.nn.Module, model_path: Path) -> TrainEngine:
-    """The training engine of `train.engine` (LoRA with `train.lora`, ranks with `train.world_size`) with SFT's own
-    optimizer settings. Its rows do not share prompts, so shared-prompt packing is off."""
-    cfg = config.sft
-    options = train_engine_options(config, model, model_path)
-    options.update(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
-                   lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps,
-                   use_reference=False, packing="off")
-    return make_train_engine(config.train.engine, **options)
-
-
-def train_step(engine: TrainEngine, samples: list[TrainSample], micro_batch_size: int) -> dict[str, float]:
-    """One optimizer step of SFT on `samples`, in micro-batches; -> `loss` (the step's mean over trained tokens),
-    `grad_norm`, `lr`, `skipped`."""
-    total = int(response_mask(samples).sum())
-    loss = 0.0
-    for start in range(0, len(samples), micro_batch_size):
-        loss += engine.backward_micro_batch(samples[start:start + micro_batch_size], SFTLoss(total))["loss"]
-    return {"loss": loss, **engine.optimizer_step()}
+    """`train.engine` (with `train.world_size`, `train.lora`) under SFT's own optimizer settings; unpacked (SFT rows
+    share no prompt)."""
+    s = config.sft
+    return make_train_engine(config.train.engine, **{
+        **train_engine_options(config, model, model_path), "lr": s.lr, "betas": s.betas, "weight_decay": s.weight_decay,
+        "grad_clip": s.grad_clip, "lr_schedule": s.lr_schedule, "warmup_steps": s.warmup_steps, "total_steps": s.steps,
+        "use_reference": False, "packing": "off"})
 
 
 def run_sft(config: Config, output: str | Path) -> Path:
-    """Fine-tune `config.model.path` on the training split until `sft.stop_accuracy` (or `sft.steps`) on the
-    `train.engine`; save model + tokenizer + `sft_summary.json` to `output`, `metrics.jsonl` and checkpoints
-    (every `checkpoint.every` steps) under it."""
-    cfg = config.sft
+    """Fine-tune `config.model.path` on the training split until `sft.stop_accuracy` (or `sft.steps`); save model +
+    tokenizer + `sft_summary.json` to `output`, with `metrics.jsonl` and `checkpoints/`."""
+    cfg, output = config.sft, Path(output)
     seed_everything(config.run.seed)
     model_path = resolve_model_path(config.model.path, seed=config.run.seed)
     tokenizer = load_tokenizer(model_path)
     model = load_model(model_path, dtype=config.model.dtype, device=config.model.device)
     train, validation = sft_pools(config)
     probe = ValidationProbe(config, model, tokenizer, validation) if validation else None
-    engine = sft_engine(config, model, model_path)
-    del model  # the engine owns the policy now (a multi-rank engine keeps none in this process)
+    engine = sft_engine(config, model, model_path)  # under LoRA it adds adapters to `model`
     rng = random.Random(config.run.seed)
-    use_chat = config.model.use_chat_template
-    to_sample = demonstration_samples(config, tokenizer)
-    output = Path(output)
+    to_sample = sft_samples(config, tokenizer)
     shutil.rmtree(output / "checkpoints", ignore_errors=True)  # an interrupted SFT's: this one starts again
     metrics = MetricsLogger(output, tensorboard=False, resume_from_step=0)
+    sharded = engine.save_sharded if isinstance(engine, ShardedCheckpointing) else None
     checks: list[tuple[int, float]] = []
-    reached = False
-    step = 0
-    t0 = time.perf_counter()
+    reached, step, t0 = False, 0, time.perf_counter()
     try:
         with TrainProgress(cfg.steps, description="sft", enabled=config.run.progress) as bar:
             while step < cfg.steps and not reached:
-                examples = [train[rng.randrange(len(train))] for _ in range(cfg.batch_size)]
-                if to_sample is not None:
-                    samples = [to_sample(ex) for ex in examples]
-                else:
-                    samples = [
-                        TrainSample(
-                            render_prompt(tokenizer, ex.prompt, use_chat),
-                            tokenizer(ex.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id],
-                        )
-                        for ex in examples
-                    ]
-                result = train_step(engine, samples, config.train.micro_batch_size)
+                samples = [to_sample(train[rng.randrange(len(train))]) for _ in range(cfg.batch_size)]
+                loss, total = 0.0, int(response_mask(samples).sum())
+                for i in range(0, len(samples), config.train.micro_batch_size):
+                    micro_batch = samples[i:i + config.train.micro_batch_size]
+                    loss += engine.backward_micro_batch(micro_batch, SFTLoss(total))["loss"]
+                row = {f"sft/{name}": value for name, value in {"loss": loss, **engine.optimizer_step()}.items()}
                 step += 1
-                row = {f"sft/{name}": value for name, value in result.items()}
                 if probe is not None and (step % cfg.check_every == 0 or step == cfg.steps):
-                    accuracy = probe.accuracy(engine.state_dict())
-                    checks.append((step, accuracy))
-                    row["sft/val_accuracy"] = accuracy
-                    reached = accuracy >= cfg.stop_accuracy
+                    checks.append((step, probe.accuracy(engine.state_dict())))
+                    row["sft/val_accuracy"] = checks[-1][1]
+                    reached = checks[-1][1] >= cfg.stop_accuracy
                 metrics.log(step, row)
-                bar.update(step, {k: row[k] for k in ("sft/loss", "sft/val_accuracy") if k in row})
-                if config.checkpoint.every and step % config.checkpoint.every == 0 or step == cfg.steps or reached:
+                bar.update(step, {k: v for k, v in row.items() if k in ("sft/loss", "sft/val_accuracy")})
+                if step == cfg.steps or reached or config.checkpoint.every and step % config.checkpoint.every == 0:
                     save_checkpoint(output, step, engine.state_dict(), engine.training_state(), {"phase": "sft"},
-                                    keep=config.checkpoint.keep,
-                                    write_sharded=engine.save_sharded if isinstance(engine, ShardedCheckpointing)
-                                    else None)
+                                    keep=config.checkpoint.keep, write_sharded=sharded)
         model = load_model(model_path, dtype=config.model.dtype)
-        model.load_state_dict(engine.state_dict())  # under LoRA the merged weights: `output` is a plain model folder
+        model.load_state_dict(engine.state_dict())  # under LoRA the merged weights: a plain model folder
     finally:
         metrics.close()
         getattr(engine, "close", lambda: None)()
     wall_s = time.perf_counter() - t0
     summary = {
-        "steps": step,
-        "max_steps": cfg.steps,
-        "stop_accuracy": cfg.stop_accuracy,
-        "reached": reached if probe is not None else None,
-        "val_accuracy": checks[-1][1] if checks else None,
-        "validation_size": len(validation),
-        "check_every": cfg.check_every if probe is not None else None,
-        "checks": [{"step": s, "val_accuracy": a} for s, a in checks],
-        "wall_s": round(wall_s, 2),
+        "steps": step, "max_steps": cfg.steps, "stop_accuracy": cfg.stop_accuracy,
+        "reached": reached if probe is not None else None, "val_accuracy": checks[-1][1] if checks else None,
+        "validation_size": len(validation), "check_every": cfg.check_every if probe is not None else None,
+        "checks": [{"step": s, "val_accuracy": a} for s, a in checks], "wall_s": round(wall_s, 2),
         "torch_threads": torch.get_num_threads(),
-    }
+    }  # fmt: skip
     if probe is None:
         log.info("SFT ran %d steps (%.1f s)", step, wall_s)
     elif reached:
