@@ -32,6 +32,7 @@ from asyncflow.algos import (
     value_loss,
     whiten,
 )
+from asyncflow.algos.losses import sft_loss
 
 
 def close(a, b, atol=1e-5):
@@ -170,6 +171,18 @@ def test_aggregate_modes_by_hand():
         aggregate(loss, mask, "mean")
     with pytest.raises(ValueError, match="total_tokens must be > 0"):
         aggregate(loss, mask, "token_mean", total_tokens=0)
+
+
+def test_sft_loss_by_hand():
+    # row 0 is trained on 2 tokens, row 1 on 1 (a demonstration's tool output and padding are masked out)
+    logprobs = torch.log(torch.tensor([[0.5, 0.25, 0.3], [0.125, 0.9, 0.7]])).requires_grad_()
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    loss = sft_loss(logprobs, mask)
+    close(loss, 2 * math.log(2))  # -(ln 1/2 + ln 1/4 + ln 1/8) / 3 tokens = (1 + 2 + 3) ln 2 / 3
+    loss.backward()
+    close(logprobs.grad, -mask.float() / 3)  # every trained token pulled up by 1/T, the others not at all
+    halves = sft_loss(logprobs[:1], mask[:1], total_tokens=3) + sft_loss(logprobs[1:], mask[1:], total_tokens=3)
+    close(halves, loss)  # micro-batches normalised by the whole batch's tokens add up to its loss
 
 
 def test_masked_mean():

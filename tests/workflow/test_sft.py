@@ -1,14 +1,18 @@
-"""The SFT warm-up's stopping rule, on a tiny config (1-digit addition from files, batch 8).
+"""The SFT warm-up on a tiny config (1-digit addition from files, batch 8).
 
 Covers: SFT stops at the first validation check that reaches `sft.stop_accuracy` (a check step),
 `sft.steps` bounds a run that never reaches it (with a warning), `sft_summary.json` records the
 stop, `asyncflow train` reports it, and validation prompts are kept out of SFT training rows.
+On the training engine: the torch engine gives the plain AdamW loop's weights bit for bit, LoRA saves
+the merged model as a plain folder, FSDP2 on two ranks trains like one process and checkpoints its
+shards; `metrics.jsonl` and checkpoints are written beside the model.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import random
 from pathlib import Path
 
 import pytest
@@ -18,7 +22,12 @@ from asyncflow.cli import main
 from asyncflow.config import load_config
 from asyncflow.data import make_task
 from asyncflow.data.tasks import is_held_out, is_validation
+from asyncflow.engines.torch_train import lr_lambda
+from asyncflow.models.loading import load_model, load_tokenizer, resolve_model_path
+from asyncflow.models.logprobs import response_logprobs
+from asyncflow.observe.metrics import read_metrics
 from asyncflow.workflow import sft
+from asyncflow.workflow.checkpoint import SHARDED_DIR, list_checkpoints, load_training_state, load_weights
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "arithmetic_grpo.yaml")
 # 1-digit additions from small files (a built-in task draws a 50,000-row pool: seconds per run)
@@ -120,3 +129,62 @@ def test_validation_rows_stay_out_of_sft_training(tmp_path, tiny):
     too_few.write_text("".join(json.dumps(r) + "\n" for r in rows if not is_validation(r["prompt"])))
     with pytest.raises(ValueError, match="no validation prompts"):
         sft.sft_pools(load_config(EXAMPLE, tiny + ["sft.stop_accuracy=0.5", f"data.path={too_few}"]))
+
+
+def test_sft_on_the_engine_is_the_single_process_adamw_loop_bit_for_bit(tmp_path, tiny):
+    """The engine path (tri-model forward, `sft_loss`, engine AdamW) gives exactly the weights of a plain loop with
+    SFT's optimizer settings: the main job's stop steps do not move."""
+    config = load_config(EXAMPLE, tiny + ["sft.steps=3", "sft.stop_accuracy=null", "train.micro_batch_size=64"])
+    out = sft.run_sft(config, tmp_path / "sft")
+
+    cfg = config.sft
+    sft.seed_everything(config.run.seed)
+    path = resolve_model_path(config.model.path, seed=config.run.seed)
+    model = load_model(path).train()
+    to_sample, (train, _) = sft.sft_samples(config, load_tokenizer(path)), sft.sft_pools(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, cfg.steps))
+    rng = random.Random(config.run.seed)
+    for _ in range(cfg.steps):
+        result = response_logprobs(model, [to_sample(train[rng.randrange(len(train))]) for _ in range(cfg.batch_size)])
+        (-(result.logprobs * result.mask).sum() / result.mask.sum()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    saved = load_model(out).state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["sft/loss"] > 0 and "sft/grad_norm" in r for r in rows)
+    assert [c.name for c in list_checkpoints(out)] == ["step_3"]  # checkpoint.every=100: only the last step
+
+
+def test_sft_with_lora_saves_the_merged_model_as_a_plain_folder(tmp_path, tiny):
+    config = load_config(EXAMPLE, tiny + ["sft.steps=2", "sft.stop_accuracy=null", "train.lora.rank=4",
+                                          "checkpoint.every=1"])
+    out = sft.run_sft(config, tmp_path / "sft")
+    base = load_model(resolve_model_path(config.model.path, seed=config.run.seed)).state_dict()
+    model = load_model(out)  # a plain model: no adapter keys, every weight of the architecture
+    tuned = model.state_dict()
+    assert tuned.keys() == base.keys()
+    changed = [k for k in base if not torch.equal(base[k], tuned[k])]
+    assert changed and all("proj" in k for k in changed)  # LoRA targets only: embeddings and norms stay frozen
+    checkpoint = list_checkpoints(out)[-1]
+    assert [c.name for c in list_checkpoints(out)] == ["step_1", "step_2"]
+    assert "adapter" in load_training_state(checkpoint)
+    assert all(torch.equal(v, tuned[k]) for k, v in load_weights(checkpoint).items())
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+@pytest.mark.slow
+def test_sft_on_fsdp2_two_ranks_trains_like_one_process_and_checkpoints_shards(tmp_path, tiny):
+    settings = tiny + ["sft.steps=2", "sft.stop_accuracy=null", "checkpoint.every=1", "runtime.call_timeout_s=120"]
+    one = load_model(sft.run_sft(load_config(EXAMPLE, settings), tmp_path / "one")).state_dict()
+    two_ranks = load_config(EXAMPLE, settings + ["train.engine=fsdp2", "train.world_size=2"])
+    out = sft.run_sft(two_ranks, tmp_path / "fsdp2")
+    sharded = load_model(out).state_dict()
+    for key, value in one.items():  # the ranks' gradient sums add up in another float order
+        torch.testing.assert_close(sharded[key], value, rtol=1e-4, atol=1e-5)
+    assert [c.name for c in list_checkpoints(out)] == ["step_1", "step_2"]
+    assert len(list((list_checkpoints(out)[-1] / SHARDED_DIR).glob("*.distcp"))) == 2  # one file per rank
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
