@@ -26,6 +26,9 @@ Invariants:
   next `optimizer_step` or load); rank 0 packs it into buckets (`asyncflow.weights.buckets`).
 - Sharded checkpoints (`save_sharded` / `load_sharded`) hold every rank's weights and optimizer
   state; DCP reshards them on load, so a checkpoint resumes with another `world_size` too.
+- `precision="bf16"` is FSDP2's `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: each unit's
+  all-gathered parameters and its compute are bfloat16, gradients are reduced in float32 into float32
+  shards, and AdamW steps float32 master weights; the full state dict is float32.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from typing import Any, Protocol
 import torch
 
 from asyncflow.engines.base import RowLoss, register_train_engine
-from asyncflow.engines.torch_train import lr_lambda
+from asyncflow.engines.torch_train import check_precision, enable_activation_checkpointing, lr_lambda
 from asyncflow.models.logprobs import TrainSample
 from asyncflow.weights.buckets import (
     DEFAULT_BUCKET_BYTES,
@@ -119,6 +122,18 @@ class RankSpec:
     threads: int = 1
     timeout_s: float = 600.0
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    precision: str = "fp32"  # "fp32" or "bf16" (mixed: bf16 compute, fp32 reduce and master weights)
+    activation_checkpointing: bool = False
+
+
+def mixed_precision_options(precision: str) -> dict:
+    """`fully_shard` keyword arguments for `train.precision`: bf16 parameters in forward/backward, float32 gradient
+    reduction (the shards, and so AdamW's master weights, stay float32); none for fp32."""
+    if precision != "bf16":
+        return {}
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
 
 
 def shard_model(model: torch.nn.Module, mesh, **options) -> torch.nn.Module:
@@ -162,14 +177,18 @@ class RankTrainer:
         )
         self.mesh = init_device_mesh(self.device.type, (world,))
         policy = load_model(spec.model_path, dtype=spec.dtype, device="cpu")
+        check_precision(spec.precision, policy)
         reference = make_reference(policy) if spec.use_reference else None
-        self.model = shard_model(policy, self.mesh)
+        if spec.activation_checkpointing:
+            enable_activation_checkpointing(policy, spec.packing)  # before sharding: FSDP2 units wrap the checkpointed layers
+        precision = mixed_precision_options(spec.precision)
+        self.model = shard_model(policy, self.mesh, **precision)
         for module in self.model.modules():  # the ranks' gradient sums add up; the driver normalises them
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
                 module.set_gradient_divide_factor(1.0)
         self.model.train()
-        self.reference = shard_model(reference, self.mesh) if reference is not None else None
+        self.reference = shard_model(reference, self.mesh, **precision) if reference is not None else None
         # The optimizer is built after sharding: over the DTensor shards (built before, it would not train).
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=spec.lr, betas=spec.betas,
@@ -478,6 +497,8 @@ class FSDP2TrainEngine:
     timeout_s: float = 600.0
     threads_per_rank: int | None = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    precision: str = "fp32"
+    activation_checkpointing: bool = False
     ranks: RankGroup = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -487,6 +508,10 @@ class FSDP2TrainEngine:
             raise ValueError(f"train.world_size must be >= 1, got {self.world_size}")
         if self.packing not in ("auto", "on", "off"):
             raise ValueError(f"packing must be 'auto', 'on' or 'off', got {self.packing!r}")
+        check_precision(self.precision)
+        if self.precision == "bf16" and self.dtype != "float32":
+            raise ValueError(f"train.precision=bf16 keeps float32 master weights: set model.dtype=float32 "
+                             f"(got {self.dtype})")
         device = next(self.model.parameters()).device if self.model is not None else torch.device("cpu")
         self.model = None  # the ranks hold the policy; the driver keeps no reference to its copy
         threads = self.threads_per_rank or max(1, torch.get_num_threads() // self.world_size)
@@ -495,7 +520,8 @@ class FSDP2TrainEngine:
             weight_decay=self.weight_decay, betas=tuple(self.betas), grad_clip=self.grad_clip,
             lr_schedule=self.lr_schedule, warmup_steps=self.warmup_steps, total_steps=self.total_steps,
             use_reference=self.use_reference, packing=self.packing, threads=threads, timeout_s=self.timeout_s,
-            bucket_bytes=self.bucket_bytes,
+            bucket_bytes=self.bucket_bytes, precision=self.precision,
+            activation_checkpointing=self.activation_checkpointing,
         )
         self.shared_payload = self.launcher == "processes"
         launch = ProcessRanks if self.launcher == "processes" else self.launcher

@@ -238,7 +238,7 @@ class RayRuntime:
             name = f"rollout_{r}"
             spec = RolloutSpec(
                 model_path,
-                cfg.model.dtype,
+                cfg.rollout_dtype(),
                 "cuda" if rt.rollout_gpus > 0 else "cpu",
                 cfg.rollout.engine,
                 cfg.rollout.max_batch_size,

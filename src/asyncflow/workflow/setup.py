@@ -72,7 +72,8 @@ def train_engine_options(config: Config, policy: torch.nn.Module, model_path) ->
     options = dict(
         model=policy, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas, grad_clip=t.grad_clip,
         lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=t.steps,
-        use_reference=config.algo.kl_coef > 0, packing=t.packing,
+        use_reference=config.algo.kl_coef > 0, packing=t.packing, precision=t.precision,
+        activation_checkpointing=t.activation_checkpointing,
     )
     if t.engine == "torch":
         return {**options, "lora": lora_settings(config)}
