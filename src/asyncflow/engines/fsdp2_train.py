@@ -179,8 +179,8 @@ class RankTrainer:
         policy = load_model(spec.model_path, dtype=spec.dtype, device="cpu")
         check_precision(spec.precision, policy)
         reference = make_reference(policy) if spec.use_reference else None
-        if spec.activation_checkpointing:
-            enable_activation_checkpointing(policy, spec.packing)  # before sharding: FSDP2 units wrap the checkpointed layers
+        if spec.activation_checkpointing:  # before sharding
+            enable_activation_checkpointing(policy, spec.packing)
         precision = mixed_precision_options(spec.precision)
         self.model = shard_model(policy, self.mesh, **precision)
         for module in self.model.modules():  # the ranks' gradient sums add up; the driver normalises them
