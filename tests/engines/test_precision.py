@@ -125,3 +125,15 @@ def test_a_bf16_run_rolls_out_in_bf16_and_trains_fp32_weights(tmp_path, one_torc
     rolled = run.inference_engine.model.state_dict()
     for name, weight in trained.items():  # the rollout engine holds the trained weights, rounded to bf16
         assert torch.equal(rolled[name], weight.to(torch.bfloat16)), name
+
+
+def test_fsdp2_logprobs_equal_the_single_process_ones(tiny_llama_path, one_torch_thread):
+    samples = groups(4, 3)
+    want = TorchTrainEngine(load_model(tiny_llama_path), lr=1e-3).logprobs(samples)
+    engine = FSDP2TrainEngine(load_model(tiny_llama_path), model_path=tiny_llama_path, world_size=2, lr=1e-3)
+    try:
+        got = engine.logprobs(samples)
+    finally:
+        engine.close()
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

@@ -220,6 +220,16 @@ class RankTrainer:
         loss.backward()
         return {**stats, "loss": float(loss.detach())}
 
+    @torch.no_grad()
+    def logprobs(self, samples: list[TrainSample], temperature: float) -> torch.Tensor:
+        """Policy log-probs `[n, L]` (float32, on CPU) of this rank's rows, without gradient; a rank with no rows runs
+        the dummy row (every rank must join the forward's all-gathers) and returns `[0, 0]`."""
+        from asyncflow.models.tri_model import tri_model_logprobs
+
+        out = tri_model_logprobs(self.model, samples or [TrainSample([0], [0])], reference=None, old_policy=None,
+                                 packing=self.spec.packing, temperature=temperature)
+        return out.policy.logprobs.cpu() if samples else torch.zeros(0, 0)
+
     def step(self, grad_scale: float) -> dict[str, float]:
         """Scale the summed gradient shards, clip by the global norm, step (all ranks skip together)."""
         import torch.distributed as dist
@@ -545,6 +555,18 @@ class FSDP2TrainEngine:
             for key, value in rank_stats.items():
                 stats[key] = stats.get(key, 0.0) + value
         return stats
+
+    def logprobs(self, samples: list[TrainSample], *, temperature: float = 1.0) -> torch.Tensor:
+        """Policy log-probs `[N, L]` of `samples` without gradient (rows split over the ranks as in training)."""
+        shares = assign_rows(samples, self.world_size, keep_groups=self.packing != "off")
+        parts = self.ranks.call("logprobs", [([samples[i] for i in rows], temperature) for rows in shares],
+                                self.timeout_s)
+        width = max((len(s.response_ids) for s in samples), default=0)
+        out = torch.zeros(len(samples), width)
+        for rows, part in zip(shares, parts, strict=True):
+            for k, i in enumerate(rows):
+                out[i, : part.shape[1]] = part[k, :width]
+        return out
 
     def optimizer_step(self, grad_scale: float = 1.0) -> dict[str, float]:
         self._weights = None
