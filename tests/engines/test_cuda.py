@@ -41,3 +41,48 @@ def test_inprocess_transport_round_trips_cuda_tensors(tiny_llama_path):
     assert version == 1 and received.keys() == state.keys()
     for name, tensor in state.items():
         assert received[name].is_cuda and torch.equal(received[name], tensor)
+
+
+def test_bf16_training_on_cuda_is_within_tolerance_of_fp32_and_checkpointing_is_exact(tiny_llama_path):
+    """The tolerances of tests/engines/test_precision.py, on CUDA (autocast bf16, fp32 master weights)."""
+    from engines.test_fsdp2_train import groups, policy_loss, relative_difference
+
+    from asyncflow.engines.torch_train import TorchTrainEngine
+
+    samples = groups(1, 4)
+
+    def step(**options):
+        engine = TorchTrainEngine(load_model(tiny_llama_path, device="cuda"), lr=1e-3, **options)
+        loss = engine.backward_micro_batch(samples, policy_loss(samples, seed=0))["loss"]
+        return loss, {n: p.grad.cpu() for n, p in engine.model.named_parameters() if p.grad is not None}
+
+    loss32, grads32 = step()
+    loss16, grads16 = step(precision="bf16")
+    assert abs(loss16 - loss32) < 1e-2
+    assert 0 < relative_difference(grads16, grads32) < 5e-2
+    for precision, reference in (("fp32", grads32), ("bf16", grads16)):
+        _, checkpointed = step(precision=precision, activation_checkpointing=True)
+        assert relative_difference(checkpointed, reference) < 1e-5, precision
+
+
+def test_fsdp2_one_rank_on_cuda_in_bf16_matches_the_single_process_engine(tiny_llama_path):
+    """NCCL, world_size 1, `MixedPrecisionPolicy` bf16 compute / fp32 reduce, against autocast bf16 in one process."""
+    from engines.test_fsdp2_train import groups, policy_loss, relative_difference
+
+    from asyncflow.engines.fsdp2_train import FSDP2TrainEngine
+    from asyncflow.engines.torch_train import TorchTrainEngine
+
+    samples = groups(2, 4)
+    reference = TorchTrainEngine(load_model(tiny_llama_path, device="cuda"), lr=1e-3, precision="bf16")
+    reference.backward_micro_batch(samples, policy_loss(samples, seed=0))
+    want = {n: p.grad.cpu() for n, p in reference.model.named_parameters() if p.grad is not None}
+    engine = FSDP2TrainEngine(load_model(tiny_llama_path, device="cuda"), model_path=tiny_llama_path, world_size=1,
+                              lr=1e-3, precision="bf16", activation_checkpointing=True, timeout_s=120)
+    try:
+        engine.backward_micro_batch(samples, policy_loss(samples, seed=0))
+        assert relative_difference(engine.gradients(), want) < 5e-2
+        torch.testing.assert_close(engine.logprobs(samples), reference.logprobs(samples).cpu(), rtol=0, atol=5e-2)
+        engine.optimizer_step(1e-2)
+        assert {w.dtype for w in engine.state_dict().values()} == {torch.float32}
+    finally:
+        engine.close()
