@@ -43,8 +43,13 @@ def test_inprocess_transport_round_trips_cuda_tensors(tiny_llama_path):
         assert received[name].is_cuda and torch.equal(received[name], tensor)
 
 
-def test_bf16_training_on_cuda_is_within_tolerance_of_fp32_and_checkpointing_is_exact(tiny_llama_path):
-    """The tolerances of tests/engines/test_precision.py, on CUDA (autocast bf16, fp32 master weights)."""
+@pytest.mark.parametrize("packing", ["off", "on"])
+def test_bf16_training_on_cuda_is_within_tolerance_of_fp32_and_checkpointing_keeps_the_gradients(
+    tiny_llama_path, packing
+):
+    """The tolerances of tests/engines/test_precision.py, on CUDA (autocast bf16, fp32 master weights).
+    Checkpointing is exact in fp32 and unpacked bf16; packed bf16 differs by bf16 rounding (0.28% relative
+    measured on an H100, below bf16's own 0.72% from fp32), so it gets 1e-2."""
     from engines.test_fsdp2_train import groups, policy_loss, relative_difference
 
     from asyncflow.engines.torch_train import TorchTrainEngine
@@ -52,7 +57,7 @@ def test_bf16_training_on_cuda_is_within_tolerance_of_fp32_and_checkpointing_is_
     samples = groups(1, 4)
 
     def step(**options):
-        engine = TorchTrainEngine(load_model(tiny_llama_path, device="cuda"), lr=1e-3, **options)
+        engine = TorchTrainEngine(load_model(tiny_llama_path, device="cuda"), lr=1e-3, packing=packing, **options)
         loss = engine.backward_micro_batch(samples, policy_loss(samples, seed=0))["loss"]
         return loss, {n: p.grad.cpu() for n, p in engine.model.named_parameters() if p.grad is not None}
 
@@ -60,9 +65,10 @@ def test_bf16_training_on_cuda_is_within_tolerance_of_fp32_and_checkpointing_is_
     loss16, grads16 = step(precision="bf16")
     assert abs(loss16 - loss32) < 1e-2
     assert 0 < relative_difference(grads16, grads32) < 5e-2
-    for precision, reference in (("fp32", grads32), ("bf16", grads16)):
+    bf16_tolerance = 1e-2 if packing == "on" else 1e-5
+    for precision, reference, tolerance in (("fp32", grads32, 1e-5), ("bf16", grads16, bf16_tolerance)):
         _, checkpointed = step(precision=precision, activation_checkpointing=True)
-        assert relative_difference(checkpointed, reference) < 1e-5, precision
+        assert relative_difference(checkpointed, reference) < tolerance, precision
 
 
 def test_fsdp2_one_rank_on_cuda_in_bf16_matches_the_single_process_engine(tiny_llama_path):
