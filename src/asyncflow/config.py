@@ -286,7 +286,13 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, gt=0)
     """Max global gradient norm."""
     micro_batch_size: int = Field(64, ge=1)
-    """Sequences per forward/backward (gradient accumulation over the step's batch)."""
+    """Sequences per forward/backward (gradient accumulation over the step's batch); with
+    `max_tokens_per_micro_batch`, the most sequences a micro-batch may hold."""
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    """Token budget of a micro-batch: rows are packed, longest first and GRPO groups together where they fit, into
+    micro-batches of at most this many forward tokens counted with padding (rows x longest prompt + response), so
+    activation memory is bounded whatever the response lengths; a single longer row runs alone. The update is the
+    same as with any other split (losses are sums normalised once per step). `null` = `micro_batch_size` rows."""
     warmup_steps: int = Field(0, ge=0)
     """Linear warm-up steps."""
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"

@@ -16,6 +16,9 @@ Invariants:
   applied once at `finish_step`, so feeding the same rows in any split or order (sync: all at
   once; stream: group by group as they complete) gives the same update up to float summation order.
 - Exactly one optimizer step per `finish_step`.
+- With a token budget (`max_tokens_per_micro_batch`) every micro-batch holds at most that many forward tokens
+  counted with padding (rows x longest row), so activation memory is bounded by the budget whatever the
+  response lengths; only a single row longer than the budget exceeds it, and runs alone.
 """
 
 from __future__ import annotations
@@ -135,14 +138,55 @@ class PolicyLoss:
         )
 
 
+def token_budget_micro_batches(
+    lengths: Sequence[int], group_ids: Sequence, budget: int, max_rows: int
+) -> list[list[int]]:
+    """Split rows into micro-batches of at most `budget` forward tokens counted with padding (rows x longest row:
+    what the unpadded and the packed forward both stay under) and at most `max_rows` rows; -> row indices.
+
+    `lengths[i]` is row i's prompt + response tokens. Runs of consecutive rows sharing a group id stay together
+    when they fit (shared-prompt packing runs their prompt once); a group over the budget is split into rows, and a
+    single row over it gets a micro-batch of its own. Units are taken longest first, so rows of similar length
+    share a micro-batch and little is padded. Every row appears exactly once."""
+    if budget < 1 or max_rows < 1:
+        raise ValueError(f"budget and max_rows must be >= 1, got {budget} and {max_rows}")
+    units: list[list[int]] = []
+    for i in range(len(lengths)):
+        if units and group_ids[units[-1][0]] == group_ids[i]:
+            units[-1].append(i)
+        else:
+            units.append([i])
+
+    def fits(rows: int, longest: int) -> bool:
+        return rows <= max_rows and rows * longest <= budget
+
+    pieces = []
+    for unit in units:
+        longest = max(lengths[i] for i in unit)
+        pieces.extend([unit] if fits(len(unit), longest) else [[i] for i in unit])
+    batches: list[list[int]] = []
+    longest_in: list[int] = []
+    for piece in sorted(pieces, key=lambda p: (-max(lengths[i] for i in p), p[0])):
+        longest = max(lengths[i] for i in piece)
+        if batches and fits(len(batches[-1]) + len(piece), max(longest_in[-1], longest)):
+            batches[-1].extend(piece)
+        else:
+            batches.append(list(piece))
+            longest_in.append(longest)
+    return batches
+
+
 class PolicyTrainer:
     def __init__(self, engine: TrainEngine, algo: AlgoConfig, *, micro_batch_size: int, temperature: float,
-                 loss_mask: bool = False):
-        """`loss_mask`: rows carry a `loss_mask` column (multi-turn rollouts); only its 1s are trained."""
+                 loss_mask: bool = False, max_tokens_per_micro_batch: int | None = None):
+        """`loss_mask`: rows carry a `loss_mask` column (multi-turn rollouts); only its 1s are trained.
+        `max_tokens_per_micro_batch`: micro-batches by a token budget (`token_budget_micro_batches`), with
+        `micro_batch_size` as the row cap; None = `micro_batch_size` rows each."""
         self.engine = engine
         self.columns = TRAIN_COLUMNS + ([LOSS_MASK_COLUMN] if loss_mask else [])
         self.algo = algo
         self.micro_batch_size = micro_batch_size
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.temperature = temperature if temperature > 0 else 1.0
         self.acc = StepAccumulator()
 
@@ -213,8 +257,14 @@ class PolicyTrainer:
         """Forward/backward the rollouts (those with advantages) in micro-batches, summing the loss.
         Rows generated before `policy_version` are stale (see `AlgoConfig.stale_old_logprobs`)."""
         rollouts = [r for r in rollouts if r.advantages is not None and len(r.response_ids) > 0]
-        for start in range(0, len(rollouts), self.micro_batch_size):
-            self._micro_batch(rollouts[start : start + self.micro_batch_size], policy_version)
+        if self.max_tokens_per_micro_batch is None:
+            for start in range(0, len(rollouts), self.micro_batch_size):
+                self._micro_batch(rollouts[start : start + self.micro_batch_size], policy_version)
+            return
+        lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rollouts]
+        for rows in token_budget_micro_batches(lengths, [r.group_id for r in rollouts],
+                                               self.max_tokens_per_micro_batch, self.micro_batch_size):
+            self._micro_batch([rollouts[i] for i in rows], policy_version)
 
     def _micro_batch(self, batch: list[Rollout], policy_version: int | None = None) -> None:
         algo = self.algo

@@ -104,6 +104,7 @@ class RLRun:
         self.trainer = PolicyTrainer(
             self.train_engine, config.algo, micro_batch_size=config.train.micro_batch_size,
             temperature=config.rollout.temperature, loss_mask=self.multiturn is not None,
+            max_tokens_per_micro_batch=config.train.max_tokens_per_micro_batch,
         )
         if config.agent.fn is not None:  # agent rows carry their own prompt and a loss mask
             self.trainer.columns = self.trainer.columns + [c for c in ("loss_mask", AGENT_PROMPT_COLUMN)
