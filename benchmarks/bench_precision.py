@@ -147,7 +147,7 @@ def main() -> None:
         return
     results = {}
     for mode in args.modes.split(","):
-        child = [a for a in sys.argv[1:] if not a.startswith("--modes")]
+        child = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("modes", "one")]
         proc = subprocess.run([sys.executable, __file__, *child, "--one", mode], capture_output=True, text=True,
                               timeout=1800)
         if proc.returncode != 0:
