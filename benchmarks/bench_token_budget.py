@@ -4,7 +4,8 @@
 Owns nothing the library uses. The batch is GRPO groups whose response lengths are exponential (mean `--mean`)
 capped at `--max-response`, with one row at the cap (the long tail). Each mode trains the same rows through
 `PolicyTrainer` (the run's micro-batching) with the torch engine, in its own process: `rows:N` is N rows per
-micro-batch, `budget:B` at most B padded tokens per micro-batch. Peak memory as in `bench_precision.py` (CUDA:
+micro-batch, `budget:B` at most B padded tokens per micro-batch; a mode that runs out of memory is reported as
+such. Peak memory as in `bench_precision.py` (CUDA:
 `max_memory_allocated` above the level before the step; CPU: peak resident set above it).
 
 Run: .venv/bin/python benchmarks/bench_token_budget.py [--device cpu|cuda] [--preset small-llama]
@@ -99,13 +100,20 @@ def main() -> None:
         child = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("modes", "one")]
         proc = subprocess.run([sys.executable, __file__, *child, "--one", mode], capture_output=True, text=True,
                               timeout=1800)
+        if proc.returncode != 0 and "OutOfMemoryError" in proc.stderr:
+            results.append({"mode": mode, "out_of_memory": True})
+            continue
         if proc.returncode != 0:
             raise SystemExit(f"mode {mode} failed:\n{proc.stderr[-3000:]}")
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    tokens = next((r["tokens"] for r in results if "tokens" in r), "?")
     print(f"device={args.device} preset={args.preset} {args.groups}x{args.group_size} rows, responses exponential "
-          f"(mean {args.mean}) capped at {args.max_response}, {results[0]['tokens']} tokens, packing={args.packing}")
+          f"(mean {args.mean}) capped at {args.max_response}, {tokens} tokens, packing={args.packing}")
     print(f"{'mode':<13} {'micro-batches':>13} {'max padded tok':>15} {'peak MB':>9} {'step s':>8} {'grad norm':>10}")
     for r in results:
+        if r.get("out_of_memory"):
+            print(f"{r['mode']:<13} {'out of memory':>13}")
+            continue
         print(f"{r['mode']:<13} {r['micro_batches']:13d} {r['max_padded']:15d} {r['peak_bytes'] / 2**20:9.1f} "
               f"{r['step_s']:8.3f} {r['grad_norm']:10.6f}")
 
