@@ -92,3 +92,22 @@ def test_budgeted_step_has_the_gradients_of_the_unbudgeted_one(tiny_llama_path, 
     assert metrics["loss"] == pytest.approx(want_metrics["loss"], rel=1e-5)
     assert metrics["grad_norm"] == pytest.approx(want_metrics["grad_norm"], rel=1e-5)
     assert metrics["train/tokens"] == want_metrics["train/tokens"]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_two_ranks_get_token_counts_within_ten_percent(seed):
+    """`assign_rows` (Karmarkar-Karp over whole GRPO groups) on a long-tailed batch of 16 groups of 8."""
+    from asyncflow.engines.fsdp2_train import assign_rows
+    from asyncflow.models.logprobs import TrainSample
+
+    rows = long_tailed_rollouts(seed, groups=16, group_size=8)
+    samples = [TrainSample(r.prompt_ids, r.response_ids, r.group_id) for r in rows]
+    shares = assign_rows(samples, 2)
+    tokens = []
+    for share in shares:
+        groups = {samples[i].group_id for i in share}
+        assert all(samples[i].group_id not in groups for i in range(len(samples)) if i not in share), "groups whole"
+        tokens.append(sum(len(samples[i].response_ids) for i in share)
+                      + sum(len(samples[i].prompt_ids) for i in share if i == 0 or i - 1 not in share
+                            or samples[i - 1].group_id != samples[i].group_id))
+    assert max(tokens) <= 1.1 * min(tokens), tokens

@@ -50,6 +50,7 @@ import torch
 from asyncflow.engines.base import RowLoss, register_train_engine
 from asyncflow.engines.torch_train import check_precision, enable_activation_checkpointing, lr_lambda
 from asyncflow.models.logprobs import TrainSample
+from asyncflow.transfer.samplers import karmarkar_karp
 from asyncflow.weights.buckets import (
     DEFAULT_BUCKET_BYTES,
     Manifest,
@@ -77,8 +78,9 @@ def assign_rows(samples: Sequence[TrainSample], world: int, *, keep_groups: bool
 
     Units are the runs of consecutive rows sharing a `group_id` when `keep_groups` (shared-prompt packing
     runs a group's prompt once, so a unit costs `P + sum R` tokens) and single rows otherwise (`P + R`).
-    Greedy longest-processing-time: the costliest unit goes to the least loaded rank. With fewer groups
-    than ranks the rows are split individually, so every rank has work whenever there are `world` rows."""
+    The units are split by the Karmarkar-Karp largest differencing method (`transfer.samplers.karmarkar_karp`).
+    With fewer groups than ranks the rows are split individually, so every rank has work whenever there are
+    `world` rows."""
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     units: list[list[int]] = []
@@ -93,13 +95,8 @@ def assign_rows(samples: Sequence[TrainSample], world: int, *, keep_groups: bool
     def cost(unit: list[int]) -> int:
         return len(samples[unit[0]].prompt_ids) + sum(len(samples[i].response_ids) for i in unit)
 
-    loads = [0] * world
-    shares: list[list[int]] = [[] for _ in range(world)]
-    for unit in sorted(units, key=lambda u: (-cost(u), u[0])):
-        rank = min(range(world), key=lambda r: (loads[r], r))
-        loads[rank] += cost(unit)
-        shares[rank].extend(unit)
-    return [sorted(share) for share in shares]
+    parts = karmarkar_karp([cost(unit) for unit in units], world)
+    return [sorted(i for u in part for i in units[u]) for part in parts]
 
 
 # ------------------------------------------------------------------------------------------- one rank
