@@ -18,6 +18,7 @@ from asyncflow.config import ConfigError, build_config
 from asyncflow.engines.fsdp2_train import FSDP2TrainEngine
 from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.models.loading import load_model
+from asyncflow.models.logprobs import response_logprobs
 from asyncflow.workflow.pipeline import make_workflow
 from asyncflow.workflow.run import RLRun
 from engines.test_fsdp2_train import groups, policy_loss, relative_difference
@@ -68,9 +69,10 @@ def test_activation_checkpointing_gives_the_same_gradients(tiny_llama_path, one_
     assert calls[0] == 2, "a checkpointed layer runs in the forward and again in the backward"
     assert stats["loss"] == pytest.approx(loss, rel=1e-6)
     assert relative_difference(gradients(engine), grads) < CHECKPOINTING_GRAD_RTOL
-    # Both packed and unpacked forwards still run on the same model (the attention stays pinned between calls).
-    other = engine.logprobs(samples)
-    assert torch.allclose(other, plain.logprobs(samples), atol=1e-5)
+    # Packed and unpacked forwards both still run on the model (its attention stays pinned between calls).
+    assert torch.allclose(engine.logprobs(samples), plain.logprobs(samples), atol=1e-5)
+    unpacked = response_logprobs(engine.model, samples).logprobs
+    assert torch.allclose(unpacked, response_logprobs(plain.model, samples).logprobs, atol=1e-5)
 
 
 def test_fsdp2_bf16_with_checkpointing_matches_one_fp32_process(tiny_llama_path, one_torch_thread):

@@ -84,7 +84,7 @@ class RLRun:
         self.model_path = resolve_model_path(config.model.path, seed=config.run.seed)
         self.tokenizer = load_tokenizer(self.model_path)
         policy = self._load_policy()
-        rollout_model = self._rollout_copy(policy)  # before LoRA adds adapters to `policy`
+        rollout_model = self._in_rollout_dtype(copy.deepcopy(policy))  # before LoRA adds adapters to `policy`
         self.train_engine = make_train_engine(
             config.train.engine, **train_engine_options(config, policy, self.model_path)
         )
@@ -153,10 +153,9 @@ class RLRun:
         return AgentRolloutWorker(self.inference_engine, self.params, cfg.rollout.group_size, tokenizer=self.tokenizer,
                                   scorer=self.rewards, **self.agent_options)
 
-    def _rollout_copy(self, policy: torch.nn.Module) -> torch.nn.Module:
-        """A frozen copy of `policy` in the rollout dtype (`Config.rollout_dtype`), for an inference engine."""
-        dtype = getattr(torch, self.config.rollout_dtype())
-        return copy.deepcopy(policy).to(dtype).eval().requires_grad_(False)
+    def _in_rollout_dtype(self, model: torch.nn.Module) -> torch.nn.Module:
+        """`model`, frozen and cast in place to the rollout dtype (`Config.rollout_dtype`), for an inference engine."""
+        return model.to(getattr(torch, self.config.rollout_dtype())).eval().requires_grad_(False)
 
     def _load_policy(self) -> torch.nn.Module:
         return load_model(self.model_path, dtype=self.config.model.dtype, device=self.config.model.device)
@@ -259,7 +258,7 @@ class RLRun:
         if self.eval_engine is None:
             self.eval_engine = make_inference_engine(
                 self.config.rollout.engine,
-                model=self._rollout_copy(self._load_policy()),
+                model=self._in_rollout_dtype(self._load_policy()),
                 max_batch_size=self.config.rollout.max_batch_size,
                 device=self.config.model.device,
                 seed=self.config.run.seed,
