@@ -44,7 +44,8 @@ def long_tailed(groups: int, group_size: int, mean: int, cap: int, vocab: int) -
         for k in range(group_size):
             length = cap if (g, k) == (0, 0) else min(cap, int(rng.expovariate(1 / mean)) + 1)
             response = [rng.randrange(3, vocab) for _ in range(length)]
-            rows.append(Rollout(g, k, prompt, response, [-2.0] * length, "stop", 0, "", reward=float(rng.random() < .5)))
+            reward = float(rng.random() < 0.5)
+            rows.append(Rollout(g, k, prompt, response, [-2.0] * length, "stop", 0, "", reward=reward))
     assign_advantages([rows[i : i + group_size] for i in range(0, len(rows), group_size)], AlgoConfig(), cap)
     return rows
 
