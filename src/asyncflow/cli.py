@@ -54,7 +54,6 @@ def sft_output(config: Config) -> Path:
 
 def cmd_train(args) -> int:
     config = _config(args)
-    from asyncflow.workflow.pipeline import make_workflow
     from asyncflow.workflow.run import RLRun
     from asyncflow.workflow.run_folder import RunFolder
     from asyncflow.workflow.setup import preflight
@@ -80,12 +79,7 @@ def cmd_train(args) -> int:
                  out, sft["sft/steps"], sft["sft/val_accuracy"])
         config = config.model_copy(update={"model": config.model.model_copy(update={"path": str(out)})})
     run = RLRun(config, plan=plan, checked=checked)
-    try:
-        workflow = make_workflow(config, run)
-    except BaseException:
-        run.metrics.close()
-        raise
-    history = run.train(workflow)
+    history = run.train()
     final = {k: v for k, v in history[-1].items() if k.startswith(("eval/", "reward/mean"))}
     print(json.dumps({"run_dir": str(run.run_dir), "step": run.step, **final, **sft}))
     return 0
@@ -104,16 +98,11 @@ def cmd_sft(args) -> int:
 
 def cmd_eval(args) -> int:
     config = _config(args)
-    from asyncflow.workflow.checkpoint import load_weights
-    from asyncflow.workflow.run import RLRun
+    from asyncflow.workflow.evaluation import evaluate_checkpoint
     from asyncflow.workflow.setup import preflight
 
     checked = preflight(config, training=False)
-    checkpoint = Path(args.checkpoint)
-    weights = load_weights(checkpoint)  # verified: a damaged file is named
-    run = RLRun(config, checked=checked, outputs=False)
-    run.train_engine.load_state_dict(weights)  # `evaluate` reads the policy's weights
-    result = run.evaluate()
+    result = evaluate_checkpoint(config, Path(args.checkpoint), checked.test_set)
     print(json.dumps({"checkpoint": args.checkpoint, **result}))
     return 0
 

@@ -95,6 +95,15 @@ class RewardConfig(Section):
 class RolloutConfig(Section):
     engine: str = "torch"
     """Inference engine from the registry (or `package.module:factory`)."""
+    gpu_memory_fraction: float = Field(0.4, gt=0, le=1)
+    """`vllm` on a GPU: the share of the device's memory each engine may take (weights, activations, KV cache;
+    vLLM's `gpu_memory_utilization`). The default leaves room for a trainer on the same GPU; raise it when the
+    rollout engine has the GPU to itself."""
+    kv_cache_gb: float | None = Field(None, gt=0)
+    """`vllm`: KV cache size per engine in GiB (vLLM's `kv_cache_memory_bytes`); null = sized from
+    `gpu_memory_fraction` on a GPU, from the model and `max_batch_size` on a CPU."""
+    engine_options: dict[str, Any] = Field(default_factory=dict)
+    """Further keyword arguments of the engine's factory (for `vllm`: any `AsyncEngineArgs` field)."""
     prompts_per_step: int = Field(32, ge=1)
     """Prompts per training step (each sampled `group_size` times)."""
     group_size: int = Field(8, ge=1)

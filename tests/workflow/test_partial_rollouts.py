@@ -16,7 +16,6 @@ import pytest
 
 from asyncflow.config import ConfigError, build_config
 from asyncflow.engines.torch_inference import TorchInferenceEngine
-from asyncflow.workflow.pipeline import make_workflow
 from asyncflow.workflow.run import RLRun
 
 STEPS, PER_STEP = 4, 16
@@ -61,7 +60,7 @@ def test_async_partial_rollouts_inline(tmp_path, caplog):
     config = partial_config(tmp_path, "runtime.kind=inline", "algo.mismatch_correction=token_tis")
     run = RLRun(config)
     with caplog.at_level(logging.INFO, logger="asyncflow.progress"):
-        history = run.train(make_workflow(config, run))
+        history = run.train()
     check_partial_run(history, run)
     last = [r.getMessage() for r in caplog.records if r.name == "asyncflow.progress"][-1]
     assert all(f"{label} " in last for label in ("mismatch", "corrected", "stale", "spanning")), last
@@ -73,7 +72,7 @@ def test_async_partial_rollouts_inline(tmp_path, caplog):
 def test_async_partial_rollouts_on_ray(tmp_path, ray_cluster):
     config = partial_config(tmp_path, "runtime.kind=ray", "runtime.rollout_cpus=0.5")
     run = RLRun(config)
-    history = run.train(make_workflow(config, run))
+    history = run.train()
     check_partial_run(history, run)
 
 

@@ -44,7 +44,7 @@ from typing import Any, Protocol
 
 import torch
 
-from asyncflow.engines.base import RowLoss, register_train_engine
+from asyncflow.engines.base import RowLoss, TrainEngineBase, register_train_engine
 from asyncflow.engines.torch_train import lr_lambda
 from asyncflow.models.logprobs import TrainSample
 from asyncflow.weights.buckets import (
@@ -456,7 +456,7 @@ Launcher = Callable[[int, RankSpec, float], RankGroup]  # (world_size, spec, tim
 # ------------------------------------------------------------------------------------------- the driver
 @register_train_engine("fsdp2")
 @dataclass(eq=False)
-class FSDP2TrainEngine:
+class FSDP2TrainEngine(TrainEngineBase):
     """`TrainEngine` over `world_size` FSDP2 ranks (see the module docstring). `model` (the driver's copy of the
     policy) gives the device; the ranks load the weights from `model_path` through the normal loading code.
     `launcher`: `"processes"` (torch multiprocessing on this machine) or a `Launcher` (the Ray runtime's)."""

@@ -52,7 +52,7 @@ from typing import Iterable, Iterator, Mapping
 import torch
 from transformers.cache_utils import Cache
 
-from asyncflow.engines.base import Completion, GenerationRequest, SamplingParams, register_inference_engine
+from asyncflow.engines.base import Completion, GenerationRequest, InferenceEngineBase, SamplingParams, register_inference_engine
 from asyncflow.models.loading import load_model, resolve_model_path
 
 
@@ -190,7 +190,7 @@ class _Slot:
             self.finish_reason = "length"
 
 
-class TorchInferenceEngine:
+class TorchInferenceEngine(InferenceEngineBase):
     """Continuous-batching sampler around a Hugging Face causal LM (full attention), CPU or one GPU."""
 
     updates_in_flight = True  # `update_weights` may be called while a `generate` runs (module docstring)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from asyncflow.engines.base import LossFn, register_train_engine
+from asyncflow.engines.base import LossFn, TrainEngineBase, register_train_engine
 from asyncflow.models.logprobs import TrainSample
 from asyncflow.models.tri_model import make_reference, tri_model_logprobs
 
@@ -52,7 +52,7 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[i
 
 
 @register_train_engine("torch")
-class TorchTrainEngine:
+class TorchTrainEngine(TrainEngineBase):
     def __init__(
         self,
         model: torch.nn.Module,

@@ -38,7 +38,6 @@ from asyncflow.workers.rollout import Rollout, complete_groups, rollouts_from_ba
 
 TRAIN_COLUMNS = ["prompt_ids", "response_ids", "rollout_logprobs", "reward"]
 PER_SEQUENCE_STATS = ("mismatch/masked_sequences_fraction",)  # step metrics divided by sequences, not tokens
-LOSS_MASK_COLUMN = "loss_mask"  # written by multi-turn rollouts: 1 = model-sampled token (trained)
 
 
 class StalenessError(RuntimeError):
@@ -137,10 +136,11 @@ class PolicyLoss:
 
 class PolicyTrainer:
     def __init__(self, engine: TrainEngine, algo: AlgoConfig, *, micro_batch_size: int, temperature: float,
-                 loss_mask: bool = False):
-        """`loss_mask`: rows carry a `loss_mask` column (multi-turn rollouts); only its 1s are trained."""
+                 row_columns: Sequence[str] = ()):
+        """`row_columns`: the optional per-row columns the rows carry (`LOSS_MASK_COLUMN`: only its 1s are
+        trained; `TRAINED_PROMPT_COLUMN`: the prompt trained in place of `prompt_ids`)."""
         self.engine = engine
-        self.columns = TRAIN_COLUMNS + ([LOSS_MASK_COLUMN] if loss_mask else [])
+        self.columns = TRAIN_COLUMNS + list(row_columns)
         self.algo = algo
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature if temperature > 0 else 1.0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,14 +23,16 @@ import torch
 
 from asyncflow.config import Config
 from asyncflow.data import DatasetError, Example, make_task
-from asyncflow.data.prompts import PromptEncoder, TrainSet, open_datasets
+from asyncflow.data.prompts import PromptEncoder, PromptSource, TrainSet, open_datasets
 from asyncflow.engines.base import SamplingParams
 from asyncflow.envs.base import resolve_environment
 from asyncflow.envs.tools import SandboxLimits
 from asyncflow.models.loading import load_tokenizer, prompt_lengths, render_prompt, resolve_model_path
 from asyncflow.rewards import RewardRunner, check_reward_specs
+from asyncflow.runtime.base import RolloutSpec
 from asyncflow.workers.multiturn import MultiTurnSpec
 from asyncflow.workers.reward import RewardWorker
+from asyncflow.workers.rollout import LOSS_MASK_COLUMN, TRAINED_PROMPT_COLUMN
 
 if TYPE_CHECKING:
     from asyncflow.engines.peft_lora import LoRASettings
@@ -50,6 +53,50 @@ def prompt_encoder(config: Config, tokenizer) -> PromptEncoder:
     use_chat = config.model.use_chat_template
     return PromptEncoder(
         lambda text: render_prompt(tokenizer, text, use_chat), config.data.max_prompt_tokens, config.data.on_long_prompt
+    )
+
+
+def prompt_source(config: Config, tokenizer, train_set: TrainSet) -> PromptSource:
+    return PromptSource(train_set, prompt_encoder(config, tokenizer), keep_text=config.agent.fn is not None)
+
+
+def rollout_spec(config: Config, model_path, tokenizer) -> RolloutSpec:
+    """The rollout replicas of `config` (placed by the runtime; `model_path` is the resolved policy folder)."""
+    r = config.rollout
+    engine_options = dict(r.engine_options)
+    if r.engine == "vllm":
+        engine_options.setdefault("gpu_memory_utilization", r.gpu_memory_fraction)
+        if r.kv_cache_gb is not None:
+            engine_options.setdefault("kv_cache_memory_bytes", int(r.kv_cache_gb * 2**30))
+    return RolloutSpec(
+        model_path=str(model_path), dtype=config.model.dtype, device=config.model.device, engine=r.engine,
+        engine_options=engine_options, max_batch_size=r.max_batch_size, params=sampling_params(config, tokenizer),
+        group_size=r.group_size, seed=config.run.seed, on_weight_update=r.on_weight_update,
+        multiturn=multiturn_spec(config), agent=agent_options(config, model_path, tokenizer),
+        make_scorer=partial(make_reward_worker, config),
+    )
+
+
+def row_columns(spec: RolloutSpec) -> list[str]:
+    """The optional per-row columns the trainer reads of `spec`'s rows."""
+    return ([LOSS_MASK_COLUMN] if spec.scores_rows else []) + ([TRAINED_PROMPT_COLUMN] if spec.trains_own_prompt else [])
+
+
+def agent_options(config: Config, model_path, tokenizer) -> dict | None:
+    """The `AgentRolloutWorker` options of `agent.fn` (None without one)."""
+    a = config.agent
+    if a.fn is None:
+        return None
+    from transformers import AutoConfig
+
+    from asyncflow.workers.agent import absolute_agent_spec
+
+    positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 0)
+    return dict(
+        agent=absolute_agent_spec(a.fn), model_name=config.run.name or "policy",
+        max_model_len=int(positions or tokenizer.model_max_length),
+        concurrency=a.concurrency or config.rollout.max_batch_size, episode_timeout_s=a.episode_timeout_s,
+        chat_template=Path(a.chat_template).read_text() if a.chat_template else None,
     )
 
 
