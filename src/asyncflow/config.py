@@ -58,8 +58,8 @@ class DataConfig(Section):
     """Field of a data row holding the prompt text."""
     answer_field: str = "answer"
     """Field of a data row holding the ground truth passed to the reward."""
-    test_size: int = Field(256, ge=1)
-    """Number of held-out examples used for evaluation."""
+    test_size: int = Field(256, ge=0)
+    """Number of held-out examples used for evaluation (0 = no evaluation, and no engine built for it)."""
     max_prompt_tokens: int = Field(256, ge=1)
     """Longest prompt accepted, in tokens."""
     on_long_prompt: Literal["skip", "error"] = "skip"

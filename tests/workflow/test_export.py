@@ -123,12 +123,12 @@ def test_lora_run_resumes_exactly_and_exports_the_adapter_and_the_merged_model(t
     whole.train_engine.model.eval()
     trainer = logprobs(whole.train_engine.model, samples)
     merged = AutoModelForCausalLM.from_pretrained(str(out))
-    plain = load_model(whole.model_path)
+    plain = load_model(whole.spec.model_path)
     plain.load_state_dict(final["whole"])
     assert torch.equal(logprobs(merged, samples), logprobs(plain, samples))  # the checkpoint's merged weights
     torch.testing.assert_close(logprobs(merged, samples), trainer, rtol=0, atol=1e-4)
     adapter_config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert adapter_config["peft_type"] == "LORA" and adapter_config["r"] == 4
-    assert adapter_config["base_model_name_or_path"] == str(whole.model_path.resolve())
-    adapted = peft.PeftModel.from_pretrained(load_model(whole.model_path), str(out / "adapter"))
+    assert adapter_config["base_model_name_or_path"] == str(Path(whole.spec.model_path).resolve())
+    adapted = peft.PeftModel.from_pretrained(load_model(whole.spec.model_path), str(out / "adapter"))
     assert torch.equal(logprobs(adapted, samples), trainer)

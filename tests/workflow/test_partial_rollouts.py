@@ -30,8 +30,8 @@ class SlowDecodeEngine(TorchInferenceEngine):
         super()._decode(cache, slots)
 
 
-def make_slow_engine(*, model, **kwargs):
-    return SlowDecodeEngine(model, **kwargs)
+def make_slow_engine(*, model_path, **kwargs):
+    return SlowDecodeEngine.from_pretrained(model_path, **kwargs)
 
 
 def partial_config(tmp_path, *overrides: str):
@@ -82,7 +82,7 @@ def test_resume_needs_an_engine_that_updates_in_flight(tmp_path):
 
     from asyncflow.engines.base import register_inference_engine
 
-    register_inference_engine("test_finish_only")(lambda *, model, **kw: FinishOnly(model, **kw))
+    register_inference_engine("test_finish_only")(FinishOnly.from_pretrained)
     with pytest.raises(ValueError, match="on_weight_update=resume needs an inference engine.*FinishOnly does not"):
         RLRun(partial_config(tmp_path, "rollout.engine=test_finish_only", "runtime.kind=inline"))
     with pytest.raises(ConfigError, match="rollout.on_weight_update"):

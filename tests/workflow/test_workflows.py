@@ -123,8 +123,8 @@ class JitteryEngine(TorchInferenceEngine):
 
 
 @register_inference_engine("test_jittery_torch")
-def make_jittery_engine(*, model, **kwargs):
-    return JitteryEngine(model, **kwargs)
+def make_jittery_engine(*, model_path, **kwargs):
+    return JitteryEngine.from_pretrained(model_path, **kwargs)
 
 
 def jittery_reward(completion: str, ground_truth: str, **metadata) -> float:

@@ -196,6 +196,12 @@ class TorchInferenceEngine(InferenceEngineBase):
     updates_in_flight = True  # `update_weights` may be called while a `generate` runs (module docstring)
     streams_tokens = True  # requests' `on_tokens` callbacks are called as tokens are sampled
 
+    @classmethod
+    def from_pretrained(cls, model_path: str, *, dtype: str = "float32", **kwargs) -> TorchInferenceEngine:
+        """The engine over the model in `model_path` (a local HF folder or `preset:NAME`), loaded for inference."""
+        model = load_model(resolve_model_path(str(model_path)), dtype=dtype).eval().requires_grad_(False)
+        return cls(model, **kwargs)
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -447,5 +453,5 @@ def make_torch_inference_engine(
     if (model is None) == (model_path is None):
         raise ValueError("the torch inference engine needs exactly one of model= or model_path=")
     if model is None:
-        model = load_model(resolve_model_path(str(model_path)), dtype=dtype)
+        return TorchInferenceEngine.from_pretrained(model_path, dtype=dtype, **kwargs)
     return TorchInferenceEngine(model, **kwargs)

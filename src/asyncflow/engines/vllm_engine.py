@@ -408,6 +408,8 @@ class VLLMInferenceEngine(InferenceEngineBase):
             shutil.rmtree(self._owned_dir, ignore_errors=True)
             self._owned_dir = None
 
+    close = shutdown
+
     def __del__(self):
         if getattr(self, "_loop", None) is None or sys.is_finalizing():
             return  # the atexit hook has stopped it, or the client loop can no longer run
