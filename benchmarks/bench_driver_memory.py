@@ -1,7 +1,8 @@
 """Peak resident memory of the driver process of an async run on Ray, for this checkout and (optionally) another.
 
 The driver holds the policy being trained; rollout replicas (Ray actors) hold the inference engines. This
-measures what the driver itself keeps (with one held-out prompt, so each checkout builds what evaluation needs): each run trains in a fresh process, which prints its peak RSS
+measures what the driver itself keeps (with one held-out prompt, so each checkout builds what evaluation
+needs): each run trains in a fresh process, which prints its peak RSS
 (`getrusage(RUSAGE_SELF).ru_maxrss`, the driver alone: Ray's processes are not counted) and the policy's size.
 
     .venv/bin/python benchmarks/bench_driver_memory.py                        # this checkout

@@ -106,7 +106,7 @@ def main() -> int:
     import ray
 
     from asyncflow.config import build_config
-        from asyncflow.workflow.run import RLRun
+    from asyncflow.workflow.run import RLRun
 
     out = args.output or tempfile.mkdtemp(prefix="soak_async_")
     k = 1

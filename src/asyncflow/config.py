@@ -473,6 +473,9 @@ class AgentConfig(Section):
 
 
 class Config(Section):
+    """A run's whole configuration, one section per part (`run`, `model`, `data`, `rollout`, `algo`, `train` ...);
+    built from YAML and dotted overrides by `load_config` / `build_config`, every field documented."""
+
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -556,6 +559,8 @@ def _format_errors(err: ValidationError) -> str:
 
 
 def build_config(data: dict, overrides: list[str] | None = None) -> Config:
+    """A validated `Config` from a nested dict (YAML's shape) and dotted overrides (`"train.lr=3e-4"`); a bad
+    key or value raises `ConfigError` naming it."""
     try:
         return Config.model_validate(_merge(data, parse_overrides(overrides or [])))
     except ValidationError as err:

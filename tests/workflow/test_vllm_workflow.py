@@ -44,7 +44,8 @@ def test_async_k1(tmp_path):
     run = RLRun(config)
     try:
         history = run.train()
-        assert run.runtime.local_rollout.engine.weight_version >= 2  # swapped in by the rollout thread: partition 3 needs >= 2
+        # swapped in by the rollout thread: partition 3 needs >= 2
+        assert run.runtime.local_rollout.engine.weight_version >= 2
     finally:
         run.runtime.local_rollout.engine.close()
         if run.eval_engine is not None:

@@ -52,7 +52,9 @@ from typing import Iterable, Iterator, Mapping
 import torch
 from transformers.cache_utils import Cache
 
-from asyncflow.engines.base import Completion, GenerationRequest, InferenceEngineBase, SamplingParams, register_inference_engine
+from asyncflow.engines.base import (
+    Completion, GenerationRequest, InferenceEngineBase, SamplingParams, register_inference_engine,
+)
 from asyncflow.models.loading import load_model, resolve_model_path
 
 

@@ -54,7 +54,9 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
-from asyncflow.engines.base import Completion, GenerationRequest, InferenceEngineBase, SamplingParams, register_inference_engine
+from asyncflow.engines.base import (
+    Completion, GenerationRequest, InferenceEngineBase, SamplingParams, register_inference_engine,
+)
 from asyncflow.engines.torch_inference import check_sampling_params
 from asyncflow.models.loading import ModelLoadError, resolve_model_path
 from asyncflow.weights.segments import segment_path

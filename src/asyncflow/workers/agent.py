@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 
 from asyncflow.engines.base import InferenceEngine, SamplingParams
 from asyncflow.engines.service import EngineService

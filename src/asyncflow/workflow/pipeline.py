@@ -138,7 +138,8 @@ class PipelineWorkflow:
         self.mode = config.workflow.mode
         self.k = config.workflow.max_staleness if self.mode == "async" else 0
         self.timeout = config.runtime.call_timeout_s
-        self.runtime, self.trainer, self.prompts, self.rewards, self.timeline = runtime, trainer, prompts, rewards, timeline
+        self.runtime, self.trainer, self.prompts = runtime, trainer, prompts
+        self.rewards, self.timeline = rewards, timeline
         self.policy_weights = policy_weights
         # Registered tasks must acknowledge a partition before it is cleared: a rollout that scores its own rows
         # (multi-turn, agent; every replica on Ray outside `sync`) leaves no separate reward task to wait for.

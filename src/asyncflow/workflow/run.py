@@ -34,6 +34,7 @@ import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 from asyncflow.config import Config
 from asyncflow.engines.base import ShardedCheckpointing, make_train_engine
@@ -87,13 +88,14 @@ class RunState:
 class RLRun:
     """One RL run in `run.output_dir`. `resume` / `overwrite`: what to do with a run already there (see
     `RunFolder.plan`), or `plan`: that decision, already taken and carried out by the caller. `checked`:
-    the datasets `preflight` loaded."""
+    the datasets `preflight` loaded. `on_step` is called with each metrics row as it is logged."""
 
     def __init__(
         self, config: Config, *, resume: bool = False, overwrite: bool = False, plan: Plan | None = None,
-        checked: Preflight | None = None,
+        checked: Preflight | None = None, on_step: Callable[[dict], None] | None = None,
     ):
         self.config = config
+        self.on_step = on_step
         self.run_dir = Path(config.run.output_dir)
         self.folder = RunFolder(self.run_dir)
         if plan is None:
@@ -335,4 +337,7 @@ class RLRun:
             **metrics,
         }
         self.metrics.log(self.state.step, metrics)
-        return {"step": self.state.step, **metrics}
+        row = {"step": self.state.step, **metrics}
+        if self.on_step is not None:
+            self.on_step(row)
+        return row

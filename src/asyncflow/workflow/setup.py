@@ -79,7 +79,8 @@ def rollout_spec(config: Config, model_path, tokenizer) -> RolloutSpec:
 
 def row_columns(spec: RolloutSpec) -> list[str]:
     """The optional per-row columns the trainer reads of `spec`'s rows."""
-    return ([LOSS_MASK_COLUMN] if spec.scores_rows else []) + ([TRAINED_PROMPT_COLUMN] if spec.trains_own_prompt else [])
+    trained_prompt = [TRAINED_PROMPT_COLUMN] if spec.trains_own_prompt else []
+    return ([LOSS_MASK_COLUMN] if spec.scores_rows else []) + trained_prompt
 
 
 def agent_options(config: Config, model_path, tokenizer) -> dict | None:
