@@ -90,6 +90,9 @@ class RewardConfig(Section):
     the limit."""
     max_error_steps: int | None = Field(3, ge=0)
     """Stop the run after this many failing steps in a row (see `max_error_fraction`); 0 or null disables."""
+    columns: dict[str, float] = Field(default_factory=dict)
+    """Per-row columns written by `stages`, added to the reward with these weights before advantages
+    (e.g. `{brevity: 0.1}`)."""
 
 
 class RolloutConfig(Section):
@@ -455,6 +458,22 @@ class ObserveConfig(Section):
         }
 
 
+class StageConfig(Section):
+    """A user stage over the TransferQueue (`asyncflow.workers.stage`): it reads `inputs` of each row as soon as
+    they are ready and writes `outputs` back, from a thread of the driver, in every workflow and runtime."""
+
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Its consumer name on the queue (and on the timeline); not a built-in task (rollout, reward, train)."""
+    fn: str
+    """`package.module:function`, called with a `StageBatch`, returning `{output: [one float per row]}`."""
+    inputs: list[str] = Field(default_factory=lambda: ["prompt_ids", "response_ids"], min_length=1)
+    """Columns it reads (`prompt_ids`, `response_ids`, `rollout_logprobs`, `reward`, another stage's outputs)."""
+    outputs: list[str] = Field(min_length=1)
+    """Per-row scalar columns it writes."""
+    batch_size: int = Field(16, ge=1)
+    """Rows per call."""
+
+
 class AgentConfig(Section):
     fn: str | None = None
     """An agent written against the `openai` client, as `package.module:function`, called `fn(client, row)` once
@@ -492,11 +511,20 @@ class Config(Section):
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     observe: ObserveConfig = Field(default_factory=ObserveConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
+    stages: list[StageConfig] = Field(default_factory=list)
+    """User stages (`asyncflow.workers.stage`), run between rollout and training."""
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> "Config":
         if self.data.task is None and self.data.path is None:
             raise ValueError("data.task is null and data.path is not set: give a built-in task or a data file")
+        names = [s.name for s in self.stages]
+        if len(set(names)) != len(names) or set(names) & {"rollout", "reward", "train"}:
+            raise ValueError(f"stages: names must be distinct and not rollout, reward or train: {names}")
+        written = {c for s in self.stages for c in s.outputs}
+        for column in self.reward.columns:
+            if column not in written:
+                raise ValueError(f"reward.columns: {column!r} is written by no stage (stages write {sorted(written)})")
         if self.reward.weights is not None and len(self.reward.weights) != len(self.reward.fns):
             raise ValueError(
                 f"reward.weights has {len(self.reward.weights)} entries but reward.fns has {len(self.reward.fns)}"

@@ -21,7 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -136,11 +136,13 @@ class PolicyLoss:
 
 class PolicyTrainer:
     def __init__(self, engine: TrainEngine, algo: AlgoConfig, *, micro_batch_size: int, temperature: float,
-                 row_columns: Sequence[str] = ()):
+                 row_columns: Sequence[str] = (), reward_columns: Mapping[str, float] | None = None):
         """`row_columns`: the optional per-row columns the rows carry (`LOSS_MASK_COLUMN`: only its 1s are
-        trained; `TRAINED_PROMPT_COLUMN`: the prompt trained in place of `prompt_ids`)."""
+        trained; `TRAINED_PROMPT_COLUMN`: the prompt trained in place of `prompt_ids`); `reward_columns`: scalar
+        columns (written by user stages) added to the reward with these weights."""
         self.engine = engine
-        self.columns = TRAIN_COLUMNS + list(row_columns)
+        self.reward_columns = dict(reward_columns or {})
+        self.columns = TRAIN_COLUMNS + list(row_columns) + list(self.reward_columns)
         self.algo = algo
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature if temperature > 0 else 1.0
@@ -181,6 +183,9 @@ class PolicyTrainer:
             if batch is None:
                 break
             rows = rollouts_from_batch(batch)
+            for column, weight in self.reward_columns.items():
+                for r, value in zip(rows, batch.data[column].tolist()):
+                    r.reward += weight * value
             for r in rows:
                 versions = r.versions()
                 staleness.append(policy_version - r.weight_version)

@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -57,6 +57,7 @@ from asyncflow.weights import make_weight_sync
 from asyncflow.workers.loops import BackgroundThread, partition_name, restore_sampler, reward_loop
 from asyncflow.workers.reward import RewardWorker
 from asyncflow.workers.rollout import Rollout
+from asyncflow.workers.stage import StageWorker, stage_loop
 from asyncflow.workers.trainer import TRAIN_COLUMNS, PolicyTrainer
 from asyncflow.workflow.ahead import decode_tensor, encode_tensor, read_rows, replay_rows
 
@@ -129,11 +130,12 @@ class StepResult:
 
 class PipelineWorkflow:
     """`sync`, `stream` and `async` over one queue; see the module docstring. `policy_weights()` gives the
-    trained policy's current weights (to publish); `scores_rows`: the rollout worker writes rewards itself."""
+    trained policy's current weights (to publish); `scores_rows`: the rollout worker writes rewards itself;
+    `stages`: user stages, each a task of the queue run after rollout (sync) or beside it (stream / async)."""
 
     def __init__(self, config: Config, *, runtime: Runtime, trainer: PolicyTrainer, prompts: PromptSource,
                  policy_weights: Callable[[], Mapping[str, torch.Tensor]], rewards: RewardWorker, timeline: Timeline,
-                 scores_rows: bool):
+                 scores_rows: bool, stages: Sequence[StageWorker] = ()):
         self.config = config
         self.mode = config.workflow.mode
         self.k = config.workflow.max_staleness if self.mode == "async" else 0
@@ -145,13 +147,19 @@ class PipelineWorkflow:
         # (multi-turn, agent; every replica on Ray outside `sync`) leaves no separate reward task to wait for.
         self.scored_in_rollout = scores_rows or (self.mode != "sync" and runtime.scores_in_rollout)
         self.tasks = ["rollout", "train"] if self.scored_in_rollout else ["rollout", "reward", "train"]
-        self.queue = runtime.make_queue(tasks=self.tasks)
+        self.stages = list(stages)
+        self.queue = runtime.make_queue(tasks=self.tasks + [stage.name for stage in self.stages])
+        stage_outputs = {c for stage in self.stages for c in stage.outputs}
+        # the per-token columns a checkpoint keeps of rows generated ahead (stages compute theirs again)
+        self.row_columns = [c for c in trainer.columns if c not in TRAIN_COLUMNS and c not in stage_outputs] \
+            if trainer is not None else []
         self.publisher = None
         if self.mode != "sync":
             self.publisher = make_weight_sync(runtime.weight_sync, **runtime.weight_sync_options)
         self.sampler = GroupSampler()
         self.started = False
         self.reward_thread: BackgroundThread | None = None
+        self.stage_threads: list[BackgroundThread] = []
         self.cursors: dict[int, dict] = {}  # partition step -> the prompt source's cursor before it was fed
 
     def _feed(self, step: int) -> None:
@@ -189,6 +197,11 @@ class PipelineWorkflow:
                 "reward", reward_loop, self.rewards, self.queue, steps, batch_size=cfg.rollout.group_size,
                 timeout=self.timeout, timeline=self.timeline,
             )
+        self.stage_threads = [
+            BackgroundThread(stage.name, stage_loop, stage, self.queue, steps, timeout=self.timeout,
+                             timeline=self.timeline)
+            for stage in self.stages
+        ]
         self.started = True
 
     def step(self, step: int, version: int) -> StepResult:
@@ -214,6 +227,8 @@ class PipelineWorkflow:
         if not self.scored_in_rollout:
             self.rewards.run_partition(self.queue, partition, batch_size=cfg.rollout.max_batch_size,
                                        timeout=self.timeout)
+        for stage in self.stages:
+            stage.run_partition(self.queue, partition, timeout=self.timeout, timeline=self.timeline)
         t2 = time.time()
         rollouts, stats = self._train(step, version, partition, groups_per_batch=cfg.rollout.prompts_per_step)
         t3 = time.time()
@@ -264,8 +279,9 @@ class PipelineWorkflow:
         """Raise the failure of a rollout replica or the reward thread (the trainer would wait for their rows)."""
         if self.started:
             self.runtime.check()
-            if self.reward_thread is not None:
-                self.reward_thread.check()
+            for thread in [self.reward_thread, *self.stage_threads]:
+                if thread is not None:
+                    thread.check()
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_state(self, step: int) -> dict:
@@ -291,11 +307,10 @@ class PipelineWorkflow:
                 time.sleep(WAIT_POLL_S)
         ahead = []
         rows_per_partition = self.config.rollout.prompts_per_step * self.config.rollout.group_size
-        extra_columns = [c for c in self.trainer.columns if c not in TRAIN_COLUMNS]
         for s in range(step, fed + 1):
             if not self._finished(s):
                 break
-            rows = read_rows(self.queue, partition_name(s), rows_per_partition, self.timeout, columns=extra_columns)
+            rows = read_rows(self.queue, partition_name(s), rows_per_partition, self.timeout, columns=self.row_columns)
             ahead.append({"step": s, **rows})
         state["rollouts_ahead"] = ahead
         state["samplers"] = self._encoded(self.runtime.sampler_states(step - 1 + len(ahead), self.timeout))
@@ -316,8 +331,9 @@ class PipelineWorkflow:
         """After the last step: wait for the rollout and reward loops to end (re-raising their failure)."""
         if self.started:
             self.runtime.join(self.timeout)
-            if self.reward_thread is not None:
-                self.reward_thread.join(self.timeout)
+            for thread in [self.reward_thread, *self.stage_threads]:
+                if thread is not None:
+                    thread.join(self.timeout)
 
     def close(self) -> None:
         """Release the weight channel (idempotent; the runtime is closed by its owner)."""

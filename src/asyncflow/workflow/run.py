@@ -63,6 +63,7 @@ from asyncflow.workflow.setup import (
     row_columns,
     sampling_params,
     seed_everything,
+    stage_workers,
     train_engine_options,
 )
 
@@ -113,6 +114,7 @@ class RLRun:
         self.trainer = PolicyTrainer(
             self.train_engine, config.algo, micro_batch_size=config.train.micro_batch_size,
             temperature=config.rollout.temperature, row_columns=row_columns(self.spec),
+            reward_columns=config.reward.columns,
         )
         train_set, self.test_set = (checked.train_set, checked.test_set) if checked else datasets(config)
         self.prompts = prompt_source(config, self.tokenizer, train_set)
@@ -132,7 +134,7 @@ class RLRun:
             self.workflow = PipelineWorkflow(
                 config, runtime=self.runtime, trainer=self.trainer, prompts=self.prompts,
                 policy_weights=self.train_engine.state_dict, rewards=self.rewards, timeline=self.timeline,
-                scores_rows=self.spec.scores_rows,
+                scores_rows=self.spec.scores_rows, stages=stage_workers(config),
             )
         except BaseException:
             self.workflow = None

@@ -29,10 +29,12 @@ from asyncflow.envs.base import resolve_environment
 from asyncflow.envs.tools import SandboxLimits
 from asyncflow.models.loading import load_tokenizer, prompt_lengths, render_prompt, resolve_model_path
 from asyncflow.rewards import RewardRunner, check_reward_specs
+from asyncflow.specs import import_callable
 from asyncflow.runtime.base import RolloutSpec
 from asyncflow.workers.multiturn import MultiTurnSpec
 from asyncflow.workers.reward import RewardWorker
 from asyncflow.workers.rollout import LOSS_MASK_COLUMN, TRAINED_PROMPT_COLUMN
+from asyncflow.workers.stage import StageWorker
 
 if TYPE_CHECKING:
     from asyncflow.engines.peft_lora import LoRASettings
@@ -99,6 +101,15 @@ def agent_options(config: Config, model_path, tokenizer) -> dict | None:
         concurrency=a.concurrency or config.rollout.max_batch_size, episode_timeout_s=a.episode_timeout_s,
         chat_template=Path(a.chat_template).read_text() if a.chat_template else None,
     )
+
+
+def stage_workers(config: Config) -> list[StageWorker]:
+    """The user stages of `stages`, their functions imported (an error names the stage's `fn`)."""
+    return [
+        StageWorker(s.name, import_callable(s.fn, label=f"stages[{i}].fn", error=ValueError), list(s.inputs),
+                    list(s.outputs), s.batch_size)
+        for i, s in enumerate(config.stages)
+    ]
 
 
 def lora_settings(config: Config) -> LoRASettings | None:
@@ -205,6 +216,7 @@ def preflight(config: Config, *, training: bool = True) -> Preflight:
     """Every check that needs only the config, in the order a user would fix them. `training=False`
     (`asyncflow eval`) checks the held-out prompts only. Raises ValueError subclasses naming the input."""
     check_reward_spec(config)
+    stage_workers(config)  # every stage's function imports
     if config.env.name is not None:
         resolve_environment(config.env.name)  # raises EnvironmentSpecError naming env.name
     train_set, test_set = check_data(config)
