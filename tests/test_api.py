@@ -61,3 +61,29 @@ def test_a_run_from_python_equals_the_same_run_from_the_cli(tmp_path, one_torch_
     assert evaluated["eval/accuracy"] == seen[-1]["eval/accuracy"], "evaluating the checkpoint gives the run's figure"
     again = asyncflow.train(asyncflow.build_config({}, run_args(tmp_path / "py")), resume=True)
     assert again.finished_before and again.history == []
+
+
+def test_a_loop_of_ones_own_in_the_verbs_equals_sync(tmp_path, one_torch_thread):
+    """Put prompts, generate, get experience, train a step, publish: the seed's verbs, driven by hand, give
+    the built-in `sync` run's metrics bit for bit on the same seed."""
+    args = [a for a in run_args(tmp_path / "builtin") if not a.startswith("eval.every")] + ["eval.every=0"]
+    builtin = asyncflow.RLRun(asyncflow.build_config({}, args)).train()
+    run = asyncflow.RLRun(asyncflow.build_config({}, [*args, f"run.output_dir={tmp_path / 'own'}"]))
+    flow, trainer = run.workflow, run.trainer
+    own = []
+    try:
+        flow.start(step=0, version=0)
+        for step in range(3):
+            flow.put_prompts(step)
+            flow.generate(step)
+            rewards = []
+            for rows in flow.experience(step, version=step):
+                rewards += [r.reward for r in rows]
+                trainer.accumulate(rows, policy_version=step)
+            own.append({"reward/mean": sum(rewards) / len(rewards), **trainer.finish_step()})
+            flow.publish(step + 1)
+    finally:
+        run.close()
+    for mine, theirs in zip(own, builtin[1:], strict=True):
+        for key in ("reward/mean", "loss", "grad_norm", "entropy"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-12, abs=0), key

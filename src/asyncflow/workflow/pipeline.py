@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -162,10 +162,58 @@ class PipelineWorkflow:
         self.stage_threads: list[BackgroundThread] = []
         self.cursors: dict[int, dict] = {}  # partition step -> the prompt source's cursor before it was fed
 
-    def _feed(self, step: int) -> None:
+    # ------------------------------------------------------------------ the verbs every workflow is written in
+    def put_prompts(self, step: int) -> None:
+        """Partition `step_{step}` holding the step's prompts from the prompt source, one row per sample."""
         self.cursors[step] = self.prompts.cursor()
         feed_prompts(self.queue, step, self.prompts.next_prompts(self.config.rollout.prompts_per_step),
                      self.config.rollout.group_size)
+
+    def generate(self, step: int) -> dict[str, float]:
+        """`sync`: the rollout worker of this process generates partition `step`, then the reward worker and the
+        user stages score it, each over the whole partition; returns the seconds each took."""
+        cfg = self.config
+        partition = partition_name(step)
+        t0 = time.time()
+        self.runtime.local_rollout.run_partition(self.queue, partition, batch_size=cfg.rollout.max_batch_size,
+                                                 timeout=self.timeout)
+        t1 = time.time()
+        if not self.scored_in_rollout:
+            self.rewards.run_partition(self.queue, partition, batch_size=cfg.rollout.max_batch_size,
+                                       timeout=self.timeout)
+        for stage in self.stages:
+            stage.run_partition(self.queue, partition, timeout=self.timeout, timeline=self.timeline)
+        t2 = time.time()
+        self.timeline.add_span("rollout", "generate", t0, t1, step=step)
+        self.timeline.add_span("reward", "score", t1, t2, step=step)
+        return {"time/generate_s": t1 - t0, "time/reward_s": t2 - t1}
+
+    def experience(self, step: int, version: int, *, stats: dict | None = None) -> Iterator[list[Rollout]]:
+        """Complete groups of partition `step` as they are ready, with advantages, for the policy at `version`
+        (`sync`: the whole partition at once; otherwise micro-batch by micro-batch): feed them to
+        `PolicyTrainer.accumulate`, then `finish_step`."""
+        return self.trainer.experience(self.queue, partition_name(step), **self._experience_options(version),
+                                       stats=stats)
+
+    def _experience_options(self, version: int) -> dict:
+        cfg = self.config
+        groups = cfg.rollout.prompts_per_step if self.mode == "sync" else \
+            max(1, cfg.train.micro_batch_size // cfg.rollout.group_size)
+        return dict(
+            policy_version=version, max_staleness=self.k, group_size=cfg.rollout.group_size, groups_per_batch=groups,
+            max_new_tokens=cfg.rollout.max_new_tokens, timeout=self.timeout, sampler=self.sampler,
+            timeline=self.timeline, cores=self.runtime.trainer_cores, alive=self._workers_alive,
+        )
+
+    def publish(self, version: int) -> None:
+        """The trained policy's weights as `version`: into the local rollout engine (`sync`), or to the replicas
+        through the weight channel, which swap them in between partitions."""
+        t0 = time.time()
+        if self.mode == "sync":
+            self.runtime.local_rollout.engine.update_weights(self.policy_weights(), version)
+        else:
+            self.publisher.publish(self.policy_weights(), version)
+        self.timeline.add_span("trainer", "publish_weights", t0, time.time(), version=version)
 
     def start(self, step: int, version: int, resume: dict | None = None) -> None:
         """Before step `step` (policy `version`): `resume` is the workflow's part of the checkpoint resumed from.
@@ -182,7 +230,7 @@ class PipelineWorkflow:
         cfg = self.config
         steps = range(step, cfg.train.steps)
         for s in range(step, min(step + self.k + 1, cfg.train.steps)):
-            self._feed(s)
+            self.put_prompts(s)
         for rows in resume.get("rollouts_ahead", []):
             s = rows["step"]
             if s in self.cursors and all(s - v <= self.k for v in rows["weight_version"]):
@@ -215,62 +263,29 @@ class PipelineWorkflow:
         stats["logprob_gap"] = stats.get("logprob_gap", 0.0)
         return StepResult(version + 1, stats)
 
-    # ------------------------------------------------------------------ sync
     def _sync_step(self, step: int, version: int) -> tuple[list[Rollout], dict]:
-        cfg = self.config
-        partition = partition_name(step)
-        rollout = self.runtime.local_rollout
-        self._feed(step)
+        self.put_prompts(step)
+        times = self.generate(step)
         t0 = time.time()
-        rollout.run_partition(self.queue, partition, batch_size=cfg.rollout.max_batch_size, timeout=self.timeout)
-        t1 = time.time()
-        if not self.scored_in_rollout:
-            self.rewards.run_partition(self.queue, partition, batch_size=cfg.rollout.max_batch_size,
-                                       timeout=self.timeout)
-        for stage in self.stages:
-            stage.run_partition(self.queue, partition, timeout=self.timeout, timeline=self.timeline)
-        t2 = time.time()
-        rollouts, stats = self._train(step, version, partition, groups_per_batch=cfg.rollout.prompts_per_step)
-        t3 = time.time()
-        self.timeline.add_span("rollout", "generate", t0, t1, step=step)
-        self.timeline.add_span("reward", "score", t1, t2, step=step)
-        rollout.engine.update_weights(self.policy_weights(), version + 1)
-        return rollouts, {**stats, "time/generate_s": t1 - t0, "time/reward_s": t2 - t1, "time/train_s": t3 - t2}
+        rollouts, stats = self._train(step, version)
+        self.publish(version + 1)
+        return rollouts, {**stats, **times, "time/train_s": time.time() - t0}
 
-    # ------------------------------------------------------------------ stream / async
     def _overlapped_step(self, step: int, version: int) -> tuple[list[Rollout], dict]:
-        cfg = self.config
         t0 = time.time()
-        rollouts, stats = self._train(
-            step, version, partition_name(step),
-            groups_per_batch=max(1, cfg.train.micro_batch_size // cfg.rollout.group_size),
-        )
+        rollouts, stats = self._train(step, version)
         t1 = time.time()
-        next_feed = step + self.k + 1
-        if next_feed < cfg.train.steps:
-            self._feed(next_feed)
-        self.publisher.publish(self.policy_weights(), version + 1)
-        self.timeline.add_span("trainer", "publish_weights", t1, time.time(), version=version + 1)
+        if step + self.k + 1 < self.config.train.steps:
+            self.put_prompts(step + self.k + 1)
+        self.publish(version + 1)
         self._workers_alive()
         stats.update(self.runtime.reward_failures())
         return rollouts, {**stats, "time/train_s": t1 - t0}
 
-    def _train(self, step: int, version: int, partition: str, groups_per_batch: int):
-        cfg = self.config
-        rollouts, stats = self.trainer.train_partition(
-            self.queue,
-            partition,
-            policy_version=version,
-            max_staleness=self.k,
-            group_size=cfg.rollout.group_size,
-            groups_per_batch=groups_per_batch,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            timeout=self.timeout,
-            sampler=self.sampler,
-            timeline=self.timeline,
-            cores=self.runtime.trainer_cores,
-            alive=self._workers_alive,
-        )
+    def _train(self, step: int, version: int) -> tuple[list[Rollout], dict]:
+        """One optimizer step on partition `step`, micro-batch by micro-batch as its groups complete."""
+        rollouts, stats = self.trainer.train_partition(self.queue, partition_name(step),
+                                                       **self._experience_options(version))
         with self.timeline.span("trainer", "optimizer_step", step=step):
             stats.update(self.trainer.finish_step())
         return rollouts, stats
