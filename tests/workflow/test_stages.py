@@ -47,7 +47,8 @@ def test_stage_writes_its_columns_by_row():
     assert worker.run_partition(queue, "step_0", timeout=10) == 4
     [batch] = list(queue.loader("step_0", "train", ["response_ids", "length", "has_answer"], 4, timeout=10))
     lengths = [len(ids) for ids in batch.rows("response_ids")]
-    assert batch.data["length"].tolist() == [float(n) for n in lengths] and batch.data["has_answer"].tolist() == [1.0] * 4
+    assert batch.data["length"].tolist() == [float(n) for n in lengths]
+    assert batch.data["has_answer"].tolist() == [1.0] * 4
 
 
 @pytest.mark.parametrize(("fn", "message"), [

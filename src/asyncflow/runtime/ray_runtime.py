@@ -351,6 +351,8 @@ class RayRanks:
     """The ranks of `asyncflow.engines.fsdp2_train` as Ray actors (a `RankGroup`), each with `num_cpus` CPUs and
     `num_gpus` GPUs. A rank that dies, raises or does not answer in time ends the call with `RankFailedError`."""
 
+    shares_memory = False  # results come through Ray's object store
+
     def __init__(self, world: int, spec, timeout: float, *, num_cpus: float, num_gpus: float, local: bool):
         actor_cls = ray.remote(TrainRankActor).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)
         self.actors = [actor_cls.remote() for _ in range(world)]
