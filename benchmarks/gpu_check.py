@@ -39,6 +39,7 @@ from asyncflow.engines.torch_inference import TorchInferenceEngine
 from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.models.loading import load_model, resolve_model_path
 from asyncflow.models.logprobs import TrainSample
+from asyncflow.runtime.inline import ProcessRanks
 from asyncflow.workers.trainer import PolicyLoss
 from asyncflow.workflow.compare import train_run
 
@@ -80,7 +81,7 @@ def trainers(path, args, names=TRAINERS):
             yield name, TorchTrainEngine(load_model(path, device=args.device), lr=1e-5, precision=name.split()[1])
         else:
             yield name, FSDP2TrainEngine(load_model(path, device=args.device), model_path=path, world_size=1,
-                                         lr=1e-5, precision="bf16", timeout_s=300)
+                                         lr=1e-5, precision="bf16", timeout_s=300, launcher=ProcessRanks)
 
 
 def agreement(path, args) -> None:

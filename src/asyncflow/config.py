@@ -58,8 +58,8 @@ class DataConfig(Section):
     """Field of a data row holding the prompt text."""
     answer_field: str = "answer"
     """Field of a data row holding the ground truth passed to the reward."""
-    test_size: int = Field(256, ge=1)
-    """Number of held-out examples used for evaluation."""
+    test_size: int = Field(256, ge=0)
+    """Number of held-out examples used for evaluation (0 = no evaluation, and no engine built for it)."""
     max_prompt_tokens: int = Field(256, ge=1)
     """Longest prompt accepted, in tokens."""
     on_long_prompt: Literal["skip", "error"] = "skip"
@@ -90,11 +90,23 @@ class RewardConfig(Section):
     the limit."""
     max_error_steps: int | None = Field(3, ge=0)
     """Stop the run after this many failing steps in a row (see `max_error_fraction`); 0 or null disables."""
+    columns: dict[str, float] = Field(default_factory=dict)
+    """Per-row columns written by `stages`, added to the reward with these weights before advantages
+    (e.g. `{brevity: 0.1}`)."""
 
 
 class RolloutConfig(Section):
     engine: str = "torch"
     """Inference engine from the registry (or `package.module:factory`)."""
+    gpu_memory_fraction: float = Field(0.4, gt=0, le=1)
+    """`vllm` on a GPU: the share of the device's memory each engine may take (weights, activations, KV cache;
+    vLLM's `gpu_memory_utilization`). The default leaves room for a trainer on the same GPU; raise it when the
+    rollout engine has the GPU to itself."""
+    kv_cache_gb: float | None = Field(None, gt=0)
+    """`vllm`: KV cache size per engine in GiB (vLLM's `kv_cache_memory_bytes`); null = sized from
+    `gpu_memory_fraction` on a GPU, from the model and `max_batch_size` on a CPU."""
+    engine_options: dict[str, Any] = Field(default_factory=dict)
+    """Further keyword arguments of the engine's factory (for `vllm`: any `AsyncEngineArgs` field)."""
     prompts_per_step: int = Field(32, ge=1)
     """Prompts per training step (each sampled `group_size` times)."""
     group_size: int = Field(8, ge=1)
@@ -466,6 +478,22 @@ class ObserveConfig(Section):
         }
 
 
+class StageConfig(Section):
+    """A user stage over the TransferQueue (`asyncflow.workers.stage`): it reads `inputs` of each row as soon as
+    they are ready and writes `outputs` back, from a thread of the driver, in every workflow and runtime."""
+
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Its consumer name on the queue (and on the timeline); not a built-in task (rollout, reward, train)."""
+    fn: str
+    """`package.module:function`, called with a `StageBatch`, returning `{output: [one float per row]}`."""
+    inputs: list[str] = Field(default_factory=lambda: ["prompt_ids", "response_ids"], min_length=1)
+    """Columns it reads (`prompt_ids`, `response_ids`, `rollout_logprobs`, `reward`, another stage's outputs)."""
+    outputs: list[str] = Field(min_length=1)
+    """Per-row scalar columns it writes."""
+    batch_size: int = Field(16, ge=1)
+    """Rows per call."""
+
+
 class AgentConfig(Section):
     fn: str | None = None
     """An agent written against the `openai` client, as `package.module:function`, called `fn(client, row)` once
@@ -484,6 +512,9 @@ class AgentConfig(Section):
 
 
 class Config(Section):
+    """A run's whole configuration, one section per part (`run`, `model`, `data`, `rollout`, `algo`, `train` ...);
+    built from YAML and dotted overrides by `load_config` / `build_config`, every field documented."""
+
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -500,11 +531,20 @@ class Config(Section):
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     observe: ObserveConfig = Field(default_factory=ObserveConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
+    stages: list[StageConfig] = Field(default_factory=list)
+    """User stages (`asyncflow.workers.stage`), run between rollout and training."""
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> "Config":
         if self.data.task is None and self.data.path is None:
             raise ValueError("data.task is null and data.path is not set: give a built-in task or a data file")
+        names = [s.name for s in self.stages]
+        if len(set(names)) != len(names) or set(names) & {"rollout", "reward", "train"}:
+            raise ValueError(f"stages: names must be distinct and not rollout, reward or train: {names}")
+        written = {c for s in self.stages for c in s.outputs}
+        for column in self.reward.columns:
+            if column not in written:
+                raise ValueError(f"reward.columns: {column!r} is written by no stage (stages write {sorted(written)})")
         if self.reward.weights is not None and len(self.reward.weights) != len(self.reward.fns):
             raise ValueError(
                 f"reward.weights has {len(self.reward.weights)} entries but reward.fns has {len(self.reward.fns)}"
@@ -579,6 +619,8 @@ def _format_errors(err: ValidationError) -> str:
 
 
 def build_config(data: dict, overrides: list[str] | None = None) -> Config:
+    """A validated `Config` from a nested dict (YAML's shape) and dotted overrides (`"train.lr=3e-4"`); a bad
+    key or value raises `ConfigError` naming it."""
     try:
         return Config.model_validate(_merge(data, parse_overrides(overrides or [])))
     except ValidationError as err:

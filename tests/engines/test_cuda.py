@@ -77,13 +77,15 @@ def test_fsdp2_one_rank_on_cuda_in_bf16_matches_the_single_process_engine(tiny_l
 
     from asyncflow.engines.fsdp2_train import FSDP2TrainEngine
     from asyncflow.engines.torch_train import TorchTrainEngine
+    from asyncflow.runtime.inline import ProcessRanks
 
     samples = groups(2, 4)
     reference = TorchTrainEngine(load_model(tiny_llama_path, device="cuda"), lr=1e-3, precision="bf16")
     reference.backward_micro_batch(samples, policy_loss(samples, seed=0))
     want = {n: p.grad.cpu() for n, p in reference.model.named_parameters() if p.grad is not None}
     engine = FSDP2TrainEngine(load_model(tiny_llama_path, device="cuda"), model_path=tiny_llama_path, world_size=1,
-                              lr=1e-3, precision="bf16", activation_checkpointing=True, timeout_s=120)
+                              lr=1e-3, precision="bf16", activation_checkpointing=True, timeout_s=120,
+                              launcher=ProcessRanks)
     try:
         engine.backward_micro_batch(samples, policy_loss(samples, seed=0))
         assert relative_difference(engine.gradients(), want) < 5e-2

@@ -19,7 +19,7 @@ from asyncflow.engines.fsdp2_train import FSDP2TrainEngine
 from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.models.loading import load_model
 from asyncflow.models.logprobs import response_logprobs
-from asyncflow.workflow.pipeline import make_workflow
+from asyncflow.runtime.inline import ProcessRanks
 from asyncflow.workflow.run import RLRun
 from engines.test_fsdp2_train import groups, policy_loss, relative_difference
 
@@ -82,7 +82,7 @@ def test_fsdp2_bf16_with_checkpointing_matches_one_fp32_process(tiny_llama_path,
     loss32, grads32, _ = torch_step(tiny_llama_path, samples)
     for precision, tolerance in (("bf16", BF16_GRAD_RTOL), ("fp32", 1e-6)):
         engine = FSDP2TrainEngine(load_model(tiny_llama_path), model_path=tiny_llama_path, world_size=2, lr=1e-3,
-                                  precision=precision, activation_checkpointing=True)
+                                  precision=precision, activation_checkpointing=True, launcher=ProcessRanks)
         try:
             stats = engine.backward_micro_batch(samples, policy_loss(samples, seed=0))
             grads = engine.gradients()
@@ -119,12 +119,13 @@ def test_a_bf16_run_rolls_out_in_bf16_and_trains_fp32_weights(tmp_path, one_torc
         "train.precision=bf16", "train.activation_checkpointing=true", "export.at_end=false",
     ])  # fmt: skip
     run = RLRun(config)
-    assert run.inference_engine.model.dtype == torch.bfloat16
+    rollout_engine = run.runtime.local_rollout.engine
+    assert rollout_engine.model.dtype == torch.bfloat16
     assert run.train_engine.model.dtype == torch.float32
-    rows = [row for row in run.train(make_workflow(config, run)) if "loss" in row]
+    rows = [row for row in run.train() if "loss" in row]
     assert [row["step"] for row in rows] == [1, 2] and all(math.isfinite(row["grad_norm"]) for row in rows)
     trained = run.train_engine.state_dict()
-    rolled = run.inference_engine.model.state_dict()
+    rolled = rollout_engine.model.state_dict()
     for name, weight in trained.items():  # the rollout engine holds the trained weights, rounded to bf16
         assert torch.equal(rolled[name], weight.to(torch.bfloat16)), name
 
@@ -132,7 +133,8 @@ def test_a_bf16_run_rolls_out_in_bf16_and_trains_fp32_weights(tmp_path, one_torc
 def test_fsdp2_logprobs_equal_the_single_process_ones(tiny_llama_path, one_torch_thread):
     samples = groups(4, 3)
     want = TorchTrainEngine(load_model(tiny_llama_path), lr=1e-3).logprobs(samples)
-    engine = FSDP2TrainEngine(load_model(tiny_llama_path), model_path=tiny_llama_path, world_size=2, lr=1e-3)
+    engine = FSDP2TrainEngine(load_model(tiny_llama_path), model_path=tiny_llama_path, world_size=2, lr=1e-3,
+                              launcher=ProcessRanks)
     try:
         got = engine.logprobs(samples)
     finally:

@@ -6,7 +6,6 @@ the same engine runs inside the rollout replica (checked by the runs recorded in
 import pytest
 
 from asyncflow.config import build_config
-from asyncflow.workflow.pipeline import make_workflow
 from asyncflow.workflow.run import RLRun
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]  # two engine starts, ~30 CPU-s each
@@ -26,14 +25,14 @@ def test_sync_inline(tmp_path):
     config = vllm_config(tmp_path, "train.steps=3", "workflow.mode=sync", "runtime.kind=inline")
     run = RLRun(config)
     try:
-        assert type(run.inference_engine).__name__ == "VLLMInferenceEngine"
-        history = run.train(make_workflow(config, run))
+        assert type(run.runtime.local_rollout.engine).__name__ == "VLLMInferenceEngine"
+        history = run.train()
         rows = [h for h in history if "staleness/max" in h]
         assert [h["staleness/max"] for h in rows] == [0.0, 0.0, 0.0]
         assert all(h["rollout/samples"] == 16 for h in rows)
-        assert run.inference_engine.weight_version == run.version == 3  # each new version reached vLLM
+        assert run.runtime.local_rollout.engine.weight_version == run.version == 3  # each new version reached vLLM
     finally:
-        run.inference_engine.shutdown()
+        run.runtime.local_rollout.engine.close()
         if run.eval_engine is not None:
             run.eval_engine.shutdown()
 
@@ -44,10 +43,11 @@ def test_async_k1(tmp_path):
     )
     run = RLRun(config)
     try:
-        history = run.train(make_workflow(config, run))
-        assert run.inference_engine.weight_version >= 2  # swapped in by the rollout thread: partition 3 needs >= 2
+        history = run.train()
+        # swapped in by the rollout thread: partition 3 needs >= 2
+        assert run.runtime.local_rollout.engine.weight_version >= 2
     finally:
-        run.inference_engine.shutdown()
+        run.runtime.local_rollout.engine.close()
         if run.eval_engine is not None:
             run.eval_engine.shutdown()
     rows = [h for h in history if "staleness/max" in h]
@@ -66,10 +66,10 @@ def test_multiturn_sync(tmp_path):
     )
     run = RLRun(config)
     try:
-        assert type(run.inference_engine).__name__ == "VLLMInferenceEngine"
-        history = run.train(make_workflow(config, run))
+        assert type(run.runtime.local_rollout.engine).__name__ == "VLLMInferenceEngine"
+        history = run.train()
     finally:
-        run.inference_engine.shutdown()
+        run.runtime.local_rollout.engine.close()
         if run.eval_engine is not None:
             run.eval_engine.shutdown()
     steps = [h for h in history if "loss" in h]

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from asyncflow.engines.base import LossFn, register_train_engine
+from asyncflow.engines.base import LossFn, TrainEngineBase, register_train_engine
 from asyncflow.models.logprobs import TrainSample
 from asyncflow.models.packing import keep_shared_prompt_attention
 from asyncflow.models.tri_model import make_reference, tri_model_logprobs
@@ -103,7 +103,7 @@ def enable_activation_checkpointing(model: torch.nn.Module, packing: str) -> Non
 
 
 @register_train_engine("torch")
-class TorchTrainEngine:
+class TorchTrainEngine(TrainEngineBase):
     def __init__(
         self,
         model: torch.nn.Module,

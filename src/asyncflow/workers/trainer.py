@@ -24,7 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -41,7 +41,6 @@ from asyncflow.workers.rollout import Rollout, complete_groups, rollouts_from_ba
 
 TRAIN_COLUMNS = ["prompt_ids", "response_ids", "rollout_logprobs", "reward"]
 PER_SEQUENCE_STATS = ("mismatch/masked_sequences_fraction",)  # step metrics divided by sequences, not tokens
-LOSS_MASK_COLUMN = "loss_mask"  # written by multi-turn rollouts: 1 = model-sampled token (trained)
 
 
 class StalenessError(RuntimeError):
@@ -178,12 +177,16 @@ def token_budget_micro_batches(
 
 class PolicyTrainer:
     def __init__(self, engine: TrainEngine, algo: AlgoConfig, *, micro_batch_size: int, temperature: float,
-                 loss_mask: bool = False, max_tokens_per_micro_batch: int | None = None):
-        """`loss_mask`: rows carry a `loss_mask` column (multi-turn rollouts); only its 1s are trained.
-        `max_tokens_per_micro_batch`: micro-batches by a token budget (`token_budget_micro_batches`), with
-        `micro_batch_size` as the row cap; None = `micro_batch_size` rows each."""
+                 row_columns: Sequence[str] = (), reward_columns: Mapping[str, float] | None = None,
+                 max_tokens_per_micro_batch: int | None = None):
+        """`row_columns`: the optional per-row columns the rows carry (`LOSS_MASK_COLUMN`: only its 1s are
+        trained; `TRAINED_PROMPT_COLUMN`: the prompt trained in place of `prompt_ids`); `reward_columns`: scalar
+        columns (written by user stages) added to the reward with these weights. `max_tokens_per_micro_batch`:
+        micro-batches by a token budget (`token_budget_micro_batches`), with `micro_batch_size` as the row cap;
+        None = `micro_batch_size` rows each."""
         self.engine = engine
-        self.columns = TRAIN_COLUMNS + ([LOSS_MASK_COLUMN] if loss_mask else [])
+        self.reward_columns = dict(reward_columns or {})
+        self.columns = TRAIN_COLUMNS + list(row_columns) + list(self.reward_columns)
         self.algo = algo
         self.micro_batch_size = micro_batch_size
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
@@ -191,19 +194,37 @@ class PolicyTrainer:
         self.acc = StepAccumulator()
 
     def train_partition(
+        self, queue, partition: str, *, policy_version: int, timeline=None, **experience_options,
+    ) -> tuple[list[Rollout], dict[str, float]]:
+        """Consume complete groups of `partition` in completion order (`experience`), accumulating gradients;
+        the next micro-batch is read from the queue while this one trains. Returns the consumed rollouts and their
+        stats (call `finish_step` afterwards for the update). With a `timeline`, records `train_micro_batch` spans."""
+        rollouts: list[Rollout] = []
+        stats: dict[str, float] = {}
+        for rows in self.experience(queue, partition, policy_version=policy_version, timeline=timeline, stats=stats,
+                                    **experience_options):
+            t0 = time.time()
+            self.accumulate(rows, policy_version)
+            rollouts.extend(rows)
+            if timeline is not None:
+                timeline.add_span(
+                    "trainer", "train_micro_batch", t0, time.time(), rows=len(rows), threads=torch.get_num_threads()
+                )
+        return rollouts, stats
+
+    def experience(
         self, queue, partition: str, *, policy_version: int, max_staleness: int, group_size: int,
         groups_per_batch: int, max_new_tokens: int, timeout: float, sampler, timeline=None, cores=None, alive=None,
-    ) -> tuple[list[Rollout], dict[str, float]]:
-        """Consume complete groups of `partition` in completion order, accumulating gradients; the next
-        micro-batch is read from the queue while this one trains.
+        stats: dict[str, float] | None = None,
+    ) -> Iterator[list[Rollout]]:
+        """Batches of `groups_per_batch` complete groups of `partition`, in completion order, with advantages
+        assigned (rows filtered out have `advantages = None`): the trainer's side of the queue.
 
         Checks every row: `policy_version - row.weight_version <= max_staleness` (its oldest token) and no token
-        newer than the policy. Returns the consumed
-        rollouts and their stats (call `finish_step` afterwards for the update). With a `timeline`,
-        records `wait_rows` (blocked on the queue) and `train_micro_batch` spans; with `cores` (a
-        `CoreLending`) the trainer is idle while it waits for rows and busy otherwise. `alive` is called
-        while it waits and raises if the workers producing the rows have failed."""
-        rollouts: list[Rollout] = []
+        newer than the policy. When it ends, `stats` holds the staleness and filtering figures of the rows
+        read. With a `timeline`, records `wait_rows` (blocked on the queue); with `cores` (a `CoreLending`) the
+        trainer is idle while it waits for rows and busy otherwise. `alive` is called while it waits and raises
+        if the workers producing the rows have failed."""
         staleness: list[int] = []
         token_staleness: list[int] = []
         spanning = 0
@@ -219,12 +240,14 @@ class PolicyTrainer:
             batch = next(batches, None)
             if cores is not None:
                 cores.busy()
-            t1 = time.time()
             if timeline is not None:
-                timeline.add_span("trainer", "wait_rows", t0, t1, partition=partition)
+                timeline.add_span("trainer", "wait_rows", t0, time.time(), partition=partition)
             if batch is None:
                 break
             rows = rollouts_from_batch(batch)
+            for column, weight in self.reward_columns.items():
+                for r, value in zip(rows, batch.data[column].tolist()):
+                    r.reward += weight * value
             for r in rows:
                 versions = r.versions()
                 staleness.append(policy_version - r.weight_version)
@@ -238,20 +261,16 @@ class PolicyTrainer:
                     )
             groups = list(complete_groups(rows, group_size))
             dropped += assign_advantages(groups, self.algo, max_new_tokens)["filtered/dropped_samples"]
-            self.accumulate(rows, policy_version)
-            rollouts.extend(rows)
-            if timeline is not None:
-                timeline.add_span(
-                    "trainer", "train_micro_batch", t1, time.time(), rows=len(rows), threads=torch.get_num_threads()
-                )
-        return rollouts, {
-            "filtered/dropped_samples": dropped,
-            "staleness/mean": sum(staleness) / max(1, len(staleness)),
-            "staleness/max": float(max(staleness, default=0)),
-            "staleness/token_mean": sum(token_staleness) / max(1, len(token_staleness)),
-            "staleness/token_max": float(max(token_staleness, default=0)),
-            "staleness/rows_spanning_versions": spanning / max(1, len(staleness)),
-        }
+            yield rows
+        if stats is not None:
+            stats.update({
+                "filtered/dropped_samples": dropped,
+                "staleness/mean": sum(staleness) / max(1, len(staleness)),
+                "staleness/max": float(max(staleness, default=0)),
+                "staleness/token_mean": sum(token_staleness) / max(1, len(token_staleness)),
+                "staleness/token_max": float(max(token_staleness, default=0)),
+                "staleness/rows_spanning_versions": spanning / max(1, len(staleness)),
+            })  # fmt: skip
 
     def accumulate(self, rollouts: list[Rollout], policy_version: int | None = None) -> None:
         """Forward/backward the rollouts (those with advantages) in micro-batches, summing the loss.
