@@ -32,9 +32,7 @@ def test_sync_inline(tmp_path):
         assert all(h["rollout/samples"] == 16 for h in rows)
         assert run.runtime.local_rollout.engine.weight_version == run.version == 3  # each new version reached vLLM
     finally:
-        run.runtime.local_rollout.engine.close()
-        if run.eval_engine is not None:
-            run.eval_engine.shutdown()
+        run.close()  # idempotent: train() closes the engines too
 
 
 def test_async_k1(tmp_path):
@@ -47,9 +45,7 @@ def test_async_k1(tmp_path):
         # swapped in by the rollout thread: partition 3 needs >= 2
         assert run.runtime.local_rollout.engine.weight_version >= 2
     finally:
-        run.runtime.local_rollout.engine.close()
-        if run.eval_engine is not None:
-            run.eval_engine.shutdown()
+        run.close()  # idempotent: train() closes the engines too
     rows = [h for h in history if "staleness/max" in h]
     assert len(rows) == 4 and all(0 <= h["staleness/max"] <= 1 for h in rows)
     assert max(h["staleness/max"] for h in rows) == 1, "rollout never ran ahead of training"
@@ -69,9 +65,7 @@ def test_multiturn_sync(tmp_path):
         assert type(run.runtime.local_rollout.engine).__name__ == "VLLMInferenceEngine"
         history = run.train()
     finally:
-        run.runtime.local_rollout.engine.close()
-        if run.eval_engine is not None:
-            run.eval_engine.shutdown()
+        run.close()  # idempotent: train() closes the engines too
     steps = [h for h in history if "loss" in h]
     assert len(steps) == 2
     for h in steps:

@@ -108,24 +108,25 @@ class RLRun:
         self.tokenizer = load_tokenizer(model_path)
         policy = load_model(model_path, dtype=config.model.dtype, device=config.model.device)
         self.train_engine = make_train_engine(config.train.engine, **train_engine_options(config, policy, model_path))
-        self.rewards = RewardWorker(build_reward_runner(config), self.tokenizer)
-        self.reward_health = RewardHealth(config.reward.max_error_fraction, config.reward.max_error_steps)
-        self.spec = rollout_spec(config, model_path, self.tokenizer)
-        self.trainer = PolicyTrainer(
-            self.train_engine, config.algo, micro_batch_size=config.train.micro_batch_size,
-            temperature=config.rollout.temperature, row_columns=row_columns(self.spec),
-            reward_columns=config.reward.columns, max_tokens_per_micro_batch=config.train.max_tokens_per_micro_batch,
-        )
-        train_set, self.test_set = (checked.train_set, checked.test_set) if checked else datasets(config)
-        self.prompts = prompt_source(config, self.tokenizer, train_set)
-        self.eval_encoder = prompt_encoder(config, self.tokenizer)
-        self.eval_params = sampling_params(config, self.tokenizer, greedy=True)
-        self.eval_worker = None  # built at the first evaluation, unless the sync rollout worker is local and idle
+        self.runtime = self.workflow = self.eval_worker = None  # the evaluation engine: see `evaluate`
+        self.closed = False
         self.timeline = Timeline()
         self.state = RunState()
         self.start_wall = 0.0
-        self.runtime = None
         try:
+            self.rewards = RewardWorker(build_reward_runner(config), self.tokenizer)
+            self.reward_health = RewardHealth(config.reward.max_error_fraction, config.reward.max_error_steps)
+            self.spec = rollout_spec(config, model_path, self.tokenizer)
+            self.trainer = PolicyTrainer(
+                self.train_engine, config.algo, micro_batch_size=config.train.micro_batch_size,
+                temperature=config.rollout.temperature, row_columns=row_columns(self.spec),
+                reward_columns=config.reward.columns,
+                max_tokens_per_micro_batch=config.train.max_tokens_per_micro_batch,
+            )
+            train_set, self.test_set = (checked.train_set, checked.test_set) if checked else datasets(config)
+            self.prompts = prompt_source(config, self.tokenizer, train_set)
+            self.eval_encoder = prompt_encoder(config, self.tokenizer)
+            self.eval_params = sampling_params(config, self.tokenizer, greedy=True)
             sweep_dead_segments()  # shared-memory segments that killed runs left behind (`asyncflow.weights.segments`)
             self.runtime = make_runtime(config, self.spec, self.rewards)
             if config.rollout.on_weight_update == "resume" and self.runtime.local_rollout is not None:
@@ -137,7 +138,6 @@ class RLRun:
                 scores_rows=self.spec.scores_rows, stages=stage_workers(config),
             )
         except BaseException:
-            self.workflow = None
             self.close()
             raise
         self.folder.write_config(config)
@@ -275,7 +275,10 @@ class RLRun:
 
     def close(self) -> None:
         """Stop the runtime (replicas, their engines and servers), the weight channel, the evaluation engine and
-        the training engine (a multi-rank engine's ranks)."""
+        the training engine (a multi-rank engine's ranks). Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
         for part in (self.runtime, self.workflow, self.eval_worker, self.train_engine):
             if part is not None:
                 part.close()
