@@ -155,3 +155,15 @@ def test_eval_command_builds_no_trainer(tmp_path, one_torch_thread, monkeypatch,
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert 0.0 <= result["eval/accuracy"] <= 1.0
     assert built == [], f"eval built optimizers: {built}"
+
+
+def test_ray_is_an_extra_named_when_missing(tmp_path, monkeypatch):
+    from asyncflow.config import ConfigError
+    from asyncflow.runtime.factory import require_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if the extra were not installed
+    with pytest.raises(ConfigError, match=r"workflow.mode=async with runtime.kind=auto.*asyncflow-rl\[ray\]"):
+        require_ray(wiring_config(tmp_path, "workflow.mode=async"))
+    run = RLRun(wiring_config(tmp_path, "workflow.mode=sync", "train.steps=1", "eval.every=0", "data.test_size=0"))
+    run.train()
+    assert run.step == 1

@@ -136,9 +136,10 @@ def train_engine_options(config: Config, policy: torch.nn.Module, model_path) ->
     )
     if t.engine == "torch":
         return {**options, "lora": lora_settings(config)}
-    from asyncflow.runtime.factory import runtime_kind
+    from asyncflow.runtime.factory import require_ray, runtime_kind
 
     if runtime_kind(config) == "ray":
+        require_ray(config)
         from asyncflow.runtime.ray_runtime import ray_rank_launcher
 
         launcher = ray_rank_launcher(config)
