@@ -482,7 +482,10 @@ class _API:
         tokenizer = self.served.tokenizer
         stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         for stop in body.stop:  # a stop string that is one token stops the engine itself
-            ids = self._encode(stop)
+            try:
+                ids = self._encode(stop)
+            except APIError:  # not expressible in this vocabulary: matched in the text only
+                continue
             if len(ids) == 1 and tokenizer.decode(ids) == stop:
                 stop_ids.append(ids[0])
         if forced is not None:
