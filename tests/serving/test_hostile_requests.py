@@ -189,6 +189,14 @@ def test_a_stalled_body_gets_408(server):
     finally:
         sock.close()
     assert answer is not None and b" 408 " in answer.split(b"\r\n")[0], answer
+    sock = socket.create_connection(("127.0.0.1", thread.port))  # without the key: refused before any body is read
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
+    try:
+        sock.settimeout(BODY_TIMEOUT_S / 2)
+        first = sock.recv(65536)
+    finally:
+        sock.close()
+    assert b" 401 " in first.split(b"\r\n")[0], first
     assert_serving(http)
 
 

@@ -187,6 +187,9 @@ def make_app(served: ServedModel, *, api_key: str, recorder: EpisodeRecorder | N
     app = FastAPI(title="asyncflow OpenAI-compatible server", docs_url=None, redoc_url=None, openapi_url=None)
     expected = f"Bearer {api_key}".encode()
     api = _API(served, recorder, request_timeout_s, limits)
+    # Added first, so it runs inside `authorize` (middleware added later wraps it): no body of a client without
+    # the key is read.
+    app.add_middleware(BufferedBody, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
 
     @app.middleware("http")
     async def authorize(request: Request, call_next):
@@ -222,7 +225,6 @@ def make_app(served: ServedModel, *, api_key: str, recorder: EpisodeRecorder | N
         app.add_api_route(prefix + "/v1/models", api.models, methods=["GET"])
         app.add_api_route(prefix + "/v1/completions", api.completions, methods=["POST"])
         app.add_api_route(prefix + "/v1/chat/completions", api.chat, methods=["POST"])
-    app.add_middleware(BufferedBody, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
     return app
 
 
