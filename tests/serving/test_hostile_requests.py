@@ -264,3 +264,24 @@ def test_a_non_loopback_host_needs_a_key_and_warns(tmp_path, capsys, monkeypatch
                      "--api-key-file", str(key_file)]) != 0
     assert "cannot listen" in one_line(capsys)
     assert any("reachable from other machines" in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------- the engine's root cause
+@pytest.mark.parametrize("top_p", [1e-50, 5e-324, 1e-8])
+def test_sampling_keeps_the_most_likely_token_for_any_top_p(top_p):
+    import torch
+
+    from asyncflow.engines.torch_inference import sample_tokens
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    tokens, logprobs = sample_tokens(logits, SamplingParams(top_p=top_p), torch.Generator().manual_seed(1))
+    assert tokens.tolist() == logits.argmax(-1).tolist() and torch.isfinite(logprobs).all()
+
+
+def test_the_engine_refuses_an_underflowing_temperature():
+    from asyncflow.engines.torch_inference import check_sampling_params
+
+    with pytest.raises(ValueError, match="temperature"):
+        check_sampling_params(SamplingParams(temperature=1e-45))
+    check_sampling_params(SamplingParams(temperature=0.0))
+    check_sampling_params(SamplingParams(temperature=1e-6))

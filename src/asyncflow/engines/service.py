@@ -125,7 +125,7 @@ class EngineService:
                             on_tokens(list(completion.response_ids), list(completion.logprobs))
                         self._pending.pop(completion.request_id).set_result(completion)
                 except Exception as error:
-                    if not self.restart_on_error:
+                    if not self.restart_on_error or not self._pending:  # no request to blame: the engine is broken
                         raise
                     self._fail_in_flight(error)
                 self._apply_update()
