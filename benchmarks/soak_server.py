@@ -6,7 +6,7 @@ streamed then dropped after the first chunk, extreme but valid sampling settings
 hostile ones (NaN / underflowing settings, token ids outside the vocabulary, bodies / prompts / stop strings /
 prompts x n over the limits, deep JSON, garbage bytes, half-open and trickling connections, a stalled body).
 Meanwhile a probe asks `GET /health` every 50 ms: its slowest answer bounds how long any request held the event
-loop (and so every other client). Prints one JSON object: status counts per kind, 5xx among valid requests (must
+loop (and so every other client); the slowest three are listed with the kinds of request in flight then. Prints one JSON object: status counts per kind, 5xx among valid requests (must
 be 0), probe latency (max, p99), resident memory of the server process after warm-up and at the end.
 
     .venv/bin/python benchmarks/soak_server.py --requests 3000 --concurrency 16
@@ -129,14 +129,24 @@ async def soak(args, port: int, pid: int) -> dict:
         statuses: dict[str, Counter] = defaultdict(Counter)
         valid_5xx, errors = 0, Counter()
         probe_latencies: list[float] = []
+        slowest: list[tuple[float, list[str]]] = []  # the slowest probes and the kinds in flight when they began
+        in_flight: Counter = Counter()
+        rss_samples: list[int] = []
         done = asyncio.Event()
 
         async def probe():
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as own:
                 while not done.is_set():
+                    kinds = sorted(k for k, v in in_flight.items() if v)
                     started = time.perf_counter()
                     assert (await own.get("/health")).status_code == 200
-                    probe_latencies.append(time.perf_counter() - started)
+                    latency = time.perf_counter() - started
+                    probe_latencies.append(latency)
+                    slowest.append((round(latency, 3), kinds))
+                    slowest.sort(key=lambda item: -item[0])
+                    del slowest[3:]
+                    if len(probe_latencies) % 20 == 0:
+                        rss_samples.append(rss_kib(pid))
                     await asyncio.sleep(0.05)
 
         queue: asyncio.Queue = asyncio.Queue()
@@ -147,11 +157,14 @@ async def soak(args, port: int, pid: int) -> dict:
             nonlocal valid_5xx
             while not queue.empty():
                 kind, is_valid, make = queue.get_nowait()
+                in_flight[kind] += 1
                 try:
                     status = await make()
                 except (httpx.HTTPError, OSError) as err:  # e.g. the server closing a refused upload
                     status = f"{type(err).__name__}"
                     errors[kind] += 1
+                finally:
+                    in_flight[kind] -= 1
                 statuses[kind][status] += 1
                 if is_valid and (not isinstance(status, int) or status >= 500):
                     valid_5xx += 1
@@ -171,9 +184,12 @@ async def soak(args, port: int, pid: int) -> dict:
         "statuses": {kind: dict(counter) for kind, counter in sorted(statuses.items())},
         "probe_health_latency_s": {"max": round(probe_sorted[-1], 3),
                                    "p99": round(probe_sorted[int(0.99 * (len(probe_sorted) - 1))], 3),
-                                   "median": round(statistics.median(probe_sorted), 3), "samples": len(probe_sorted)},
+                                   "median": round(statistics.median(probe_sorted), 3), "samples": len(probe_sorted),
+                                   "slowest_with_kinds_in_flight": slowest},
         "rss_mib": {"after_warmup": round(rss_start / 1024, 1), "end": round(rss_kib(pid) / 1024, 1),
-                    "growth": round((rss_kib(pid) - rss_start) / 1024, 1)},
+                    "growth": round((rss_kib(pid) - rss_start) / 1024, 1),
+                    "by_quarter_of_the_run": [round(rss_samples[min(len(rss_samples) - 1, q * len(rss_samples) // 4)]
+                                                    / 1024, 1) for q in (1, 2, 3, 4)] if rss_samples else []},
         "health_at_end": health, "normal_request_at_end": final,
     }
 

@@ -26,34 +26,44 @@ def http(tiny_llama_path, one_torch_thread):
 
 junk = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),
-    st.floats(min_value=0, max_value=1e-30), st.text(max_size=40), st.lists(st.integers(-5, 40_000), max_size=6),
+    st.text(max_size=40), st.lists(st.integers(-5, 40_000), max_size=6),
     st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
 )
+extreme = st.sampled_from([0.0, 5e-324, 1e-300, 1e-45, 1e-8, 1e-6, float("nan"), float("inf"), -float("inf")])
+words = st.lists(st.sampled_from("the a one two three plus minus equals is 1 2 3 = +".split()), min_size=1,
+                 max_size=30).map(" ".join)
 token_ids = st.lists(st.one_of(st.integers(0, 300), st.integers(-(2**70), 2**70)), min_size=0, max_size=20)
-prompts = st.one_of(st.text(max_size=300), token_ids, st.lists(st.text(max_size=30), max_size=4),
-                    st.lists(token_ids, max_size=3), junk)
-stops = st.one_of(st.none(), st.text(max_size=200), st.lists(st.text(max_size=150), max_size=12), junk)
+stops = st.one_of(st.text(max_size=200), st.lists(st.one_of(words, st.text(max_size=150)), max_size=12))
 messages = st.lists(st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant", "tool", "bogus"])},
-    optional={"content": st.one_of(st.text(max_size=200), st.lists(st.fixed_dictionaries(
-        {"type": st.just("text"), "text": st.text(max_size=20)}), max_size=3), junk), "name": junk}), max_size=4)
-sampling = {
-    "model": st.one_of(st.just(NAME), junk),
-    "temperature": st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.floats(0, 2), junk),
-    "top_p": st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.floats(0, 1), st.just(1e-300), junk),
-    "top_k": st.one_of(st.integers(-5, 100), st.just(2**64), junk),
-    "n": st.one_of(st.integers(-1, 70), junk),
-    "stop": stops,
-    "stream": st.booleans(),
-    "logprobs": st.one_of(st.integers(-1, 3), st.booleans(), junk),
-    "seed": junk, "user": junk, "presence_penalty": junk, "stream_options": junk,
-    "unknown_field": junk,
+    optional={"content": st.one_of(words, st.text(max_size=200), st.lists(st.fixed_dictionaries(
+        {"type": st.just("text"), "text": words}), max_size=3), junk), "name": junk}), max_size=4)
+
+# A plausible request, then up to three of its fields replaced by hostile values (extreme floats, junk of any type),
+# so that most bodies get past the other checks and reach the one under attack.
+plausible = {"model": st.just(NAME), "max_tokens": st.integers(1, 4), "temperature": st.floats(0, 2),
+             "top_p": st.floats(0, 1), "top_k": st.integers(-1, 50), "n": st.integers(1, 4),
+             "stream": st.booleans()}
+hostile = {
+    "model": junk, "max_tokens": st.one_of(st.sampled_from([0, -1, 10**20, "4", 1.5]), junk),
+    "temperature": st.one_of(extreme, junk), "top_p": st.one_of(extreme, junk),
+    "top_k": st.one_of(st.sampled_from([2**64, -2, 10**6]), junk), "n": st.one_of(st.integers(-1, 70), junk),
+    "stop": st.one_of(stops, junk), "logprobs": st.one_of(st.integers(-1, 3), st.booleans(), junk),
+    "seed": junk, "user": junk, "presence_penalty": junk, "stream_options": junk, "unknown_field": junk,
 }
-max_tokens = st.one_of(st.integers(1, 4), st.sampled_from([0, -1, 10**20, "4", 1.5, [1]]))  # always bounded
-completion_bodies = st.fixed_dictionaries({"max_tokens": max_tokens},
-                                          optional={"prompt": prompts, "echo": junk, **sampling})
-chat_bodies = st.fixed_dictionaries({"max_tokens": max_tokens},
-                                    optional={"messages": st.one_of(messages, junk), "top_logprobs": junk, **sampling})
+
+
+def bodies(required: dict, hostile_fields: dict):
+    def attacked(keys):
+        return st.fixed_dictionaries({**plausible, **required}).flatmap(
+            lambda body: st.fixed_dictionaries({k: hostile_fields[k] for k in keys}).map(lambda bad: {**body, **bad}))
+    return st.lists(st.sampled_from(sorted(hostile_fields)), max_size=3, unique=True).flatmap(attacked)
+
+
+completion_bodies = bodies({"prompt": st.one_of(words, st.text(max_size=100), token_ids, st.lists(words, max_size=4),
+                                                st.lists(token_ids, max_size=3))},
+                           {**hostile, "prompt": junk, "echo": junk})
+chat_bodies = bodies({"messages": messages}, {**hostile, "messages": junk, "top_logprobs": junk})
 
 
 def check(response: httpx.Response) -> None:
