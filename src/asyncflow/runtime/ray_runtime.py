@@ -97,6 +97,7 @@ class RolloutSpec:
     threads: int
     multiturn: object = None  # MultiTurnSpec: multi-turn episodes instead of single completions
     agent: dict | None = None  # with `agent.fn`: the `AgentRolloutWorker` options (`RLRun.agent_options`)
+    engine_options: dict | None = None  # engine-specific keywords (`RolloutConfig.engine_options`)
 
 
 class RolloutActor:
@@ -110,7 +111,8 @@ class RolloutActor:
         torch.set_num_threads(spec.threads)
         model = load_model(spec.model_path, dtype=spec.dtype, device=spec.device).eval().requires_grad_(False)
         engine = make_inference_engine(
-            spec.engine, model=model, max_batch_size=spec.max_batch_size, device=spec.device, seed=spec.seed
+            spec.engine, model=model, max_batch_size=spec.max_batch_size, device=spec.device, seed=spec.seed,
+            **(spec.engine_options or {}),
         )
         tokenizer = load_tokenizer(spec.model_path) if spec.multiturn is not None or spec.agent else None
         self.scorer = make_scorer()
@@ -248,6 +250,7 @@ class RayRuntime:
                 max(1, int(rt.rollout_cpus)),
                 run.multiturn,
                 run.agent_options,
+                cfg.rollout.engine_options(),
             )
             self.actors[name] = actor_cls.remote(spec, name, make_scorer)
             spec_r = receiver_spec.for_rank(r + 1) if self.weight_sync == "torch_distributed" else receiver_spec

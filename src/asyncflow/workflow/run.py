@@ -90,7 +90,7 @@ class RLRun:
         )
         self.inference_engine = make_inference_engine(
             config.rollout.engine, model=rollout_model, max_batch_size=config.rollout.max_batch_size,
-            device=config.model.device, seed=config.run.seed,
+            device=config.model.device, seed=config.run.seed, **config.rollout.engine_options(),
         )
         if config.rollout.on_weight_update == "resume":
             check_updates_in_flight(self.inference_engine)
@@ -257,6 +257,7 @@ class RLRun:
                 max_batch_size=self.config.rollout.max_batch_size,
                 device=self.config.model.device,
                 seed=self.config.run.seed,
+                **self.config.rollout.engine_options(),
             )
             if self.multiturn is not None:
                 self.eval_episodes = make_rollout_worker(self.eval_engine, self.eval_params, 1,
