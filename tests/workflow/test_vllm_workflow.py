@@ -32,10 +32,30 @@ def test_sync_inline(tmp_path):
         assert [h["staleness/max"] for h in rows] == [0.0, 0.0, 0.0]
         assert all(h["rollout/samples"] == 16 for h in rows)
         assert run.inference_engine.weight_version == run.version == 3  # each new version reached vLLM
+        assert run.inference_engine.weight_transfer == "collective"  # the default path
+        assert_greedy_equals_the_trainers(run)
     finally:
         run.inference_engine.shutdown()
         if run.eval_engine is not None:
             run.eval_engine.shutdown()
+
+
+def assert_greedy_equals_the_trainers(run) -> None:
+    """vLLM's greedy responses are those of the trainer's current weights (the built-in torch engine on them)."""
+    import random
+
+    from asyncflow.engines.base import GenerationRequest, SamplingParams
+    from asyncflow.engines.torch_inference import TorchInferenceEngine
+    from asyncflow.models.loading import load_model
+
+    trainer_model = load_model(run.model_path).eval()
+    trainer_model.load_state_dict(run.train_engine.state_dict())
+    rng = random.Random(0)
+    requests = [GenerationRequest(i, [1] + [rng.randrange(3, 98) for _ in range(12)]) for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    got = {c.request_id: c.response_ids for c in run.inference_engine.generate(requests, params)}
+    want = {c.request_id: c.response_ids for c in TorchInferenceEngine(trainer_model).generate(requests, params)}
+    assert got == want
 
 
 def test_async_k1(tmp_path):

@@ -226,6 +226,7 @@ class VLLMInferenceEngine:
         self._update_lock = threading.Lock()
         self.weight_transfer, self.bucket_bytes = weight_transfer, bucket_bytes
         self._weight_group: CollectiveGroup | None = None
+        self.last_pause_s = 0.0  # how long the last update held generation paused (seconds)
         self._staged: tuple[Manifest, bytes, list[torch.Tensor]] | None = None  # manifest, pickled, bucket views
         args = dict(
             model=str(model_dir), dtype=dtype, seed=seed, max_num_seqs=max_batch_size, max_model_len=max_model_len,
@@ -480,6 +481,7 @@ class VLLMInferenceEngine:
     async def _swap(self, load, version: int) -> None:
         """Pause (requests kept), run `load` (the awaitable that puts the new weights into the workers), drop every
         cached KV block, label `version`, resume."""
+        paused = time.perf_counter()
         await self._llm.pause_generation(mode="keep", clear_cache=True)
         try:
             await load
@@ -488,6 +490,7 @@ class VLLMInferenceEngine:
             self.weight_version = version
         finally:
             await self._llm.resume_generation()
+            self.last_pause_s = time.perf_counter() - paused
 
     # ---------------------------------------------------------------- lifetime
     def shutdown(self) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -68,42 +68,62 @@ class CollectiveGroup:
     side: str  # how errors name this process ("the trainer side", "vLLM worker 0", ...)
     broken: bool = False
 
-    def _broadcast(self, tensor: torch.Tensor, version: int, what: str) -> None:
+    def _start(self, tensor: torch.Tensor, version: int, what: str) -> tuple[Any, int, str]:
+        """Post the broadcast of `tensor` (it runs on the backend's threads); `_wait` for it."""
         if self.broken:
             raise WeightSyncError(f"{TRANSPORT}: {self.side} ({_side(self.rank)}): the group broke in an earlier call")
-        timeout = datetime.timedelta(seconds=self.timeout_s)
         try:
-            self.group.broadcast(tensor, 0, timeout).wait(timeout)
+            return self.group.broadcast(tensor, 0, datetime.timedelta(seconds=self.timeout_s)), version, what
         except RuntimeError as err:
-            self.broken = True
-            awaited = "every receiver (ranks 1..{}) to take {}".format(self.world_size - 1, what) if self.rank == 0 \
-                else f"rank 0 (the sender) to send {what}"
-            if "timed out" in str(err).lower() or "timeout" in str(err).lower():
-                raise WeightSyncTimeout(
-                    TRANSPORT, version, f"{awaited}, on {self.side} ({_side(self.rank)})", self.timeout_s
-                ) from err
-            raise WeightSyncError(
-                f"{TRANSPORT}: {self.side} ({_side(self.rank)}) failed waiting for {awaited} of version {version}: {err}"
+            self._failed(err, version, what)
+
+    def _wait(self, posted: tuple[Any, int, str]) -> None:
+        work, version, what = posted
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as err:
+            self._failed(err, version, what)
+
+    def _failed(self, err: RuntimeError, version: int, what: str) -> NoReturn:
+        self.broken = True
+        awaited = f"every receiver (ranks 1..{self.world_size - 1}) to take {what}" if self.rank == 0 \
+            else f"rank 0 (the sender) to send {what}"
+        if "timed out" in str(err).lower() or "timeout" in str(err).lower():
+            raise WeightSyncTimeout(
+                TRANSPORT, version, f"{awaited}, on {self.side} ({_side(self.rank)})", self.timeout_s
             ) from err
+        raise WeightSyncError(
+            f"{TRANSPORT}: {self.side} ({_side(self.rank)}) failed waiting for {awaited} of version {version}: {err}"
+        ) from err
 
     def send(self, buckets: list[torch.Tensor], version: int) -> None:
-        """Rank 0: broadcast every bucket, in order."""
-        for i, bucket in enumerate(buckets):
-            self._broadcast(bucket, version, f"bucket {i + 1}/{len(buckets)}")
+        """Rank 0: broadcast every bucket, in order (all posted at once; each waited for at most `timeout_s`)."""
+        posted = [self._start(bucket, version, f"bucket {i + 1}/{len(buckets)}") for i, bucket in enumerate(buckets)]
+        for p in posted:
+            self._wait(p)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def receive(self, manifest: Manifest, version: int) -> Iterator[tuple[str, torch.Tensor]]:
-        """Ranks 1..N: (name, tensor) of every tensor of the version, bucket by bucket as each arrives (a consumer
-        loads a bucket's tensors while the next one is on the way). Each bucket is a fresh buffer; the tensors are
-        views of it. Exhaust the iterator: a bucket never asked for leaves the sender waiting."""
+        """Ranks 1..N: (name, tensor) of every tensor of the version, bucket by bucket as each arrives: the next
+        bucket's broadcast is posted before this one's tensors are yielded, so a consumer loads a bucket while the
+        next is on the way. Each bucket is a fresh buffer; the tensors are views of it. Exhaust the iterator: a
+        bucket never asked for leaves the sender waiting."""
         members: list[list[TensorEntry]] = [[] for _ in manifest.buckets]
         for entry in manifest.tensors:
             members[entry.bucket].append(entry)
-        for i, (bucket, entries) in enumerate(zip(manifest.buckets, members, strict=True)):
-            buffer = torch.empty(bucket.numel, dtype=bucket.dtype, device=self.device)
-            self._broadcast(buffer, version, f"bucket {i + 1}/{len(manifest.buckets)}")
-            for e in entries:
+        count = len(manifest.buckets)
+
+        def post(i: int) -> tuple[torch.Tensor, tuple[Any, int, str]]:
+            buffer = torch.empty(manifest.buckets[i].numel, dtype=manifest.buckets[i].dtype, device=self.device)
+            return buffer, self._start(buffer, version, f"bucket {i + 1}/{count}")
+
+        upcoming = post(0) if count else None
+        for i in range(count):
+            buffer, posted = upcoming
+            self._wait(posted)
+            upcoming = post(i + 1) if i + 1 < count else None
+            for e in members[i]:
                 yield e.name, buffer[e.offset : e.offset + e.numel].view(e.shape)
 
     def close(self) -> None:
