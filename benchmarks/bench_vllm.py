@@ -140,7 +140,8 @@ def weight_update(args) -> None:
     rows = [(f"update_weights, {t}" + (" (write + reload)" if t == "file" else " (pack + broadcast + reload)"),
              calls[t]) for t in calls]
     rows += [(f"of which generation paused, {t}", pauses[t]) for t in calls]
-    rows += [("safetensors file to /dev/shm (write alone)", writes), ("one in-memory copy of the state dict", memcopies)]
+    rows += [("safetensors file to /dev/shm (write alone)", writes)]
+    rows += [("one in-memory copy of the state dict", memcopies)]
     for name, xs in rows:
         best, median = best_median(xs)
         print(f"| {name} | {best:.3f} | {median:.3f} | {nbytes / best / 1e9:.2f} | {best / copy_s:.1f}x |")

@@ -33,7 +33,9 @@ def llama(tiny_llama_path):
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_path):
-    engine = make_inference_engine("vllm", model_path=str(tiny_llama_path), max_batch_size=8, seed=0)
+    engine = make_inference_engine(
+        "vllm", model_path=str(tiny_llama_path), max_batch_size=8, seed=0, weight_transfer="collective"
+    )
     yield engine
     engine.shutdown()
 

@@ -61,7 +61,8 @@ def test_timeouts_name_the_side_that_did_not_show_up():
             sender.send(buckets, 3)  # nobody receives
         with pytest.raises(WeightSyncError, match="the trainer side.*broke in an earlier call"):
             sender.send(buckets, 4)
-        with pytest.raises(WeightSyncError, match=r"(?=.*the worker side \(receiver rank 1\))(?=.*rank 0 \(the sender\))"):
+        both_sides = r"(?=.*the worker side \(receiver rank 1\))(?=.*rank 0 \(the sender\))"
+        with pytest.raises(WeightSyncError, match=both_sides):
             list(receiver.receive(manifest, 3))  # the sender gave up: its connections time out or are closed
     finally:
         sender.close()

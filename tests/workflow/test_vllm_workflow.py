@@ -23,7 +23,9 @@ def vllm_config(tmp_path, *overrides: str):
 
 
 def test_sync_inline(tmp_path):
-    config = vllm_config(tmp_path, "train.steps=3", "workflow.mode=sync", "runtime.kind=inline")
+    config = vllm_config(
+        tmp_path, "train.steps=3", "workflow.mode=sync", "runtime.kind=inline", "rollout.vllm_weight_transfer=collective"
+    )
     run = RLRun(config)
     try:
         assert type(run.inference_engine).__name__ == "VLLMInferenceEngine"
@@ -32,7 +34,7 @@ def test_sync_inline(tmp_path):
         assert [h["staleness/max"] for h in rows] == [0.0, 0.0, 0.0]
         assert all(h["rollout/samples"] == 16 for h in rows)
         assert run.inference_engine.weight_version == run.version == 3  # each new version reached vLLM
-        assert run.inference_engine.weight_transfer == "collective"  # the default path
+        assert run.inference_engine.weight_transfer == "collective"
         assert_greedy_equals_the_trainers(run)
     finally:
         run.inference_engine.shutdown()

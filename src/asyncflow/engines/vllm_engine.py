@@ -10,12 +10,12 @@ iterator means "nothing ready now": decoding goes on and the iterator is asked a
 the loop as one vLLM request, and yields completions as vLLM finishes them (completion order). The samples
 of one prompt are separate requests with the same prompt ids: vLLM's prefix cache shares their full KV blocks.
 New weights reach vLLM's workers one of two ways (`weight_transfer`, config `rollout.vllm_weight_transfer`):
-- `collective` (default): at start this process and every vLLM worker join a private process group through the
+- `collective`: at start this process and every vLLM worker join a private process group through the
   worker extension (`asyncflow.engines.vllm_worker`; gloo on CPU, NCCL on CUDA: `asyncflow.weights.collective`).
   An update packs the state dict into a few large buckets (`asyncflow.weights.buckets`) in a staging buffer kept
   between updates, sends only the manifest through `collective_rpc`, and broadcasts the buckets, which the
   workers feed to `reload_weights` as each arrives. No file on the way.
-- `file`: one safetensors file in /dev/shm (named after this process, so a crash leaks it only until the next
+- `file` (default): one safetensors file in /dev/shm (named after this process, so a crash leaks it only until the next
   start) that the worker extension loads in place.
 
 Invariants:
@@ -198,7 +198,7 @@ class VLLMInferenceEngine:
         start_timeout_s: float = 900.0,
         call_timeout_s: float = 600.0,
         owned_dir: str | Path | None = None,
-        weight_transfer: str = "collective",
+        weight_transfer: str = "file",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         **engine_args: Any,
     ):
@@ -407,7 +407,8 @@ class VLLMInferenceEngine:
                 manifest, blob, buckets = self._stage(state_dict)
                 load = self._receive_collective(manifest, blob, buckets, version)
                 # each broadcast has its own `call_timeout_s` and names the side that failed: this outer limit is later
-                self._loop.run(self._swap(load, version), 2 * self.call_timeout_s, f"weight update to version {version}")
+                what = f"weight update to version {version}"
+                self._loop.run(self._swap(load, version), 2 * self.call_timeout_s, what)
             return
         path = segment_path("vllmweights")
         from safetensors.torch import save_file
