@@ -72,3 +72,14 @@ def test_world_size_needs_a_multi_rank_engine():
     with pytest.raises(ConfigError, match=r"train.world_size=2 needs a multi-rank engine \(train.engine=fsdp2\)"):
         load_config(None, ["train.world_size=2"])
     assert load_config(None, ["train.engine=fsdp2", "train.world_size=2"]).train.world_size == 2
+
+
+def test_vllm_weight_transfer_reaches_only_the_vllm_engine():
+    from asyncflow.config import build_config
+
+    vllm = build_config({}, ["rollout.engine=vllm", "rollout.vllm_weight_transfer=collective"])
+    assert vllm.rollout.engine_options() == {"weight_transfer": "collective"}
+    assert build_config({}, ["rollout.engine=vllm"]).rollout.engine_options() == {"weight_transfer": "file"}
+    assert build_config({}, ["rollout.vllm_weight_transfer=collective"]).rollout.engine_options() == {}
+    with pytest.raises(ConfigError, match="vllm_weight_transfer"):
+        build_config({}, ["rollout.vllm_weight_transfer=nccl"])
