@@ -15,8 +15,8 @@ New weights reach vLLM's workers one of two ways (`weight_transfer`, config `rol
   An update packs the state dict into a few large buckets (`asyncflow.weights.buckets`) in a staging buffer kept
   between updates, sends only the manifest through `collective_rpc`, and broadcasts the buckets, which the
   workers feed to `reload_weights` as each arrives. No file on the way.
-- `file` (default): one safetensors file in /dev/shm (named after this process, so a crash leaks it only until the next
-  start) that the worker extension loads in place.
+- `file` (default): one safetensors file in /dev/shm (named after this process, so a crash leaks it only until
+  the next start) that the worker extension loads in place.
 
 Invariants:
 - Importing this module does not import vLLM; the engine imports it when it is made, and a missing vLLM is
