@@ -74,12 +74,10 @@ def test_world_size_needs_a_multi_rank_engine():
     assert load_config(None, ["train.engine=fsdp2", "train.world_size=2"]).train.world_size == 2
 
 
-def test_vllm_weight_transfer_reaches_only_the_vllm_engine():
+def test_vllm_weight_transfer_is_a_checked_key():
     from asyncflow.config import build_config
 
-    vllm = build_config({}, ["rollout.engine=vllm", "rollout.vllm_weight_transfer=collective"])
-    assert vllm.rollout.engine_options() == {"weight_transfer": "collective"}
-    assert build_config({}, ["rollout.engine=vllm"]).rollout.engine_options() == {"weight_transfer": "file"}
-    assert build_config({}, ["rollout.vllm_weight_transfer=collective"]).rollout.engine_options() == {}
+    assert build_config({}, []).rollout.vllm_weight_transfer == "file"
+    assert build_config({}, ["rollout.vllm_weight_transfer=collective"]).rollout.vllm_weight_transfer == "collective"
     with pytest.raises(ConfigError, match="vllm_weight_transfer"):
         build_config({}, ["rollout.vllm_weight_transfer=nccl"])

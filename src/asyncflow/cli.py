@@ -48,80 +48,38 @@ def _config(args) -> Config:
     return load_config(args.config, overrides)
 
 
-def sft_output(config: Config) -> Path:
-    return Path(config.sft.output or Path(config.run.output_dir) / "sft")
-
-
 def cmd_train(args) -> int:
-    config = _config(args)
-    from asyncflow.workflow.pipeline import make_workflow
-    from asyncflow.workflow.run import RLRun
-    from asyncflow.workflow.run_folder import RunFolder
-    from asyncflow.workflow.setup import preflight
-    from asyncflow.workflow.sft import read_summary, run_sft
+    from asyncflow import api
 
-    folder = RunFolder(config.run.output_dir)
-    plan = folder.plan(steps=config.train.steps, resume=args.resume, overwrite=args.overwrite)
-    if plan.action == "finished":
-        log.info("the run in %s is already finished (checkpoint %s, train.steps=%d): nothing to do",
-                 folder.path, plan.checkpoint, config.train.steps)
-        print(json.dumps({"run_dir": str(folder.path), "step": plan.step, "finished": True}))
+    result = api.train(_config(args), resume=args.resume, overwrite=args.overwrite)
+    if result.finished_before:
+        print(json.dumps({"run_dir": str(result.run_dir), "step": result.step, "finished": True}))
         return 0
-    checked = preflight(config)
-    folder.prepare(plan)
-    sft = {}
-    if config.sft.before_rl:
-        out = sft_output(config)
-        if not (out / "config.json").exists():
-            run_sft(config, out)
-        summary = read_summary(out) or {}
-        sft = {"sft/steps": summary.get("steps"), "sft/val_accuracy": summary.get("val_accuracy")}
-        log.info("RL starts from the SFT model in %s (SFT steps %s, validation accuracy %s)",
-                 out, sft["sft/steps"], sft["sft/val_accuracy"])
-        config = config.model_copy(update={"model": config.model.model_copy(update={"path": str(out)})})
-    run = RLRun(config, plan=plan, checked=checked)
-    try:
-        workflow = make_workflow(config, run)
-    except BaseException:
-        run.metrics.close()
-        raise
-    history = run.train(workflow)
-    final = {k: v for k, v in history[-1].items() if k.startswith(("eval/", "reward/mean"))}
-    print(json.dumps({"run_dir": str(run.run_dir), "step": run.step, **final, **sft}))
+    final = {k: v for k, v in result.history[-1].items() if k.startswith(("eval/", "reward/mean"))}
+    print(json.dumps({"run_dir": str(result.run_dir), "step": result.step, **final, **result.sft}))
     return 0
 
 
 def cmd_sft(args) -> int:
-    config = _config(args)
-    from asyncflow.workflow.sft import read_summary, run_sft
+    from asyncflow import api
 
-    out = run_sft(config, sft_output(config))
-    summary = read_summary(out) or {}
-    print(json.dumps({"sft_model": str(out),
-                      "steps": summary.get("steps"), "val_accuracy": summary.get("val_accuracy")}))
+    summary = api.sft(_config(args))
+    print(json.dumps({k: summary.get(k) for k in ("sft_model", "steps", "val_accuracy")}))
     return 0
 
 
 def cmd_eval(args) -> int:
-    config = _config(args)
-    from asyncflow.workflow.checkpoint import load_weights
-    from asyncflow.workflow.run import RLRun
-    from asyncflow.workflow.setup import preflight
+    from asyncflow import api
 
-    checked = preflight(config, training=False)
-    checkpoint = Path(args.checkpoint)
-    weights = load_weights(checkpoint)  # verified: a damaged file is named
-    run = RLRun(config, checked=checked, outputs=False)
-    run.train_engine.load_state_dict(weights)  # `evaluate` reads the policy's weights
-    result = run.evaluate()
+    result = api.evaluate(_config(args), args.checkpoint)
     print(json.dumps({"checkpoint": args.checkpoint, **result}))
     return 0
 
 
 def cmd_export(args) -> int:
-    from asyncflow.workflow.export import export_run
+    from asyncflow import api
 
-    out = export_run(args.run_dir, args.out, step=args.checkpoint, merged=args.merged)
+    out = api.export(args.run_dir, args.out, step=args.checkpoint, merged=args.merged)
     print(json.dumps({"export": str(out), **json.loads((out / "asyncflow_export.json").read_text())}))
     return 0
 

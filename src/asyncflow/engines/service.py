@@ -87,7 +87,7 @@ class EngineService:
     @property
     def streams_tokens(self) -> bool:
         """Whether `on_tokens` sees tokens as they are sampled (else all of them when the completion is done)."""
-        return bool(getattr(self.engine, "streams_tokens", False))
+        return self.engine.streams_tokens
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop taking requests, let the ones in flight finish, stop the loop."""

@@ -52,7 +52,9 @@ from typing import Iterable, Iterator, Mapping
 import torch
 from transformers.cache_utils import Cache
 
-from asyncflow.engines.base import Completion, GenerationRequest, SamplingParams, register_inference_engine
+from asyncflow.engines.base import (
+    Completion, GenerationRequest, InferenceEngineBase, SamplingParams, register_inference_engine,
+)
 from asyncflow.models.loading import load_model, resolve_model_path
 
 
@@ -190,11 +192,17 @@ class _Slot:
             self.finish_reason = "length"
 
 
-class TorchInferenceEngine:
+class TorchInferenceEngine(InferenceEngineBase):
     """Continuous-batching sampler around a Hugging Face causal LM (full attention), CPU or one GPU."""
 
     updates_in_flight = True  # `update_weights` may be called while a `generate` runs (module docstring)
     streams_tokens = True  # requests' `on_tokens` callbacks are called as tokens are sampled
+
+    @classmethod
+    def from_pretrained(cls, model_path: str, *, dtype: str = "float32", **kwargs) -> TorchInferenceEngine:
+        """The engine over the model in `model_path` (a local HF folder or `preset:NAME`), loaded for inference."""
+        model = load_model(resolve_model_path(str(model_path)), dtype=dtype).eval().requires_grad_(False)
+        return cls(model, **kwargs)
 
     def __init__(
         self,
@@ -447,5 +455,5 @@ def make_torch_inference_engine(
     if (model is None) == (model_path is None):
         raise ValueError("the torch inference engine needs exactly one of model= or model_path=")
     if model is None:
-        model = load_model(resolve_model_path(str(model_path)), dtype=dtype)
+        return TorchInferenceEngine.from_pretrained(model_path, dtype=dtype, **kwargs)
     return TorchInferenceEngine(model, **kwargs)

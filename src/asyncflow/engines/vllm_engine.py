@@ -64,7 +64,9 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
-from asyncflow.engines.base import Completion, GenerationRequest, SamplingParams, register_inference_engine
+from asyncflow.engines.base import (
+    Completion, GenerationRequest, InferenceEngineBase, SamplingParams, register_inference_engine,
+)
 from asyncflow.engines.torch_inference import check_sampling_params
 from asyncflow.models.loading import ModelLoadError, resolve_model_path
 from asyncflow.weights.base import WeightSyncError
@@ -180,7 +182,7 @@ class _LoopThread:
             self.thread.join(5)
 
 
-class VLLMInferenceEngine:
+class VLLMInferenceEngine(InferenceEngineBase):
     """`InferenceEngine` on vLLM's `AsyncLLM` for a Hugging Face model folder (see the module docstring)."""
 
     updates_in_flight = True  # update_weights may run on another thread while generate() is in flight
@@ -510,6 +512,8 @@ class VLLMInferenceEngine:
         if self._owned_dir is not None:
             shutil.rmtree(self._owned_dir, ignore_errors=True)
             self._owned_dir = None
+
+    close = shutdown
 
     def __del__(self):
         if getattr(self, "_loop", None) is None or sys.is_finalizing():
