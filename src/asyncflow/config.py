@@ -137,6 +137,12 @@ class RolloutConfig(Section):
     has (its KV cache recomputed); each token records the version that sampled it, trains against its own
     sampling log-prob, and a row counts for `workflow.max_staleness` by its oldest token. Needs an engine with
     `updates_in_flight` (the built-in `torch` engine has it)."""
+    vllm_weight_transfer: Literal["collective", "file"] = "file"
+    """How new weights reach vLLM's workers (`rollout.engine=vllm` only; docs/vllm-weights.md). `collective`:
+    the process that owns the engine and vLLM's workers share a process group (gloo on CPU, NCCL on CUDA, which
+    needs them on different GPUs) and each version is broadcast as a few large buckets straight into the model,
+    no file on the way. `file`: a safetensors file in /dev/shm that the workers reload; the default, as on vLLM's
+    CPU build it measured faster than gloo over TCP loopback (BENCHMARKS.md)."""
 
 
 class EnvConfig(Section):

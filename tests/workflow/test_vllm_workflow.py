@@ -22,17 +22,50 @@ def vllm_config(tmp_path, *overrides: str):
 
 
 def test_sync_inline(tmp_path):
-    config = vllm_config(tmp_path, "train.steps=3", "workflow.mode=sync", "runtime.kind=inline")
-    run = RLRun(config)
+    """Weights by the collective path; after each step's update vLLM's greedy output is the trainer's."""
+    config = vllm_config(
+        tmp_path, "train.steps=3", "workflow.mode=sync", "runtime.kind=inline",
+        "rollout.vllm_weight_transfer=collective",
+    )
+    checked = []
+
+    def check_engine(row):  # before train() closes the engine; compared where it holds the trainer's version
+        engine = run.runtime.local_rollout.engine
+        if "loss" in row and engine.weight_version == run.state.version:
+            assert_greedy_equals_the_trainers(run, engine)
+            checked.append(run.state.version)
+
+    run = RLRun(config, on_step=check_engine)
     try:
         assert type(run.runtime.local_rollout.engine).__name__ == "VLLMInferenceEngine"
         history = run.train()
         rows = [h for h in history if "staleness/max" in h]
         assert [h["staleness/max"] for h in rows] == [0.0, 0.0, 0.0]
         assert all(h["rollout/samples"] == 16 for h in rows)
-        assert run.runtime.local_rollout.engine.weight_version == run.version == 3  # each new version reached vLLM
+        engine = run.runtime.local_rollout.engine
+        assert engine.weight_version == run.version == 3  # each new version reached vLLM
+        assert engine.weight_transfer == "collective"
+        assert checked, "vLLM never held the trainer's newest version when a step was logged"
     finally:
         run.close()  # idempotent: train() closes the engines too
+
+
+def assert_greedy_equals_the_trainers(run, engine) -> None:
+    """vLLM's greedy responses are those of the trainer's current weights (the built-in torch engine on them)."""
+    import random
+
+    from asyncflow.engines.base import GenerationRequest, SamplingParams
+    from asyncflow.engines.torch_inference import TorchInferenceEngine
+    from asyncflow.models.loading import load_model
+
+    trainer_model = load_model(run.spec.model_path).eval()
+    trainer_model.load_state_dict(run.train_engine.state_dict())
+    rng = random.Random(0)
+    requests = [GenerationRequest(i, [1] + [rng.randrange(3, 98) for _ in range(12)]) for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    got = {c.request_id: c.response_ids for c in engine.generate(requests, params)}
+    want = {c.request_id: c.response_ids for c in TorchInferenceEngine(trainer_model).generate(requests, params)}
+    assert got == want
 
 
 def test_async_k1(tmp_path):

@@ -67,6 +67,7 @@ def rollout_spec(config: Config, model_path, tokenizer) -> RolloutSpec:
     r = config.rollout
     engine_options = dict(r.engine_options)
     if r.engine == "vllm":
+        engine_options.setdefault("weight_transfer", r.vllm_weight_transfer)
         engine_options.setdefault("gpu_memory_utilization", r.gpu_memory_fraction)
         if r.kv_cache_gb is not None:
             engine_options.setdefault("kv_cache_memory_bytes", int(r.kv_cache_gb * 2**30))
