@@ -31,7 +31,8 @@ def one_call_agent(client, row):
 def partition_seconds(run: RLRun, worker, step: int) -> float:
     # a "train" task keeps the partition until it is read (nothing reads it here)
     queue = TransferQueue.local(num_storage_units=1, tasks=["rollout", "train"], timeout=120)
-    feed_prompts(run, queue, step)
+    feed_prompts(queue, step, run.prompts.next_prompts(run.config.rollout.prompts_per_step),
+                 run.config.rollout.group_size)
     t0 = time.perf_counter()
     worker.run_partition(queue, f"step_{step}", batch_size=run.config.rollout.max_batch_size, timeout=120)
     return time.perf_counter() - t0
@@ -53,19 +54,20 @@ def main() -> None:
             f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.max_batch_size=128",
             "agent.fn=bench_agent:one_call_agent",
         ])  # fmt: skip
-        run = RLRun(config, outputs=False)
-        builtin = RolloutWorker(run.inference_engine, run.params, config.rollout.group_size)
+        run = RLRun(config)
+        agent_worker = run.runtime.local_rollout
+        builtin = RolloutWorker(agent_worker.engine, run.spec.params, config.rollout.group_size)
         samples = args.prompts * args.group_size
         partition_seconds(run, builtin, 0)  # warm-up of both paths
-        partition_seconds(run, run.rollout, 1)
+        partition_seconds(run, agent_worker, 1)
         rows = []
         for repeat in range(args.repeats):
             plain = partition_seconds(run, builtin, 2 + 2 * repeat)
-            agent = partition_seconds(run, run.rollout, 3 + 2 * repeat)
+            agent = partition_seconds(run, agent_worker, 3 + 2 * repeat)
             rows.append({"repeat": repeat, "builtin_samples_per_s": samples / plain,
                          "agent_http_samples_per_s": samples / agent, "agent_over_builtin": plain / agent})
             print(json.dumps(rows[-1]), flush=True)
-        run.close_rollout()
+        run.close()
     print(json.dumps({"model": args.model, "max_new_tokens": args.max_new_tokens, "samples_per_partition": samples,
                       "median_agent_over_builtin":
                       statistics.median(r["agent_over_builtin"] for r in rows)}))

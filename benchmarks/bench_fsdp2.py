@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from asyncflow.config import AlgoConfig
+from asyncflow.runtime.inline import ProcessRanks
 from asyncflow.engines.fsdp2_train import FSDP2TrainEngine
 from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.models.loading import load_model, resolve_model_path
@@ -65,8 +66,10 @@ def train_step(engine, samples: list[TrainSample], micro_batch: int) -> None:
 def engines(path: Path) -> dict[str, object]:
     return {
         "torch": TorchTrainEngine(load_model(path), **HP),
-        "fsdp2 x1": FSDP2TrainEngine(load_model(path), model_path=path, world_size=1, threads_per_rank=1, **HP),
-        "fsdp2 x2": FSDP2TrainEngine(load_model(path), model_path=path, world_size=2, threads_per_rank=1, **HP),
+        "fsdp2 x1": FSDP2TrainEngine(load_model(path), model_path=path, world_size=1, threads_per_rank=1,
+                                     launcher=ProcessRanks, **HP),
+        "fsdp2 x2": FSDP2TrainEngine(load_model(path), model_path=path, world_size=2, threads_per_rank=1,
+                                     launcher=ProcessRanks, **HP),
     }
 
 

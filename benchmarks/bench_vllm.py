@@ -9,8 +9,11 @@ Owns nothing the library imports. In one process:
   timed interleaved, `--reps` rounds; reported: the best round of each (the least disturbed) and the ratio
   of the adapter to raw vLLM and to the torch engine.
 - weight update: a Llama of `--update-hidden` x `--update-layers` (>= 20M parameters by default), its fresh
-  weights pushed `--update-reps` times through `VLLMInferenceEngine.update_weights` (safetensors file in
-  /dev/shm + the worker's `reload_weights`); the file write alone is timed too.
+  weights pushed `--update-reps` times through `VLLMInferenceEngine.update_weights` by each path into the same
+  running engine, interleaved: `file` (safetensors file in /dev/shm + the worker's `reload_weights`) and
+  `collective` (buckets broadcast over gloo into `reload_weights`). Reported per path: the whole call, the time
+  generation was paused, GB/s, and the ratio to one in-memory copy of the state dict into a preallocated buffer
+  (the floor of any path that hands the engine its own copy); the file write alone is timed too.
 
     flock /tmp/asyncflow-bench.lock env PYTHONPATH=src .venv-vllm/bin/python benchmarks/bench_vllm.py
     ... benchmarks/bench_vllm.py --quick    # small batch, fewer rounds
@@ -99,30 +102,51 @@ def weight_update(args) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(folder)
     params = sum(p.numel() for p in model.parameters())
-    engine = VLLMInferenceEngine(folder, max_batch_size=8, seed=0, owned_dir=folder)
+    engine = VLLMInferenceEngine(folder, max_batch_size=8, seed=0, owned_dir=folder, bucket_bytes=args.bucket_mb << 20)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    del model
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
+    copies = {k: torch.empty_like(v) for k, v in state.items()}
     from safetensors.torch import save_file
 
-    updates, writes = [], []
-    for version in range(1, args.update_reps + 1):
-        for v in state.values():
-            v.add_(1e-3)
-        seconds, _ = timed(lambda: engine.update_weights(state, version))
-        updates.append(seconds)
+    calls: dict[str, list[float]] = {"file": [], "collective": []}
+    pauses: dict[str, list[float]] = {"file": [], "collective": []}
+    writes, memcopies = [], []
+    version = 0
+    for _ in range(args.update_reps):
+        for transfer in calls:
+            version += 1
+            for v in state.values():
+                v.add_(1e-3)
+            engine.weight_transfer = transfer
+            seconds, _ = timed(lambda: engine.update_weights(state, version))
+            calls[transfer].append(seconds)
+            pauses[transfer].append(engine.last_pause_s)
         path = segment_path("benchwrite")
         seconds, _ = timed(lambda: save_file(distinct_tensors(state), path))
         os.unlink(path)
         writes.append(seconds)
+        seconds, _ = timed(lambda: [copies[k].copy_(v) for k, v in state.items()])
+        memcopies.append(seconds)
     engine.shutdown()
-    best, median = min(updates), sorted(updates)[len(updates) // 2]
+
+    def best_median(xs: list[float]) -> tuple[float, float]:
+        return min(xs), sorted(xs)[len(xs) // 2]
+
+    copy_s = best_median(memcopies)[0]
     print(f"\nweight update: Llama {params / 1e6:.1f}M parameters, {nbytes / 1e6:.0f} MB fp32, "
-          f"{args.update_reps} updates")
-    print("| what | best s | median s | GB/s (best) |\n|---|---:|---:|---:|")
-    print(f"| update_weights (write + reload + prefix-cache reset) | {best:.3f} | {median:.3f} | "
-          f"{nbytes / best / 1e9:.2f} |")
-    wb, wm = min(writes), sorted(writes)[len(writes) // 2]
-    print(f"| of which: safetensors file to /dev/shm | {wb:.3f} | {wm:.3f} | {nbytes / wb / 1e9:.2f} |")
+          f"{args.update_reps} updates per path (interleaved), {engine.bucket_bytes >> 20} MB buckets")
+    print("| what | best s | median s | GB/s (best) | / one in-memory copy |\n|---|---:|---:|---:|---:|")
+    rows = [(f"update_weights, {t}" + (" (write + reload)" if t == "file" else " (pack + broadcast + reload)"),
+             calls[t]) for t in calls]
+    rows += [(f"of which generation paused, {t}", pauses[t]) for t in calls]
+    rows += [("safetensors file to /dev/shm (write alone)", writes)]
+    rows += [("one in-memory copy of the state dict", memcopies)]
+    for name, xs in rows:
+        best, median = best_median(xs)
+        print(f"| {name} | {best:.3f} | {median:.3f} | {nbytes / best / 1e9:.2f} | {best / copy_s:.1f}x |")
+    speedup = best_median(calls["file"])[0] / best_median(calls["collective"])[0]
+    print(f"collective / file speed (best update_weights): {speedup:.2f}x")
 
 
 def main() -> None:
@@ -136,6 +160,7 @@ def main() -> None:
     parser.add_argument("--update-hidden", type=int, default=512)
     parser.add_argument("--update-layers", type=int, default=8)
     parser.add_argument("--update-reps", type=int, default=5)
+    parser.add_argument("--bucket-mb", type=int, default=64, help="bucket size of the collective path (MB)")
     parser.add_argument("--quick", action="store_true", help="16 prompts, 64 new tokens, 2 rounds, 3 updates")
     parser.add_argument("--skip", choices=["throughput", "update"], default=None)
     args = parser.parse_args()

@@ -106,7 +106,6 @@ def main() -> int:
     import ray
 
     from asyncflow.config import build_config
-    from asyncflow.workflow.pipeline import make_workflow
     from asyncflow.workflow.run import RLRun
 
     out = args.output or tempfile.mkdtemp(prefix="soak_async_")
@@ -121,7 +120,6 @@ def main() -> int:
         "runtime.call_timeout_s=300",
     ])  # fmt: skip
     run = RLRun(config)
-    workflow = make_workflow(config, run)
 
     trained: Counter = Counter()
     staleness: list[int] = []
@@ -136,17 +134,18 @@ def main() -> int:
     run.trainer.train_partition = counting_train_partition
 
     samples: list[dict] = []
+    workflow = run.workflow
     step = workflow.step
 
-    def sampled_step(r):
-        metrics = step(r)
+    def sampled_step(*args):
+        result = step(*args)
         mine, count, total = shm_usage()
         samples.append({
-            "step": r.step, "driver_threads": threads_of(os.getpid()),
+            "step": run.step, "driver_threads": threads_of(os.getpid()),
             "replica_threads": sum(threads_of(p) for p in replica_pids()), "shm_mine": mine, "shm_files": count,
             "shm_total": total,
         })  # fmt: skip
-        return metrics
+        return result
 
     workflow.step = sampled_step
     kills = [args.steps // 3, 2 * args.steps // 3]
@@ -156,12 +155,12 @@ def main() -> int:
         for at in kills:
             while run.step < at:
                 time.sleep(0.05)
-            ray.kill(workflow.runtime.actors["rollout_0"], no_restart=False)
+            ray.kill(run.runtime.actors["rollout_0"], no_restart=False)
             killed.append((run.step, time.time()))
 
     threading.Thread(target=killer, daemon=True).start()
     t0 = time.time()
-    history = run.train(workflow)
+    history = run.train()
     wall = time.time() - t0
     after_close = shm_usage()
 
@@ -184,7 +183,7 @@ def main() -> int:
           f"({drawn} prompts); lost {lost}, duplicated {duplicated}, not drawn {extra}")
     print(f"staleness: max {max(staleness)} (bound {k}), mean {statistics.mean(staleness):.3f}; "
           f"per step max {max(h['staleness/max'] for h in steps):.0f}")
-    print(f"replica restarts: {workflow.runtime.restarts}; reward errors {errors:.0f} "
+    print(f"replica restarts: {run.runtime.restarts}; reward errors {errors:.0f} "
           f"({errors / max(1, sum(trained.values())):.2%} of the rows trained; rows regenerated after a kill "
           "are scored again, and a dead replica's last unpolled counts are lost)")
     print(f"driver threads ({len(warm)} samples from step {warm[0]['step']}): {span('driver_threads')}")
@@ -193,7 +192,7 @@ def main() -> int:
           f"after close {after_close[0]} bytes in {after_close[1]} files")
     print(f"/dev/shm, all files (other jobs included): {span('shm_total')}")
     ok = not lost and not duplicated and not extra and max(staleness) <= k and len(killed) == 2
-    ok = ok and workflow.runtime.restarts == 2 and after_close[1] == 0
+    ok = ok and run.runtime.restarts == 2 and after_close[1] == 0
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
 

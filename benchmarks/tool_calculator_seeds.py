@@ -3,7 +3,7 @@
 
 Owns nothing the library uses. Prints per seed where SFT stopped, the held-out accuracy before and after GRPO
 (greedy, the test split), the gain, and wall and CPU time of the whole run; writes one PNG with every seed's
-held-out accuracy and sampled reward against the RL step (the README's figure).
+held-out accuracy and sampled reward against the RL step (the figure in docs/multiturn.md).
 
 `--parallel 2` runs two seeds at once with one torch thread each (two cores busy, as a 2-core laptop would be
 with one run using both); `--parallel 1` runs them one after another with `--threads` threads.

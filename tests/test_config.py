@@ -72,3 +72,12 @@ def test_world_size_needs_a_multi_rank_engine():
     with pytest.raises(ConfigError, match=r"train.world_size=2 needs a multi-rank engine \(train.engine=fsdp2\)"):
         load_config(None, ["train.world_size=2"])
     assert load_config(None, ["train.engine=fsdp2", "train.world_size=2"]).train.world_size == 2
+
+
+def test_vllm_weight_transfer_is_a_checked_key():
+    from asyncflow.config import build_config
+
+    assert build_config({}, []).rollout.vllm_weight_transfer == "file"
+    assert build_config({}, ["rollout.vllm_weight_transfer=collective"]).rollout.vllm_weight_transfer == "collective"
+    with pytest.raises(ConfigError, match="vllm_weight_transfer"):
+        build_config({}, ["rollout.vllm_weight_transfer=nccl"])

@@ -48,80 +48,38 @@ def _config(args) -> Config:
     return load_config(args.config, overrides)
 
 
-def sft_output(config: Config) -> Path:
-    return Path(config.sft.output or Path(config.run.output_dir) / "sft")
-
-
 def cmd_train(args) -> int:
-    config = _config(args)
-    from asyncflow.workflow.pipeline import make_workflow
-    from asyncflow.workflow.run import RLRun
-    from asyncflow.workflow.run_folder import RunFolder
-    from asyncflow.workflow.setup import preflight
-    from asyncflow.workflow.sft import read_summary, run_sft
+    from asyncflow import api
 
-    folder = RunFolder(config.run.output_dir)
-    plan = folder.plan(steps=config.train.steps, resume=args.resume, overwrite=args.overwrite)
-    if plan.action == "finished":
-        log.info("the run in %s is already finished (checkpoint %s, train.steps=%d): nothing to do",
-                 folder.path, plan.checkpoint, config.train.steps)
-        print(json.dumps({"run_dir": str(folder.path), "step": plan.step, "finished": True}))
+    result = api.train(_config(args), resume=args.resume, overwrite=args.overwrite)
+    if result.finished_before:
+        print(json.dumps({"run_dir": str(result.run_dir), "step": result.step, "finished": True}))
         return 0
-    checked = preflight(config)
-    folder.prepare(plan)
-    sft = {}
-    if config.sft.before_rl:
-        out = sft_output(config)
-        if not (out / "config.json").exists():
-            run_sft(config, out)
-        summary = read_summary(out) or {}
-        sft = {"sft/steps": summary.get("steps"), "sft/val_accuracy": summary.get("val_accuracy")}
-        log.info("RL starts from the SFT model in %s (SFT steps %s, validation accuracy %s)",
-                 out, sft["sft/steps"], sft["sft/val_accuracy"])
-        config = config.model_copy(update={"model": config.model.model_copy(update={"path": str(out)})})
-    run = RLRun(config, plan=plan, checked=checked)
-    try:
-        workflow = make_workflow(config, run)
-    except BaseException:
-        run.metrics.close()
-        raise
-    history = run.train(workflow)
-    final = {k: v for k, v in history[-1].items() if k.startswith(("eval/", "reward/mean"))}
-    print(json.dumps({"run_dir": str(run.run_dir), "step": run.step, **final, **sft}))
+    final = {k: v for k, v in result.history[-1].items() if k.startswith(("eval/", "reward/mean"))}
+    print(json.dumps({"run_dir": str(result.run_dir), "step": result.step, **final, **result.sft}))
     return 0
 
 
 def cmd_sft(args) -> int:
-    config = _config(args)
-    from asyncflow.workflow.sft import read_summary, run_sft
+    from asyncflow import api
 
-    out = run_sft(config, sft_output(config))
-    summary = read_summary(out) or {}
-    print(json.dumps({"sft_model": str(out),
-                      "steps": summary.get("steps"), "val_accuracy": summary.get("val_accuracy")}))
+    summary = api.sft(_config(args))
+    print(json.dumps({k: summary.get(k) for k in ("sft_model", "steps", "val_accuracy")}))
     return 0
 
 
 def cmd_eval(args) -> int:
-    config = _config(args)
-    from asyncflow.workflow.checkpoint import load_weights
-    from asyncflow.workflow.run import RLRun
-    from asyncflow.workflow.setup import preflight
+    from asyncflow import api
 
-    checked = preflight(config, training=False)
-    checkpoint = Path(args.checkpoint)
-    weights = load_weights(checkpoint)  # verified: a damaged file is named
-    run = RLRun(config, checked=checked, outputs=False)
-    run.train_engine.load_state_dict(weights)  # `evaluate` reads the policy's weights
-    result = run.evaluate()
+    result = api.evaluate(_config(args), args.checkpoint)
     print(json.dumps({"checkpoint": args.checkpoint, **result}))
     return 0
 
 
 def cmd_export(args) -> int:
-    from asyncflow.workflow.export import export_run
+    from asyncflow import api
 
-    out = export_run(args.run_dir, args.out, step=args.checkpoint, merged=args.merged)
+    out = api.export(args.run_dir, args.out, step=args.checkpoint, merged=args.merged)
     print(json.dumps({"export": str(out), **json.loads((out / "asyncflow_export.json").read_text())}))
     return 0
 
@@ -158,21 +116,72 @@ def cmd_serve(args) -> int:
         raise ValueError(f"asyncflow serve needs the serve extra (pip install 'asyncflow-rl[serve]'): {err}") from None
     if args.overrides:
         raise ConfigError(f"asyncflow serve takes no config overrides: {' '.join(args.overrides)}")
-    api_key = args.api_key or os.environ.get("ASYNCFLOW_API_KEY") or secrets.token_urlsafe(24)
+    from asyncflow.serving.limits import ServingLimits
+
+    try:
+        limits = ServingLimits(**{key: getattr(args, key) for key in ServingLimits.model_fields
+                                  if getattr(args, key) is not None})
+    except ValueError as err:  # pydantic's ValidationError: name the flag
+        first = err.errors()[0]
+        raise ConfigError(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
+    given_key = args.api_key
+    if args.api_key:
+        log.warning("--api-key shows in the process list (ps): prefer --api-key-file or $ASYNCFLOW_API_KEY")
+    if args.api_key_file:
+        given_key = Path(args.api_key_file).read_text().strip()
+        if not given_key:
+            raise ConfigError(f"--api-key-file {args.api_key_file}: the file is empty")
+    given_key = given_key or os.environ.get("ASYNCFLOW_API_KEY")
+    if not _is_loopback(args.host):
+        if not given_key:
+            raise ConfigError(f"--host {args.host} is reachable from other machines: give the key clients must send "
+                              "(--api-key-file FILE or $ASYNCFLOW_API_KEY), or serve on 127.0.0.1")
+        log.warning("serving on %s, reachable from other machines: anyone who can reach it and holds the key can "
+                    "use the model", args.host)
+    _check_can_listen(args.host, args.port)
+    api_key = given_key or secrets.token_urlsafe(24)
     chat_template = Path(args.chat_template).read_text() if args.chat_template else None
     weights = load_served(args.model, dtype=args.dtype, device=args.device)
     app, service = build_app(
         weights, api_key=api_key, name=args.name, engine=args.engine, max_batch_size=args.max_batch_size,
         device=args.device, seed=args.seed, chat_template=chat_template, request_timeout_s=args.request_timeout,
+        limits=limits,
     )
-    if not (args.api_key or os.environ.get("ASYNCFLOW_API_KEY")):
+    if not given_key:
         print(f"API key (generated): {api_key}", flush=True)
     print(f"serving {args.name or weights.name!r} at http://{args.host}:{args.port}/v1", flush=True)
     try:
-        serve_forever(app, host=args.host, port=args.port)
+        serve_forever(app, host=args.host, port=args.port, limits=limits)
     finally:
         service.close()
     return 0
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
+def _check_can_listen(host: str, port: int) -> None:
+    """Bind `host:port` once before loading the model, so a port in use fails at once in one line."""
+    import socket
+
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as err:
+        raise ConfigError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+
+
+def _port(text: str) -> int:
+    port = int(text) if text.isdigit() else -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0-65535)")
+    return port
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,9 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model", help="a Hugging Face model folder, preset:NAME, a run folder (its newest checkpoint) "
                        "or a checkpoint folder RUN_DIR/checkpoints/step_N")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", help="the Bearer key clients must send (default: $ASYNCFLOW_API_KEY, else a "
-                       "generated one, printed)")
+    serve.add_argument("--port", type=_port, default=8000)
+    serve.add_argument("--api-key", help="the Bearer key clients must send (visible in ps: prefer --api-key-file or "
+                       "$ASYNCFLOW_API_KEY; without any, a generated one, printed; required off loopback)")
+    serve.add_argument("--api-key-file", help="a file holding the Bearer key (its first line)")
     serve.add_argument("--name", help="the model name clients ask for (default: the preset, folder or run/step)")
     serve.add_argument("--chat-template", help="a Jinja chat template file, for tokenizers without one")
     serve.add_argument("--engine", default="torch", help="inference engine from the registry (or module:factory)")
@@ -235,6 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--seed", type=int, default=0, help="the engine's sampling seed")
     serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request gets 504")
     serve.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    from asyncflow.serving.limits import ServingLimits
+
+    for key, field in ServingLimits.model_fields.items():  # one flag per limit (docs/serving-limits.md)
+        serve.add_argument(f"--{key.replace('_', '-')}", dest=key, type=field.annotation, default=None,
+                           help=f"{field.description} (default {field.default})")
     serve.set_defaults(func=cmd_serve)
     return parser
 

@@ -58,8 +58,8 @@ class DataConfig(Section):
     """Field of a data row holding the prompt text."""
     answer_field: str = "answer"
     """Field of a data row holding the ground truth passed to the reward."""
-    test_size: int = Field(256, ge=1)
-    """Number of held-out examples used for evaluation."""
+    test_size: int = Field(256, ge=0)
+    """Number of held-out examples used for evaluation (0 = no evaluation, and no engine built for it)."""
     max_prompt_tokens: int = Field(256, ge=1)
     """Longest prompt accepted, in tokens."""
     on_long_prompt: Literal["skip", "error"] = "skip"
@@ -90,11 +90,23 @@ class RewardConfig(Section):
     the limit."""
     max_error_steps: int | None = Field(3, ge=0)
     """Stop the run after this many failing steps in a row (see `max_error_fraction`); 0 or null disables."""
+    columns: dict[str, float] = Field(default_factory=dict)
+    """Per-row columns written by `stages`, added to the reward with these weights before advantages
+    (e.g. `{brevity: 0.1}`)."""
 
 
 class RolloutConfig(Section):
     engine: str = "torch"
     """Inference engine from the registry (or `package.module:factory`)."""
+    gpu_memory_fraction: float = Field(0.4, gt=0, le=1)
+    """`vllm` on a GPU: the share of the device's memory each engine may take (weights, activations, KV cache;
+    vLLM's `gpu_memory_utilization`). The default leaves room for a trainer on the same GPU; raise it when the
+    rollout engine has the GPU to itself."""
+    kv_cache_gb: float | None = Field(None, gt=0)
+    """`vllm`: KV cache size per engine in GiB (vLLM's `kv_cache_memory_bytes`); null = sized from
+    `gpu_memory_fraction` on a GPU, from the model and `max_batch_size` on a CPU."""
+    engine_options: dict[str, Any] = Field(default_factory=dict)
+    """Further keyword arguments of the engine's factory (for `vllm`: any `AsyncEngineArgs` field)."""
     prompts_per_step: int = Field(32, ge=1)
     """Prompts per training step (each sampled `group_size` times)."""
     group_size: int = Field(8, ge=1)
@@ -111,6 +123,10 @@ class RolloutConfig(Section):
     """Token ids that end a response besides the tokenizer's EOS (the stop token is kept in the response)."""
     max_batch_size: int = Field(128, ge=1)
     """Concurrent sequences in the inference engine (continuous batching slots)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Parameter dtype of the rollout (and evaluation) engine's copy of the policy; each weight update is cast
+    to it. `auto`: bfloat16 when `train.precision` is `bf16` (rollouts in the trainer's compute dtype, as the
+    anchors run vLLM next to a bf16 trainer), else `model.dtype`."""
     replicas: int = Field(1, ge=1)
     """Rollout workers (separated runtimes)."""
     on_weight_update: Literal["finish", "resume"] = "finish"
@@ -121,6 +137,12 @@ class RolloutConfig(Section):
     has (its KV cache recomputed); each token records the version that sampled it, trains against its own
     sampling log-prob, and a row counts for `workflow.max_staleness` by its oldest token. Needs an engine with
     `updates_in_flight` (the built-in `torch` engine has it)."""
+    vllm_weight_transfer: Literal["collective", "file"] = "file"
+    """How new weights reach vLLM's workers (`rollout.engine=vllm` only; docs/vllm-weights.md). `collective`:
+    the process that owns the engine and vLLM's workers share a process group (gloo on CPU, NCCL on CUDA, which
+    needs them on different GPUs) and each version is broadcast as a few large buckets straight into the model,
+    no file on the way. `file`: a safetensors file in /dev/shm that the workers reload; the default, as on vLLM's
+    CPU build it measured faster than gloo over TCP loopback (BENCHMARKS.md)."""
 
 
 class EnvConfig(Section):
@@ -282,7 +304,13 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, gt=0)
     """Max global gradient norm."""
     micro_batch_size: int = Field(64, ge=1)
-    """Sequences per forward/backward (gradient accumulation over the step's batch)."""
+    """Sequences per forward/backward (gradient accumulation over the step's batch); with
+    `max_tokens_per_micro_batch`, the most sequences a micro-batch may hold."""
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    """Token budget of a micro-batch: rows are packed, longest first and GRPO groups together where they fit, into
+    micro-batches of at most this many forward tokens counted with padding (rows x longest prompt + response), so
+    activation memory is bounded whatever the response lengths; a single longer row runs alone. The update is the
+    same as with any other split (losses are sums normalised once per step). `null` = `micro_batch_size` rows."""
     warmup_steps: int = Field(0, ge=0)
     """Linear warm-up steps."""
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
@@ -294,6 +322,16 @@ class TrainConfig(Section):
     `models.tri_model.should_pack`)."""
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
     """LoRA adapters instead of full fine-tuning (`rank` > 0 turns them on)."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Compute precision of the training forward and backward. `bf16`: mixed precision, matmuls and activations
+    in bfloat16 (`torch`: autocast; `fsdp2`: `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`) while
+    master weights, gradients, their reduction across ranks and AdamW state stay float32 (so `model.dtype` must
+    be float32); log-probs and the loss are computed in float32 from the bf16 logits. About half the activation
+    memory, and much faster on GPUs; on a CPU without native bf16 it is slower."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them from the forward
+    (Hugging Face gradient checkpointing, non-reentrant): activation memory of one layer instead of all, for
+    about one extra forward of compute. Gradients are unchanged."""
 
     @model_validator(mode="after")
     def _single_process_engine(self) -> "TrainConfig":
@@ -452,6 +490,22 @@ class ObserveConfig(Section):
         }
 
 
+class StageConfig(Section):
+    """A user stage over the TransferQueue (`asyncflow.workers.stage`): it reads `inputs` of each row as soon as
+    they are ready and writes `outputs` back, from a thread of the driver, in every workflow and runtime."""
+
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Its consumer name on the queue (and on the timeline); not a built-in task (rollout, reward, train)."""
+    fn: str
+    """`package.module:function`, called with a `StageBatch`, returning `{output: [one float per row]}`."""
+    inputs: list[str] = Field(default_factory=lambda: ["prompt_ids", "response_ids"], min_length=1)
+    """Columns it reads (`prompt_ids`, `response_ids`, `rollout_logprobs`, `reward`, another stage's outputs)."""
+    outputs: list[str] = Field(min_length=1)
+    """Per-row scalar columns it writes."""
+    batch_size: int = Field(16, ge=1)
+    """Rows per call."""
+
+
 class AgentConfig(Section):
     fn: str | None = None
     """An agent written against the `openai` client, as `package.module:function`, called `fn(client, row)` once
@@ -470,6 +524,9 @@ class AgentConfig(Section):
 
 
 class Config(Section):
+    """A run's whole configuration, one section per part (`run`, `model`, `data`, `rollout`, `algo`, `train` ...);
+    built from YAML and dotted overrides by `load_config` / `build_config`, every field documented."""
+
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -486,14 +543,28 @@ class Config(Section):
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     observe: ObserveConfig = Field(default_factory=ObserveConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
+    stages: list[StageConfig] = Field(default_factory=list)
+    """User stages (`asyncflow.workers.stage`), run between rollout and training."""
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> "Config":
         if self.data.task is None and self.data.path is None:
             raise ValueError("data.task is null and data.path is not set: give a built-in task or a data file")
+        names = [s.name for s in self.stages]
+        if len(set(names)) != len(names) or set(names) & {"rollout", "reward", "train"}:
+            raise ValueError(f"stages: names must be distinct and not rollout, reward or train: {names}")
+        written = {c for s in self.stages for c in s.outputs}
+        for column in self.reward.columns:
+            if column not in written:
+                raise ValueError(f"reward.columns: {column!r} is written by no stage (stages write {sorted(written)})")
         if self.reward.weights is not None and len(self.reward.weights) != len(self.reward.fns):
             raise ValueError(
                 f"reward.weights has {len(self.reward.weights)} entries but reward.fns has {len(self.reward.fns)}"
+            )
+        if self.train.precision == "bf16" and self.model.dtype != "float32":
+            raise ValueError(
+                f"train.precision=bf16 keeps float32 master weights: set model.dtype=float32 (got {self.model.dtype}; "
+                "train.precision=fp32 with model.dtype=bfloat16 trains pure bf16 weights)"
             )
         if self.agent.fn is not None and self.rollout.on_weight_update == "resume":
             raise ValueError(
@@ -501,6 +572,13 @@ class Config(Section):
                 "partition only; use on_weight_update=finish"
             )
         return self
+
+    def rollout_dtype(self) -> str:
+        """The dtype of the rollout engines' weights: `rollout.dtype`, or for `auto` bfloat16 under
+        `train.precision: bf16` and `model.dtype` otherwise."""
+        if self.rollout.dtype != "auto":
+            return self.rollout.dtype
+        return "bfloat16" if self.train.precision == "bf16" else self.model.dtype
 
 
 class ConfigError(ValueError):
@@ -553,6 +631,8 @@ def _format_errors(err: ValidationError) -> str:
 
 
 def build_config(data: dict, overrides: list[str] | None = None) -> Config:
+    """A validated `Config` from a nested dict (YAML's shape) and dotted overrides (`"train.lr=3e-4"`); a bad
+    key or value raises `ConfigError` naming it."""
     try:
         return Config.model_validate(_merge(data, parse_overrides(overrides or [])))
     except ValidationError as err:

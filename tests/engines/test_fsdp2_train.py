@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from asyncflow.config import AlgoConfig
+from asyncflow.runtime.inline import ProcessRanks
 from asyncflow.engines.fsdp2_train import FSDP2TrainEngine, RankFailedError, assign_rows
 from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.models.loading import load_model
@@ -60,7 +61,8 @@ def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 
 def start(path, world_size: int = 2, **options) -> FSDP2TrainEngine:
-    return FSDP2TrainEngine(load_model(path), model_path=path, world_size=world_size, **{**HP, **options})
+    return FSDP2TrainEngine(load_model(path), model_path=path, world_size=world_size,
+                            launcher=ProcessRanks, **{**HP, **options})
 
 
 @pytest.fixture(scope="module")

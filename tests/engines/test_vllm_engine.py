@@ -15,7 +15,7 @@ from asyncflow.engines.base import GenerationRequest, InferenceEngine, SamplingP
 from asyncflow.engines.torch_inference import TorchInferenceEngine
 from asyncflow.models.loading import ModelLoadError, load_model
 from asyncflow.models.logprobs import TrainSample, response_logprobs
-from asyncflow.weights import make_weight_sync
+from asyncflow.weights import WeightSyncError, make_weight_sync
 
 # the module's engine starts in the first test's setup (hence the timeout); tiny models run on one torch thread
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread")]
@@ -33,9 +33,19 @@ def llama(tiny_llama_path):
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_path):
-    engine = make_inference_engine("vllm", model_path=str(tiny_llama_path), max_batch_size=8, seed=0)
+    engine = make_inference_engine(
+        "vllm", model_path=str(tiny_llama_path), max_batch_size=8, seed=0, weight_transfer="collective"
+    )
     yield engine
     engine.shutdown()
+
+
+@pytest.fixture(params=["collective", "file"])
+def weight_transfer(engine, request):
+    """Each path of `update_weights` into vLLM's workers, on the module's engine."""
+    engine.weight_transfer = request.param
+    yield request.param
+    engine.weight_transfer = "collective"
 
 
 @pytest.fixture
@@ -216,7 +226,41 @@ def _receive_gloo(state_dict, version):
     return received
 
 
-def test_update_while_generating_labels_each_token_with_its_version(engine, llama, restore_weights, tiny_llama_path):
+def test_update_matches_the_trainer_by_each_path(engine, llama, weight_transfer, restore_weights, tiny_llama_path):
+    """After an update by `weight_transfer`, vLLM's greedy output is the trainer model's, and its sampling
+    log-probs are the trainer's recomputation of the same tokens to fp32 tolerance."""
+    new_weights = perturbed(llama, seed=3)
+    engine.update_weights(new_weights, version=4)
+    new_model = load_model(tiny_llama_path).eval()
+    new_model.load_state_dict(new_weights)
+    requests = make_requests(8, seed=6) + long_requests(2)
+    got = run(engine, requests, temperature=0.0, max_new_tokens=16)
+    want = torch_greedy(new_model, requests, max_new_tokens=16)
+    assert {k: c.response_ids for k, c in got.items()} == {k: c.response_ids for k, c in want.items()}
+    assert {c.weight_version for c in got.values()} == {4}
+    sampled = list(run(engine, make_requests(16, seed=8), temperature=1.0, max_new_tokens=24).values())
+    max_gap, mean_gap = logprob_gap(new_model, sampled, temperature=1.0)
+    assert max_gap < 1e-3 and mean_gap < 1e-4
+
+
+def test_a_failed_collective_names_the_vllm_worker_side(engine, llama, restore_weights, tiny_llama_path):
+    """A version the workers cannot load fails with an error naming their side; the next update makes a new
+    group and puts the engine back to a whole, correct version."""
+    bad = dict(llama.state_dict())
+    bad["model.layers.0.no_such_projection.weight"] = torch.zeros(4, 4)
+    with pytest.raises(WeightSyncError, match="failed on the vLLM worker side.*no_such_projection"):
+        engine.update_weights(bad, version=5)
+    assert engine.weight_version == 0
+    engine.update_weights(llama.state_dict(), version=6)
+    requests = make_requests(6, seed=10)
+    got = run(engine, requests, temperature=0.0, max_new_tokens=12)
+    want = torch_greedy(llama, requests, max_new_tokens=12)
+    assert {k: c.response_ids for k, c in got.items()} == {k: c.response_ids for k, c in want.items()}
+
+
+def test_update_while_generating_labels_each_token_with_its_version(
+    engine, llama, weight_transfer, restore_weights, tiny_llama_path
+):
     """An update from another thread during generate(): kept requests go on with the new weights (their KV
     recomputed), and each token carries the version that sampled it."""
     requests = make_requests(6, seed=5, lengths=(5, 20))

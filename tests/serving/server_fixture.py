@@ -6,19 +6,26 @@ from contextlib import contextmanager
 
 KEY = "test-key"
 NAME = "tiny"
+TEMPLATE = ("{% for m in messages %}<s>{{ m.role }}: {{ m.content }}</s>{% endfor %}"
+            "{% if add_generation_prompt %}<s>assistant: {% endif %}")
 
 
 @contextmanager
-def running_server(model_path, chat_template: str):
-    """(server thread, engine service, episode recorder) of `asyncflow serve MODEL` with `KEY` and `NAME`."""
+def running_server(model_path, chat_template: str, *, limits=None, tokenizer_wrapper=None):
+    """(server thread, engine service, episode recorder) of `asyncflow serve MODEL` with `KEY` and `NAME`
+    (`limits`: its `ServingLimits`; `tokenizer_wrapper(tokenizer)`: what the server tokenizes with)."""
     from asyncflow.serving.episodes import EpisodeRecorder
     from asyncflow.serving.server import ServerThread
     from asyncflow.workflow.serve import build_app, load_served
 
     recorder = EpisodeRecorder()
-    app, service = build_app(load_served(str(model_path)), api_key=KEY, name=NAME, chat_template=chat_template,
-                             request_timeout_s=60, recorder=recorder)
-    thread = ServerThread(app).start()
+    weights = load_served(str(model_path))
+    if tokenizer_wrapper is not None:
+        weights.tokenizer = tokenizer_wrapper(weights.tokenizer)
+    extra = {} if limits is None else {"limits": limits}
+    app, service = build_app(weights, api_key=KEY, name=NAME, chat_template=chat_template, request_timeout_s=60,
+                             recorder=recorder, **extra)
+    thread = ServerThread(app, **extra).start()
     try:
         yield thread, service, recorder
     finally:

@@ -63,15 +63,15 @@ def agent_config(tmp_path, *overrides):
 
 def test_agent_rows_hold_the_recorded_ids_masks_and_rewards(tmp_path, one_torch_thread):
     config = agent_config(tmp_path)
-    run = RLRun(config, outputs=False)
+    run = RLRun(config)
     queue = TransferQueue.local(num_storage_units=1, tasks=["rollout", "train"], timeout=60)
     try:
-        feed_prompts(run, queue, 0)
-        assert run.rollout.run_partition(queue, "step_0", batch_size=8, timeout=60) == 8
-        columns = ["prompt_ids", "response_ids", "rollout_logprobs", "reward", "loss_mask", "agent_prompt_ids"]
+        feed_prompts(queue, 0, run.prompts.next_prompts(2), 4)
+        assert run.runtime.local_rollout.run_partition(queue, "step_0", batch_size=8, timeout=60) == 8
+        columns = ["prompt_ids", "response_ids", "rollout_logprobs", "reward", "loss_mask", "trained_prompt_ids"]
         [batch] = list(queue.loader("step_0", "train", columns, 8, timeout=60))
     finally:
-        run.close_rollout()
+        run.close()
     rows = rollouts_from_batch(batch)
     by_episode = {}
     for index, meta in zip(batch.meta.indices, batch.meta.metadata):
@@ -155,7 +155,7 @@ def test_async_agent_run_checkpoints_its_rows_ahead_and_resumes_them(tmp_path, o
     first = {s["step"]: s for s in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
     state = json.loads((tmp_path / "checkpoints" / "step_2" / "state.json").read_text())
     ahead = {rows["step"]: rows for rows in state["workflow"]["rollouts_ahead"]}  # partitions count from 0
-    assert 2 in ahead and set(ahead[2]["columns"]) == {"loss_mask", "agent_prompt_ids"}
+    assert 2 in ahead and set(ahead[2]["columns"]) == {"loss_mask", "trained_prompt_ids"}
     assert all(m["agent_calls"] == 2 for m in ahead[2]["metadata"])
     for step in (3, 4):
         shutil.rmtree(tmp_path / "checkpoints" / f"step_{step}")

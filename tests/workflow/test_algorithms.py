@@ -12,7 +12,6 @@ import typing
 import pytest
 
 from asyncflow.config import AlgoConfig, ConfigError, build_config
-from asyncflow.workflow.pipeline import make_workflow
 from asyncflow.workflow.run import RLRun
 
 REJECTED = {"advantage": {"gae"}}  # needs a critic, which no training engine trains yet
@@ -31,7 +30,7 @@ def one_step(tmp_path, *overrides: str) -> dict:
         "train.micro_batch_size=4", "eval.every=0", "checkpoint.every=0", "runtime.kind=inline", *overrides,
     ])  # fmt: skip
     run = RLRun(config)
-    return run.train(make_workflow(config, run))[-1]
+    return run.train()[-1]
 
 
 def combinations() -> list[list[str]]:

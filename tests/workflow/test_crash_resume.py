@@ -5,7 +5,7 @@ handed out in data order, so the steps must tile 0..N-1 in order), each step tra
 the same staleness, and the final weights are bit-identical to a run that was never interrupted.
 
 The runs use one rollout replica, one micro-batch per step and no core lending: that makes `stream` and
-`async` (k=1) deterministic (README, "Reliability"). The workers run inline (threads of the driver) to
+`async` (k=1) deterministic (docs/reliability.md). The workers run inline (threads of the driver) to
 keep the tests short; `test_async_ray_driver_killed` does the same with Ray replicas and shared-memory
 weights, and checks that the killed driver's /dev/shm segments are gone once the resumed run starts.
 """

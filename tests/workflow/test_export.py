@@ -17,7 +17,6 @@ from asyncflow.cli import main
 from asyncflow.config import build_config
 from asyncflow.models.loading import load_model, render_prompt
 from asyncflow.models.logprobs import TrainSample, response_logprobs
-from asyncflow.workflow.pipeline import make_workflow
 from asyncflow.workflow.run import RLRun
 
 
@@ -39,7 +38,7 @@ def tiny_run(run_dir, *overrides: str) -> RLRun:
         "runtime.kind=inline", "observe.tensorboard=false", "reward.fns=[test_export:parity_reward]", *overrides,
     ])  # fmt: skip
     run = RLRun(config)
-    run.train(make_workflow(config, run))
+    run.train()
     return run
 
 
@@ -79,7 +78,7 @@ def test_final_export_loads_in_transformers_and_gives_the_trainers_logprobs(trai
     samples = probe_samples(tokenizer)
     exported = logprobs(model, samples)
     assert torch.equal(exported, logprobs(run.train_engine.model, samples))
-    initial = load_model(run.model_path)
+    initial = load_model(run.spec.model_path)
     assert not torch.equal(exported, logprobs(initial, samples)), "training changed nothing: the test proves nothing"
 
 
@@ -114,7 +113,7 @@ def test_lora_run_resumes_exactly_and_exports_the_adapter_and_the_merged_model(t
     cut_run = whole.config.run.model_copy(update={"output_dir": str(tmp_path / "cut")})
     resumed_config = whole.config.model_copy(update={"run": cut_run})  # train.steps=2
     resumed = RLRun(resumed_config, resume=True)
-    resumed.train(make_workflow(resumed_config, resumed))
+    resumed.train()
     final = {name: load_file(str(tmp_path / name / "checkpoints/step_2/model.safetensors")) for name in RUNS}
     assert final["whole"].keys() == final["cut"].keys()
     assert all(torch.equal(final["whole"][k], final["cut"][k]) for k in final["whole"])
@@ -124,12 +123,12 @@ def test_lora_run_resumes_exactly_and_exports_the_adapter_and_the_merged_model(t
     whole.train_engine.model.eval()
     trainer = logprobs(whole.train_engine.model, samples)
     merged = AutoModelForCausalLM.from_pretrained(str(out))
-    plain = load_model(whole.model_path)
+    plain = load_model(whole.spec.model_path)
     plain.load_state_dict(final["whole"])
     assert torch.equal(logprobs(merged, samples), logprobs(plain, samples))  # the checkpoint's merged weights
     torch.testing.assert_close(logprobs(merged, samples), trainer, rtol=0, atol=1e-4)
     adapter_config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert adapter_config["peft_type"] == "LORA" and adapter_config["r"] == 4
-    assert adapter_config["base_model_name_or_path"] == str(whole.model_path.resolve())
-    adapted = peft.PeftModel.from_pretrained(load_model(whole.model_path), str(out / "adapter"))
+    assert adapter_config["base_model_name_or_path"] == str(Path(whole.spec.model_path).resolve())
+    adapted = peft.PeftModel.from_pretrained(load_model(whole.spec.model_path), str(out / "adapter"))
     assert torch.equal(logprobs(adapted, samples), trainer)

@@ -14,7 +14,6 @@ import pytest
 
 from asyncflow.config import build_config
 from asyncflow.engines.fsdp2_train import RankFailedError
-from asyncflow.workflow.pipeline import make_workflow
 from asyncflow.workflow.run import RLRun
 
 STEPS, PROMPTS, GROUP = 5, 4, 4
@@ -39,7 +38,6 @@ def fsdp2_config(tmp_path, *overrides: str):
 def test_sync_rank_killed_then_resumed_trains_every_prompt_once(tmp_path, one_torch_thread):
     config = fsdp2_config(tmp_path, "workflow.mode=sync", "runtime.kind=inline")
     run = RLRun(config)
-    workflow = make_workflow(config, run)
     killed = {}
 
     def kill_rank_after_checkpoint_2():
@@ -51,13 +49,13 @@ def test_sync_rank_killed_then_resumed_trains_every_prompt_once(tmp_path, one_to
     killer = threading.Thread(target=kill_rank_after_checkpoint_2, daemon=True)
     killer.start()
     with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) exited with code -9 during"):
-        run.train(workflow)
+        run.train()
     assert time.monotonic() - killed["at"] < 30, "the run stopped within the timeout"
     assert run.step < STEPS
 
     resumed = RLRun(config, resume=True)
     assert 2 <= resumed.step < STEPS
-    history = resumed.train(make_workflow(config, resumed))
+    history = resumed.train()
     assert resumed.step == STEPS and history[-1]["step"] == STEPS
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows] == list(range(STEPS + 1)), "every step logged once"
@@ -77,7 +75,7 @@ def test_async_on_ray_with_rank_actors(tmp_path, ray_cluster, one_torch_thread):
     )
     run = RLRun(config)
     assert type(run.train_engine.ranks).__name__ == "RayRanks"
-    history = run.train(make_workflow(config, run))
+    history = run.train()
     rows = [h for h in history if "loss" in h]
     assert [h["step"] for h in rows] == [1, 2, 3] and run.version == 3
     assert all(h["rollout/samples"] == PROMPTS * GROUP and 0 <= h["staleness/max"] <= 1 for h in rows)

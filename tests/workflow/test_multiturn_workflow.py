@@ -8,7 +8,6 @@ import pytest
 
 from asyncflow.config import build_config
 from asyncflow.envs import StepResult
-from asyncflow.workflow.pipeline import make_workflow
 from asyncflow.workflow.run import RLRun
 
 
@@ -58,7 +57,7 @@ def check_history(history, mode):
 def test_multiturn_run_inline(tmp_path, mode, one_torch_thread):
     config = multiturn_config(tmp_path, f"workflow.mode={mode}", "runtime.kind=inline")
     run = RLRun(config)
-    check_history(run.train(make_workflow(config, run)), mode)
+    check_history(run.train(), mode)
 
 
 @pytest.mark.slow
@@ -66,4 +65,4 @@ def test_multiturn_run_inline(tmp_path, mode, one_torch_thread):
 def test_multiturn_run_on_ray(tmp_path, mode, ray_cluster, one_torch_thread):
     config = multiturn_config(tmp_path, f"workflow.mode={mode}", "runtime.kind=ray", "runtime.rollout_cpus=0.5")
     run = RLRun(config)
-    check_history(run.train(make_workflow(config, run)), mode)
+    check_history(run.train(), mode)

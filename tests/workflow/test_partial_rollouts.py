@@ -16,7 +16,6 @@ import pytest
 
 from asyncflow.config import ConfigError, build_config
 from asyncflow.engines.torch_inference import TorchInferenceEngine
-from asyncflow.workflow.pipeline import make_workflow
 from asyncflow.workflow.run import RLRun
 
 STEPS, PER_STEP = 4, 16
@@ -31,8 +30,8 @@ class SlowDecodeEngine(TorchInferenceEngine):
         super()._decode(cache, slots)
 
 
-def make_slow_engine(*, model, **kwargs):
-    return SlowDecodeEngine(model, **kwargs)
+def make_slow_engine(*, model_path, **kwargs):
+    return SlowDecodeEngine.from_pretrained(model_path, **kwargs)
 
 
 def partial_config(tmp_path, *overrides: str):
@@ -61,7 +60,7 @@ def test_async_partial_rollouts_inline(tmp_path, caplog):
     config = partial_config(tmp_path, "runtime.kind=inline", "algo.mismatch_correction=token_tis")
     run = RLRun(config)
     with caplog.at_level(logging.INFO, logger="asyncflow.progress"):
-        history = run.train(make_workflow(config, run))
+        history = run.train()
     check_partial_run(history, run)
     last = [r.getMessage() for r in caplog.records if r.name == "asyncflow.progress"][-1]
     assert all(f"{label} " in last for label in ("mismatch", "corrected", "stale", "spanning")), last
@@ -73,7 +72,7 @@ def test_async_partial_rollouts_inline(tmp_path, caplog):
 def test_async_partial_rollouts_on_ray(tmp_path, ray_cluster):
     config = partial_config(tmp_path, "runtime.kind=ray", "runtime.rollout_cpus=0.5")
     run = RLRun(config)
-    history = run.train(make_workflow(config, run))
+    history = run.train()
     check_partial_run(history, run)
 
 
@@ -83,7 +82,7 @@ def test_resume_needs_an_engine_that_updates_in_flight(tmp_path):
 
     from asyncflow.engines.base import register_inference_engine
 
-    register_inference_engine("test_finish_only")(lambda *, model, **kw: FinishOnly(model, **kw))
+    register_inference_engine("test_finish_only")(FinishOnly.from_pretrained)
     with pytest.raises(ValueError, match="on_weight_update=resume needs an inference engine.*FinishOnly does not"):
         RLRun(partial_config(tmp_path, "rollout.engine=test_finish_only", "runtime.kind=inline"))
     with pytest.raises(ConfigError, match="rollout.on_weight_update"):

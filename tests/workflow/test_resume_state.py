@@ -7,7 +7,6 @@ does not grow over a run)."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -130,7 +129,8 @@ class ScoringReplicas:
 
 def test_trained_partitions_are_cleared_when_replicas_score_their_own_rows(tmp_path):
     config = build_config({}, [f"run.output_dir={tmp_path}", "workflow.mode=async"])
-    workflow = PipelineWorkflow(SimpleNamespace(config=config), ScoringReplicas())
+    workflow = PipelineWorkflow(config, runtime=ScoringReplicas(), trainer=None, prompts=None, policy_weights=dict,
+                                rewards=None, timeline=None, scores_rows=False)
     queue = workflow.queue
     feed(queue)
     generate(queue, scored=True)

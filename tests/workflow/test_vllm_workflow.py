@@ -6,7 +6,6 @@ the same engine runs inside the rollout replica (checked by the runs recorded in
 import pytest
 
 from asyncflow.config import build_config
-from asyncflow.workflow.pipeline import make_workflow
 from asyncflow.workflow.run import RLRun
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]  # two engine starts, ~30 CPU-s each
@@ -23,19 +22,50 @@ def vllm_config(tmp_path, *overrides: str):
 
 
 def test_sync_inline(tmp_path):
-    config = vllm_config(tmp_path, "train.steps=3", "workflow.mode=sync", "runtime.kind=inline")
-    run = RLRun(config)
+    """Weights by the collective path; after each step's update vLLM's greedy output is the trainer's."""
+    config = vllm_config(
+        tmp_path, "train.steps=3", "workflow.mode=sync", "runtime.kind=inline",
+        "rollout.vllm_weight_transfer=collective",
+    )
+    checked = []
+
+    def check_engine(row):  # before train() closes the engine; compared where it holds the trainer's version
+        engine = run.runtime.local_rollout.engine
+        if "loss" in row and engine.weight_version == run.state.version:
+            assert_greedy_equals_the_trainers(run, engine)
+            checked.append(run.state.version)
+
+    run = RLRun(config, on_step=check_engine)
     try:
-        assert type(run.inference_engine).__name__ == "VLLMInferenceEngine"
-        history = run.train(make_workflow(config, run))
+        assert type(run.runtime.local_rollout.engine).__name__ == "VLLMInferenceEngine"
+        history = run.train()
         rows = [h for h in history if "staleness/max" in h]
         assert [h["staleness/max"] for h in rows] == [0.0, 0.0, 0.0]
         assert all(h["rollout/samples"] == 16 for h in rows)
-        assert run.inference_engine.weight_version == run.version == 3  # each new version reached vLLM
+        engine = run.runtime.local_rollout.engine
+        assert engine.weight_version == run.version == 3  # each new version reached vLLM
+        assert engine.weight_transfer == "collective"
+        assert checked, "vLLM never held the trainer's newest version when a step was logged"
     finally:
-        run.inference_engine.shutdown()
-        if run.eval_engine is not None:
-            run.eval_engine.shutdown()
+        run.close()  # idempotent: train() closes the engines too
+
+
+def assert_greedy_equals_the_trainers(run, engine) -> None:
+    """vLLM's greedy responses are those of the trainer's current weights (the built-in torch engine on them)."""
+    import random
+
+    from asyncflow.engines.base import GenerationRequest, SamplingParams
+    from asyncflow.engines.torch_inference import TorchInferenceEngine
+    from asyncflow.models.loading import load_model
+
+    trainer_model = load_model(run.spec.model_path).eval()
+    trainer_model.load_state_dict(run.train_engine.state_dict())
+    rng = random.Random(0)
+    requests = [GenerationRequest(i, [1] + [rng.randrange(3, 98) for _ in range(12)]) for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    got = {c.request_id: c.response_ids for c in engine.generate(requests, params)}
+    want = {c.request_id: c.response_ids for c in TorchInferenceEngine(trainer_model).generate(requests, params)}
+    assert got == want
 
 
 def test_async_k1(tmp_path):
@@ -44,12 +74,11 @@ def test_async_k1(tmp_path):
     )
     run = RLRun(config)
     try:
-        history = run.train(make_workflow(config, run))
-        assert run.inference_engine.weight_version >= 2  # swapped in by the rollout thread: partition 3 needs >= 2
+        history = run.train()
+        # swapped in by the rollout thread: partition 3 needs >= 2
+        assert run.runtime.local_rollout.engine.weight_version >= 2
     finally:
-        run.inference_engine.shutdown()
-        if run.eval_engine is not None:
-            run.eval_engine.shutdown()
+        run.close()  # idempotent: train() closes the engines too
     rows = [h for h in history if "staleness/max" in h]
     assert len(rows) == 4 and all(0 <= h["staleness/max"] <= 1 for h in rows)
     assert max(h["staleness/max"] for h in rows) == 1, "rollout never ran ahead of training"
@@ -66,12 +95,10 @@ def test_multiturn_sync(tmp_path):
     )
     run = RLRun(config)
     try:
-        assert type(run.inference_engine).__name__ == "VLLMInferenceEngine"
-        history = run.train(make_workflow(config, run))
+        assert type(run.runtime.local_rollout.engine).__name__ == "VLLMInferenceEngine"
+        history = run.train()
     finally:
-        run.inference_engine.shutdown()
-        if run.eval_engine is not None:
-            run.eval_engine.shutdown()
+        run.close()  # idempotent: train() closes the engines too
     steps = [h for h in history if "loss" in h]
     assert len(steps) == 2
     for h in steps:

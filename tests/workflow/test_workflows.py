@@ -25,7 +25,6 @@ from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.models.loading import load_model
 from asyncflow.transfer import GroupSampler, TransferQueue
 from asyncflow.workers.trainer import PolicyTrainer
-from asyncflow.workflow.pipeline import make_workflow
 from asyncflow.workflow.run import RLRun
 
 GROUP, GROUPS, MAX_NEW = 4, 6, 12
@@ -124,8 +123,8 @@ class JitteryEngine(TorchInferenceEngine):
 
 
 @register_inference_engine("test_jittery_torch")
-def make_jittery_engine(*, model, **kwargs):
-    return JitteryEngine(model, **kwargs)
+def make_jittery_engine(*, model_path, **kwargs):
+    return JitteryEngine.from_pretrained(model_path, **kwargs)
 
 
 def jittery_reward(completion: str, ground_truth: str, **metadata) -> float:
@@ -157,7 +156,7 @@ def test_async_respects_staleness_bound_under_random_delays(tmp_path, k):
         "rollout.engine=test_jittery_torch", "reward.fns=[test_workflows:jittery_reward]",
     )
     run = RLRun(config)
-    history = run.train(make_workflow(config, run))  # raises StalenessError if any trained row breaks the bound
+    history = run.train()  # raises StalenessError if any trained row breaks the bound
     rows = [h for h in history if "staleness/max" in h]
     assert len(rows) == steps
     assert all(0 <= h["staleness/max"] <= k for h in rows)
@@ -171,12 +170,12 @@ def test_async_respects_staleness_bound_under_random_delays(tmp_path, k):
 def test_on_policy_modes_train_fresh_rows(tmp_path, mode):
     config = short_config(tmp_path, "train.steps=3", f"workflow.mode={mode}")
     run = RLRun(config)
-    history = run.train(make_workflow(config, run))
+    history = run.train()
     assert [h["staleness/max"] for h in history if "staleness/max" in h] == [0.0, 0.0, 0.0]
 
 
 # ---------------------------------------------------------------- faults on the Ray runtime
-def kill_replica_at_step(ray_cluster, run, workflow, step: int, *, restart: bool) -> tuple[threading.Thread, dict]:
+def kill_replica_at_step(ray_cluster, run, step: int, *, restart: bool) -> tuple[threading.Thread, dict]:
     """Kill replica `rollout_0` from a thread once `run` reaches `step`; the dict gets the kill's wall time as "at"."""
     killed = {}
 
@@ -184,7 +183,7 @@ def kill_replica_at_step(ray_cluster, run, workflow, step: int, *, restart: bool
         while run.step < step:
             time.sleep(0.05)
         killed["at"] = time.time()
-        ray_cluster.kill(workflow.runtime.actors["rollout_0"], no_restart=not restart)
+        ray_cluster.kill(run.runtime.actors["rollout_0"], no_restart=not restart)
 
     thread = threading.Thread(target=kill, daemon=True)
     thread.start()
@@ -200,12 +199,11 @@ def test_killed_rollout_replica_is_restarted_and_no_row_is_lost(tmp_path, ray_cl
         "rollout.max_new_tokens=24", "reward.fns=[test_workflows:flaky_reward]",
     )
     run = RLRun(config)
-    workflow = make_workflow(config, run)
-    killer, killed = kill_replica_at_step(ray_cluster, run, workflow, 2, restart=True)
-    history = run.train(workflow)
+    killer, killed = kill_replica_at_step(ray_cluster, run, 2, restart=True)
+    history = run.train()
     killer.join(10)
     assert killed, "the replica was never killed"
-    assert workflow.runtime.restarts >= 1
+    assert run.runtime.restarts >= 1
     trained = [h["rollout/samples"] for h in history if "rollout/samples" in h]
     assert trained == [per_step] * steps, "every step trains all of its rows exactly once"
     events = run.timeline.events
@@ -224,10 +222,9 @@ def test_replica_past_its_restarts_fails_the_run_at_once(tmp_path, ray_cluster):
         "runtime.call_timeout_s=120",
     )
     run = RLRun(config)
-    workflow = make_workflow(config, run)
-    _, killed = kill_replica_at_step(ray_cluster, run, workflow, 2, restart=False)
+    _, killed = kill_replica_at_step(ray_cluster, run, 2, restart=False)
     with pytest.raises(RuntimeError, match=r"rollout replicas died 1 times \(runtime.max_restarts\)"):
-        run.train(workflow)
+        run.train()
     assert time.time() - killed["at"] < 15, "the trainer stops waiting for rows as soon as the replica is gone"
 
 
@@ -240,10 +237,9 @@ def test_torch_distributed_weight_sync_runs_and_refuses_a_restarted_replica(tmp_
         "runtime.weight_sync=torch_distributed", "runtime.max_restarts=2", "runtime.call_timeout_s=120",
     )
     run = RLRun(config)
-    workflow = make_workflow(config, run)
-    _, killed = kill_replica_at_step(ray_cluster, run, workflow, 3, restart=True)
+    _, killed = kill_replica_at_step(ray_cluster, run, 3, restart=True)
     with pytest.raises(RuntimeError, match="torch_distributed cannot take a restarted replica back.*shared_memory"):
-        run.train(workflow)
+        run.train()
     assert time.time() - killed["at"] < 15
     # with k=1, partition 2 could only be generated with version >= 1: it came over gloo
     assert run.step >= 3
@@ -258,7 +254,7 @@ def test_separated_stream_trainer_borrows_the_waiting_replicas_core(tmp_path, ra
     )
     before = torch.get_num_threads()
     run = RLRun(config)
-    history = run.train(make_workflow(config, run))
+    history = run.train()
     assert [h["staleness/max"] for h in history if "staleness/max" in h] == [0.0] * 4, "every replica is on-policy"
     threads = [e["args"]["threads"] for e in run.timeline.events if e["name"] == "train_micro_batch"]
     assert len(threads) == 4 * 4

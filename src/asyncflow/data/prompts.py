@@ -2,10 +2,12 @@
 
 Owns: `TrainSet` (examples in a resumable, seed-determined order), `open_datasets` (built-in task or
 files -> a `TrainSet` and the held-out list), `Prompt` (one tokenized prompt of a run) and
-`PromptEncoder` (example -> `Prompt`, with the long-prompt policy).
+`PromptEncoder` (example -> `Prompt`, with the long-prompt policy) and `PromptSource` (the run's next
+prompts and the data cursor that names where they come from).
 
 Invariant: the order of training prompts is a pure function of (seed, position), so a run
-resumed at data position P sees exactly the prompts the uninterrupted run would have seen.
+resumed at data position P sees exactly the prompts the uninterrupted run would have seen; restoring a
+`PromptSource.cursor()` makes `next_prompts` repeat itself exactly.
 """
 
 from __future__ import annotations
@@ -93,3 +95,48 @@ class PromptEncoder:
             self.skipped += 1
             return None
         return Prompt(group_id, ids, example.answer, dict(example.metadata))
+
+
+class PromptSource:
+    """The run's training prompts in seed order: `next_prompts(n)` encodes the next `n` (skipping and counting
+    long ones), giving each a new group id. `keep_text` puts the prompt's text in its metadata (`"prompt"`: an
+    agent starts from the text, not the ids)."""
+
+    def __init__(self, train_set: TrainSet, encoder: PromptEncoder, *, keep_text: bool = False):
+        self.train_set = train_set
+        self.encoder = encoder
+        self.keep_text = keep_text
+        self.position = 0
+        self.next_group_id = 0
+
+    def cursor(self) -> dict:
+        """Where the next prompt comes from (checkpointed)."""
+        return {"data_position": self.position, "next_group_id": self.next_group_id,
+                "skipped_long_prompts": self.encoder.skipped}
+
+    def restore(self, cursor: dict) -> None:
+        self.position = cursor["data_position"]
+        self.next_group_id = cursor["next_group_id"]
+        self.encoder.skipped = cursor.get("skipped_long_prompts", 0)
+
+    def next_prompts(self, n: int) -> list[Prompt]:
+        prompts: list[Prompt] = []
+        skipped_in_a_row = 0
+        while len(prompts) < n:
+            example = self.train_set.at(self.position)
+            self.position += 1
+            prompt = self.encoder.encode(example, self.next_group_id)
+            if prompt is None:
+                skipped_in_a_row += 1
+                if skipped_in_a_row >= len(self.train_set.examples):
+                    raise ValueError(
+                        f"every training prompt is longer than data.max_prompt_tokens={self.encoder.max_tokens} "
+                        "tokens: nothing left to train on (raise data.max_prompt_tokens)"
+                    )
+                continue
+            if self.keep_text:
+                prompt.metadata["prompt"] = example.prompt
+            prompts.append(prompt)
+            self.next_group_id += 1
+            skipped_in_a_row = 0
+        return prompts

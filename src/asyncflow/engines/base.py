@@ -12,6 +12,8 @@ Invariants:
   not request order), so downstream stages can start on the first finished group.
 - An engine with a true `streams_tokens` attribute calls a request's `on_tokens` with its tokens as they are
   sampled: every response token exactly once, in order, all before its `Completion` is yielded.
+- Optional abilities are declared in the protocols, with their defaults in one place (`InferenceEngineBase`,
+  `TrainEngineBase`); callers read them as attributes, never probe for them.
 """
 
 from __future__ import annotations
@@ -111,10 +113,15 @@ class Transcript:
 
 @runtime_checkable
 class InferenceEngine(Protocol):
-    """`weight_version`: the version tokens are sampled with now. Optional capability attributes (absent =
-    False): `updates_in_flight` (see `update_weights`), `streams_tokens` (see `GenerationRequest.on_tokens`)."""
+    """`weight_version`: the version tokens are sampled with now. Abilities (defaults in `InferenceEngineBase`):
+    `updates_in_flight` (see `update_weights`), `streams_tokens` (see `GenerationRequest.on_tokens`), `generator`
+    (the `torch.Generator` sampling draws from, whose state checkpoints keep; None: sampling is not resumable
+    bit for bit), `close()` (free the engine's processes and memory)."""
 
     weight_version: int
+    updates_in_flight: bool
+    streams_tokens: bool
+    generator: torch.Generator | None
 
     def generate(self, requests: Iterable[GenerationRequest], params: SamplingParams) -> Iterator[Completion]:
         """Generate for every request, yielding completions as they finish.
@@ -135,6 +142,20 @@ class InferenceEngine(Protocol):
         version sampled each token (`Completion.token_versions`). Without it, callers change weights only
         between `generate` calls."""
         ...
+
+    def close(self) -> None: ...
+
+
+class InferenceEngineBase:
+    """The defaults of `InferenceEngine`'s abilities: an adapter subclasses this and sets what it can do."""
+
+    weight_version: int = 0
+    updates_in_flight: bool = False
+    streams_tokens: bool = False
+    generator: torch.Generator | None = None
+
+    def close(self) -> None:
+        """Nothing to free by default."""
 
 
 @runtime_checkable
@@ -173,6 +194,17 @@ class TrainEngine(Protocol):
     def load_checkpoint(self, weights: Mapping[str, torch.Tensor], training_state: dict) -> None:
         """Restore a checkpoint written from `state_dict()` and `training_state()` (resume)."""
         ...
+
+    def close(self) -> None:
+        """Stop what the engine started (a multi-rank engine's ranks)."""
+        ...
+
+
+class TrainEngineBase:
+    """The defaults of `TrainEngine`'s optional parts."""
+
+    def close(self) -> None:
+        """Nothing to stop by default."""
 
 
 @runtime_checkable
@@ -216,9 +248,21 @@ def _lookup(registry: dict, kind: str, name: str):
     return registry[name]
 
 
+def _checked(engine, protocol: type, base: type, name: str):
+    if not isinstance(engine, protocol):
+        members = set(protocol.__annotations__) | {n for n, v in vars(protocol).items()
+                                                   if callable(v) and not n.startswith("_")}
+        missing = [m for m in members if not hasattr(engine, m)]
+        raise TypeError(f"engine {name!r} ({type(engine).__name__}) lacks {', '.join(sorted(missing))} of "
+                        f"{protocol.__name__}: subclass asyncflow.engines.base.{base.__name__} for the defaults")
+    return engine
+
+
 def make_inference_engine(name: str, **kwargs) -> InferenceEngine:
-    return _lookup(INFERENCE_ENGINES, "inference", name)(**kwargs)
+    engine = _lookup(INFERENCE_ENGINES, "inference", name)(**kwargs)
+    return _checked(engine, InferenceEngine, InferenceEngineBase, name)
 
 
 def make_train_engine(name: str, **kwargs) -> TrainEngine:
-    return _lookup(TRAIN_ENGINES, "train", name)(**kwargs)
+    engine = _lookup(TRAIN_ENGINES, "train", name)(**kwargs)
+    return _checked(engine, TrainEngine, TrainEngineBase, name)

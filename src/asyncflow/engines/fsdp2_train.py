@@ -3,7 +3,8 @@
 
 Owns: the driver-side `FSDP2TrainEngine` (implements `TrainEngine`), the rank-side `RankTrainer`
 (one per rank, the same code whether the ranks are torch multiprocessing processes or Ray actors),
-`ProcessRanks` (the processes launcher and its command loop), the split of a micro-batch over the
+the `RankGroup` / `Launcher` interface through which a runtime starts the ranks (as local processes:
+`asyncflow.runtime.inline`; as Ray actors: `asyncflow.runtime.ray_runtime`), the split of a micro-batch over the
 ranks (`assign_rows`), the full state dict gathered to rank 0 for weight sync, and the sharded
 checkpoint (torch.distributed.checkpoint) of weights and optimizer.
 
@@ -26,6 +27,9 @@ Invariants:
   next `optimizer_step` or load); rank 0 packs it into buckets (`asyncflow.weights.buckets`).
 - Sharded checkpoints (`save_sharded` / `load_sharded`) hold every rank's weights and optimizer
   state; DCP reshards them on load, so a checkpoint resumes with another `world_size` too.
+- `precision="bf16"` is FSDP2's `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: each unit's
+  all-gathered parameters and its compute are bfloat16, gradients are reduced in float32 into float32
+  shards, and AdamW steps float32 master weights; the full state dict is float32.
 """
 
 from __future__ import annotations
@@ -34,8 +38,6 @@ import logging
 import math
 import os
 import socket
-import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -44,9 +46,10 @@ from typing import Any, Protocol
 
 import torch
 
-from asyncflow.engines.base import RowLoss, register_train_engine
-from asyncflow.engines.torch_train import lr_lambda
+from asyncflow.engines.base import RowLoss, TrainEngineBase, register_train_engine
+from asyncflow.engines.torch_train import check_precision, enable_activation_checkpointing, lr_lambda
 from asyncflow.models.logprobs import TrainSample
+from asyncflow.transfer.samplers import karmarkar_karp
 from asyncflow.weights.buckets import (
     DEFAULT_BUCKET_BYTES,
     Manifest,
@@ -58,8 +61,6 @@ from asyncflow.weights.buckets import (
 )
 
 log = logging.getLogger(__name__)
-POLL_S = 0.05
-ROOT_CAUSE_WAIT_S = 3.0  # after a rank reports an error, how long to look for a rank that died (the cause)
 
 
 class RankFailedError(ChildProcessError):
@@ -74,8 +75,9 @@ def assign_rows(samples: Sequence[TrainSample], world: int, *, keep_groups: bool
 
     Units are the runs of consecutive rows sharing a `group_id` when `keep_groups` (shared-prompt packing
     runs a group's prompt once, so a unit costs `P + sum R` tokens) and single rows otherwise (`P + R`).
-    Greedy longest-processing-time: the costliest unit goes to the least loaded rank. With fewer groups
-    than ranks the rows are split individually, so every rank has work whenever there are `world` rows."""
+    The units are split by the Karmarkar-Karp largest differencing method (`transfer.samplers.karmarkar_karp`).
+    With fewer groups than ranks the rows are split individually, so every rank has work whenever there are
+    `world` rows."""
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     units: list[list[int]] = []
@@ -90,13 +92,8 @@ def assign_rows(samples: Sequence[TrainSample], world: int, *, keep_groups: bool
     def cost(unit: list[int]) -> int:
         return len(samples[unit[0]].prompt_ids) + sum(len(samples[i].response_ids) for i in unit)
 
-    loads = [0] * world
-    shares: list[list[int]] = [[] for _ in range(world)]
-    for unit in sorted(units, key=lambda u: (-cost(u), u[0])):
-        rank = min(range(world), key=lambda r: (loads[r], r))
-        loads[rank] += cost(unit)
-        shares[rank].extend(unit)
-    return [sorted(share) for share in shares]
+    parts = karmarkar_karp([cost(unit) for unit in units], world)
+    return [sorted(i for u in part for i in units[u]) for part in parts]
 
 
 # ------------------------------------------------------------------------------------------- one rank
@@ -119,6 +116,18 @@ class RankSpec:
     threads: int = 1
     timeout_s: float = 600.0
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    precision: str = "fp32"  # "fp32" or "bf16" (mixed: bf16 compute, fp32 reduce and master weights)
+    activation_checkpointing: bool = False
+
+
+def mixed_precision_options(precision: str) -> dict:
+    """`fully_shard` keyword arguments for `train.precision`: bf16 parameters in forward/backward, float32 gradient
+    reduction (the shards, and so AdamW's master weights, stay float32); none for fp32."""
+    if precision != "bf16":
+        return {}
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
 
 
 def shard_model(model: torch.nn.Module, mesh, **options) -> torch.nn.Module:
@@ -162,14 +171,18 @@ class RankTrainer:
         )
         self.mesh = init_device_mesh(self.device.type, (world,))
         policy = load_model(spec.model_path, dtype=spec.dtype, device="cpu")
+        check_precision(spec.precision, policy)
         reference = make_reference(policy) if spec.use_reference else None
-        self.model = shard_model(policy, self.mesh)
+        if spec.activation_checkpointing:  # before sharding
+            enable_activation_checkpointing(policy, spec.packing)
+        precision = mixed_precision_options(spec.precision)
+        self.model = shard_model(policy, self.mesh, **precision)
         for module in self.model.modules():  # the ranks' gradient sums add up; the driver normalises them
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
                 module.set_gradient_divide_factor(1.0)
         self.model.train()
-        self.reference = shard_model(reference, self.mesh) if reference is not None else None
+        self.reference = shard_model(reference, self.mesh, **precision) if reference is not None else None
         # The optimizer is built after sharding: over the DTensor shards (built before, it would not train).
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=spec.lr, betas=spec.betas,
@@ -200,6 +213,16 @@ class RankTrainer:
             self.nonfinite = True  # still backpropagated: every rank must run the same reduce-scatters
         loss.backward()
         return {**stats, "loss": float(loss.detach())}
+
+    @torch.no_grad()
+    def logprobs(self, samples: list[TrainSample], temperature: float) -> torch.Tensor:
+        """Policy log-probs `[n, L]` (float32, on CPU) of this rank's rows, without gradient; a rank with no rows runs
+        the dummy row (every rank must join the forward's all-gathers) and returns `[0, 0]`."""
+        from asyncflow.models.tri_model import tri_model_logprobs
+
+        out = tri_model_logprobs(self.model, samples or [TrainSample([0], [0])], reference=None, old_policy=None,
+                                 packing=self.spec.packing, temperature=temperature)
+        return out.policy.logprobs.cpu() if samples else torch.zeros(0, 0)
 
     def step(self, grad_scale: float) -> dict[str, float]:
         """Scale the summed gradient shards, clip by the global norm, step (all ranks skip together)."""
@@ -295,7 +318,10 @@ class RankTrainer:
 
 # ------------------------------------------------------------------------------------------- launchers
 class RankGroup(Protocol):
-    """N ranks running `RankTrainer`s; `call` runs one method on every rank at once."""
+    """N ranks running `RankTrainer`s; `call` runs one method on every rank at once. `shares_memory`: tensors in
+    results arrive in memory the ranks keep sharing (views valid until the version after next), not copies."""
+
+    shares_memory: bool
 
     def call(self, method: str, args: Sequence[tuple], timeout: float) -> list[Any]:
         """`getattr(rank_r, method)(*args[r])` on every rank r; -> the results in rank order. Raises
@@ -311,155 +337,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, spec: RankSpec, conn) -> None:
-    """A rank process: build the `RankTrainer`, then answer (method, args) messages until `None` or EOF."""
-    try:
-        trainer = RankTrainer(rank, world, "127.0.0.1", port, spec)
-        conn.send(("ok", None))
-    except BaseException as err:  # noqa: BLE001 - reported to the driver, which raises it
-        conn.send(("error", _describe(err), traceback.format_exc()))
-        return
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):  # the driver is gone
-            break
-        if message is None:
-            break
-        method, args = message
-        try:
-            conn.send(("ok", getattr(trainer, method)(*args)))
-        except BaseException as err:  # noqa: BLE001
-            conn.send(("error", _describe(err), traceback.format_exc()))
-    trainer.shutdown()
-
-
-def _describe(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0] if lines else ''}"
-
-
-# Imported once by the fork server: each rank then starts in well under a second instead of importing torch and
-# transformers itself (20+ s on a loaded 2-core machine), and forks from a process that runs no threads.
-FORKSERVER_PRELOAD = ["asyncflow.engines", "asyncflow.models.loading", "torch.distributed.fsdp",
-                      "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict"]
-
-
-class ProcessRanks:
-    """The ranks as torch multiprocessing processes on this machine (forked by the fork server), each answering
-    over a pipe. Tensors in messages travel through shared memory (torch's reductions)."""
-
-    def __init__(self, world: int, spec: RankSpec, timeout: float):
-        import torch.multiprocessing as mp
-
-        context = mp.get_context("forkserver")
-        context.set_forkserver_preload(FORKSERVER_PRELOAD)
-        port = free_port()
-        self.conns, self.processes = [], []
-        for rank in range(world):
-            parent, child = context.Pipe()
-            process = context.Process(
-                target=_rank_main, args=(rank, world, port, spec, child), name=f"fsdp2-rank{rank}", daemon=True
-            )
-            process.start()
-            child.close()
-            self.conns.append(parent)
-            self.processes.append(process)
-        try:
-            self._collect("start", timeout)
-        except BaseException:
-            self.close()
-            raise
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
-
-    def call(self, method: str, args: Sequence[tuple], timeout: float) -> list[Any]:
-        for conn, rank_args in zip(self.conns, args, strict=True):
-            try:
-                conn.send((method, rank_args))
-            except (BrokenPipeError, OSError):
-                pass  # the rank is gone: `_collect` names it
-        return self._collect(method, timeout)
-
-    def _collect(self, method: str, timeout: float) -> list[Any]:
-        deadline = time.monotonic() + timeout
-        results: dict[int, Any] = {}
-        while len(results) < len(self.conns):
-            for rank, conn in enumerate(self.conns):
-                if rank in results:
-                    continue
-                if conn.poll(POLL_S / len(self.conns)):
-                    try:
-                        reply = conn.recv()
-                    except (EOFError, OSError):
-                        self._fail(rank, method, None)
-                    if reply[0] == "error":
-                        log.debug("fsdp2 rank %d failed in %s:\n%s", rank, method, reply[2])
-                        self._fail(rank, method, f"failed: {reply[1]}")
-                    results[rank] = reply[1]
-                elif self.processes[rank].exitcode is not None:
-                    self._fail(rank, method, None)
-            if len(results) < len(self.conns) and time.monotonic() > deadline:
-                waiting = [r for r in range(len(self.conns)) if r not in results]
-                self.close()
-                raise RankFailedError(
-                    f"train.engine=fsdp2: rank(s) {waiting} did not finish {method} within {timeout:.0f} s "
-                    "(runtime.call_timeout_s); the ranks were stopped"
-                )
-        return [results[r] for r in range(len(self.conns))]
-
-    def _fail(self, rank: int, method: str, error: str | None) -> None:
-        """Stop the ranks and raise for `rank`, which reported `error` (None: it died or closed its pipe). A rank
-        killed meanwhile is named instead: a dead peer makes the others' collectives fail, it is the cause."""
-        deadline = time.monotonic() + ROOT_CAUSE_WAIT_S
-        while time.monotonic() < deadline:
-            killed = [r for r, p in enumerate(self.processes) if p.exitcode not in (None, 0)]
-            if killed:
-                rank = rank if rank in killed else killed[0]
-                error = f"exited with code {self.processes[rank].exitcode}"
-                break
-            if error is None and self.processes[rank].exitcode is not None:
-                break
-            time.sleep(POLL_S)
-        pid = self.processes[rank].pid
-        error = error or f"exited with code {self.processes[rank].exitcode}"
-        self.close()
-        raise RankFailedError(
-            f"train.engine=fsdp2: rank {rank} (pid {pid}) {error} during {method}; the other ranks were stopped "
-            "(resume the run from its last checkpoint with --resume)"
-        )
-
-    def close(self) -> None:
-        for conn in self.conns:
-            try:
-                conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-        for process in self.processes:
-            process.join(timeout=5.0)
-            if process.is_alive():
-                process.terminate()
-                process.join(timeout=5.0)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5.0)
-        for conn in self.conns:
-            conn.close()
-        self.conns, self.processes = [], []
-
-
 Launcher = Callable[[int, RankSpec, float], RankGroup]  # (world_size, spec, timeout) -> the started ranks
 
 
 # ------------------------------------------------------------------------------------------- the driver
 @register_train_engine("fsdp2")
 @dataclass(eq=False)
-class FSDP2TrainEngine:
+class FSDP2TrainEngine(TrainEngineBase):
     """`TrainEngine` over `world_size` FSDP2 ranks (see the module docstring). `model` (the driver's copy of the
     policy) gives the device; the ranks load the weights from `model_path` through the normal loading code.
-    `launcher`: `"processes"` (torch multiprocessing on this machine) or a `Launcher` (the Ray runtime's)."""
+    `launcher`: the runtime's `Launcher` that starts the ranks."""
 
     model: torch.nn.Module | None = None
     model_path: str | Path | None = None
@@ -474,10 +361,12 @@ class FSDP2TrainEngine:
     use_reference: bool = False
     packing: str = "auto"
     dtype: str = "float32"
-    launcher: str | Launcher = "processes"
+    launcher: Launcher | None = None
     timeout_s: float = 600.0
     threads_per_rank: int | None = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    precision: str = "fp32"
+    activation_checkpointing: bool = False
     ranks: RankGroup = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -487,6 +376,10 @@ class FSDP2TrainEngine:
             raise ValueError(f"train.world_size must be >= 1, got {self.world_size}")
         if self.packing not in ("auto", "on", "off"):
             raise ValueError(f"packing must be 'auto', 'on' or 'off', got {self.packing!r}")
+        check_precision(self.precision)
+        if self.precision == "bf16" and self.dtype != "float32":
+            raise ValueError(f"train.precision=bf16 keeps float32 master weights: set model.dtype=float32 "
+                             f"(got {self.dtype})")
         device = next(self.model.parameters()).device if self.model is not None else torch.device("cpu")
         self.model = None  # the ranks hold the policy; the driver keeps no reference to its copy
         threads = self.threads_per_rank or max(1, torch.get_num_threads() // self.world_size)
@@ -495,11 +388,13 @@ class FSDP2TrainEngine:
             weight_decay=self.weight_decay, betas=tuple(self.betas), grad_clip=self.grad_clip,
             lr_schedule=self.lr_schedule, warmup_steps=self.warmup_steps, total_steps=self.total_steps,
             use_reference=self.use_reference, packing=self.packing, threads=threads, timeout_s=self.timeout_s,
-            bucket_bytes=self.bucket_bytes,
+            bucket_bytes=self.bucket_bytes, precision=self.precision,
+            activation_checkpointing=self.activation_checkpointing,
         )
-        self.shared_payload = self.launcher == "processes"
-        launch = ProcessRanks if self.launcher == "processes" else self.launcher
-        self.ranks = launch(self.world_size, spec, self.timeout_s)
+        if self.launcher is None:
+            raise ValueError("train.engine=fsdp2 needs a launcher for its ranks (a runtime's: "
+                             "asyncflow.runtime.inline.ProcessRanks or the Ray runtime's)")
+        self.ranks = self.launcher(self.world_size, spec, self.timeout_s)
         self._weights: dict[str, torch.Tensor] | None = None
 
     device = torch.device("cpu")  # where the trainer builds a micro-batch's loss tensors; ranks move them
@@ -520,6 +415,18 @@ class FSDP2TrainEngine:
                 stats[key] = stats.get(key, 0.0) + value
         return stats
 
+    def logprobs(self, samples: list[TrainSample], *, temperature: float = 1.0) -> torch.Tensor:
+        """Policy log-probs `[N, L]` of `samples` without gradient (rows split over the ranks as in training)."""
+        shares = assign_rows(samples, self.world_size, keep_groups=self.packing != "off")
+        parts = self.ranks.call("logprobs", [([samples[i] for i in rows], temperature) for rows in shares],
+                                self.timeout_s)
+        width = max((len(s.response_ids) for s in samples), default=0)
+        out = torch.zeros(len(samples), width)
+        for rows, part in zip(shares, parts, strict=True):
+            for k, i in enumerate(rows):
+                out[i, : part.shape[1]] = part[k, :width]
+        return out
+
     def optimizer_step(self, grad_scale: float = 1.0) -> dict[str, float]:
         self._weights = None
         return self._all("step", grad_scale)[0]
@@ -527,10 +434,10 @@ class FSDP2TrainEngine:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full policy weights, gathered to rank 0 once per version (cached until the next step or load)."""
         if self._weights is None:
-            manifest, payload = self._all("full_weights", self.shared_payload)[0]
+            manifest, payload = self._all("full_weights", self.ranks.shares_memory)[0]
             # Shared: views of the rank's payload, valid until the version after next (every consumer copies
             # what it keeps: publish, update_weights, checkpoints). Otherwise a copy of what the launcher returned.
-            owned = payload if self.shared_payload else payload.clone()
+            owned = payload if self.ranks.shares_memory else payload.clone()
             self._weights = unpack(manifest, bucket_views(manifest, owned))
         return self._weights
 

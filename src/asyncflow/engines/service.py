@@ -7,7 +7,9 @@ batching: a new request joins the running batch as soon as the engine has a free
 
 Invariants:
 - Each `submit` resolves exactly once: with its `Completion`, or with the error that stopped the loop
-  (later submits then raise `EngineServiceError` at once).
+  (later submits then raise `EngineServiceError` at once). With `restart_on_error=True` (a server) an engine
+  error fails only the requests in flight at that moment; the loop starts a fresh `generate` and later
+  submits are served (`engine_failures` and `last_error` say what happened; `healthy` stays true).
 - `update_weights` lets every in-flight request finish on the old weights ("finish" semantics), swaps
   the weights while no `generate` is open, then resumes; requests submitted meanwhile wait, and every
   completion's `weight_version` is the version that generated it.
@@ -40,9 +42,13 @@ class EngineServiceError(RuntimeError):
 
 
 class EngineService:
-    def __init__(self, engine: InferenceEngine, params: SamplingParams, *, name: str = "engine-service"):
+    def __init__(self, engine: InferenceEngine, params: SamplingParams, *, name: str = "engine-service",
+                 restart_on_error: bool = False):
         self.engine = engine
         self.params = params
+        self.restart_on_error = restart_on_error
+        self.engine_failures = 0  # engine errors survived (restart_on_error)
+        self.last_error: str | None = None
         self._inbox: queue.SimpleQueue[tuple[GenerationRequest, Future]] = queue.SimpleQueue()
         self._pending: dict[int, Future] = {}  # in the engine, by internal request id
         self._deliver_at_end: dict[int, TokenCallback] = {}  # on_tokens of requests to an engine that cannot stream
@@ -81,13 +87,18 @@ class EngineService:
         done.result(timeout=timeout)
 
     @property
+    def healthy(self) -> bool:
+        """Whether a `submit` now would be served (the loop runs and is not closed)."""
+        return self._thread.is_alive() and not self._closed and self._error is None
+
+    @property
     def weight_version(self) -> int:
         return self.engine.weight_version
 
     @property
     def streams_tokens(self) -> bool:
         """Whether `on_tokens` sees tokens as they are sampled (else all of them when the completion is done)."""
-        return bool(getattr(self.engine, "streams_tokens", False))
+        return self.engine.streams_tokens
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop taking requests, let the ones in flight finish, stop the loop."""
@@ -107,11 +118,16 @@ class EngineService:
     def _run(self) -> None:
         try:
             while not self._stopping():
-                for completion in self.engine.generate(self._requests(), self.params):
-                    on_tokens = self._deliver_at_end.pop(completion.request_id, None)
-                    if on_tokens is not None:
-                        on_tokens(list(completion.response_ids), list(completion.logprobs))
-                    self._pending.pop(completion.request_id).set_result(completion)
+                try:
+                    for completion in self.engine.generate(self._requests(), self.params):
+                        on_tokens = self._deliver_at_end.pop(completion.request_id, None)
+                        if on_tokens is not None:
+                            on_tokens(list(completion.response_ids), list(completion.logprobs))
+                        self._pending.pop(completion.request_id).set_result(completion)
+                except Exception as error:
+                    if not self.restart_on_error or not self._pending:  # no request to blame: the engine is broken
+                        raise
+                    self._fail_in_flight(error)
                 self._apply_update()
         except BaseException as error:  # noqa: BLE001 -- every waiting caller must learn why
             with self._lock:
@@ -123,6 +139,17 @@ class EngineService:
         else:
             for future in self._drain_inbox():
                 future.set_exception(EngineServiceError("the engine service was closed"))
+
+    def _fail_in_flight(self, error: Exception) -> None:
+        """An engine error with `restart_on_error`: fail the requests it was running, keep the loop."""
+        self.engine_failures += 1
+        self.last_error = f"{type(error).__name__}: {error}"
+        log.error("the engine failed; %d request(s) in flight fail, the loop goes on", len(self._pending),
+                  exc_info=error)
+        for future in self._pending.values():
+            future.set_exception(EngineServiceError(f"the engine failed on this batch: {error!r}"))
+        self._pending.clear()
+        self._deliver_at_end.clear()
 
     def _requests(self):
         """The engine's request source: ends (closing this `generate`) when stopping or a weight update waits

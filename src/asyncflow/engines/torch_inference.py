@@ -52,7 +52,9 @@ from typing import Iterable, Iterator, Mapping
 import torch
 from transformers.cache_utils import Cache
 
-from asyncflow.engines.base import Completion, GenerationRequest, SamplingParams, register_inference_engine
+from asyncflow.engines.base import (
+    Completion, GenerationRequest, InferenceEngineBase, SamplingParams, register_inference_engine,
+)
 from asyncflow.models.loading import load_model, resolve_model_path
 
 
@@ -126,9 +128,14 @@ class SlotKVCache(Cache):
         return self._index
 
 
+MIN_TEMPERATURE = 1e-6
+"""The smallest non-zero temperature: below it `logits / T` can overflow float32 to inf (and softmax to NaN)."""
+
+
 def check_sampling_params(params: SamplingParams) -> None:
-    if params.temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {params.temperature}")
+    if not (params.temperature == 0 or MIN_TEMPERATURE <= params.temperature < float("inf")):
+        raise ValueError(f"temperature must be 0 (greedy) or a finite value >= {MIN_TEMPERATURE}, "
+                         f"got {params.temperature}")
     if not 0.0 < params.top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
     if params.top_k < 0:
@@ -156,8 +163,11 @@ def sample_tokens(
     if params.top_p < 1.0:
         sorted_logprobs, order = allowed.sort(dim=-1, descending=True)
         sorted_probs = sorted_logprobs.exp()
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # the most likely token always stays
-        drop = (mass_before >= params.top_p).scatter(1, order, mass_before >= params.top_p)
+        sorted_drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        # The most likely token always stays, whatever rounding does: a top_p below float32's smallest step
+        # (or a first mass that rounds above 0) would otherwise drop every token and softmax would give NaN.
+        sorted_drop[:, 0] = False
+        drop = sorted_drop.scatter(1, order, sorted_drop)
         allowed = allowed.masked_fill(drop, float("-inf"))
     tokens = torch.multinomial(allowed.softmax(-1), 1, generator=generator).squeeze(1)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
@@ -190,11 +200,17 @@ class _Slot:
             self.finish_reason = "length"
 
 
-class TorchInferenceEngine:
+class TorchInferenceEngine(InferenceEngineBase):
     """Continuous-batching sampler around a Hugging Face causal LM (full attention), CPU or one GPU."""
 
     updates_in_flight = True  # `update_weights` may be called while a `generate` runs (module docstring)
     streams_tokens = True  # requests' `on_tokens` callbacks are called as tokens are sampled
+
+    @classmethod
+    def from_pretrained(cls, model_path: str, *, dtype: str = "float32", **kwargs) -> TorchInferenceEngine:
+        """The engine over the model in `model_path` (a local HF folder or `preset:NAME`), loaded for inference."""
+        model = load_model(resolve_model_path(str(model_path)), dtype=dtype).eval().requires_grad_(False)
+        return cls(model, **kwargs)
 
     def __init__(
         self,
@@ -447,5 +463,5 @@ def make_torch_inference_engine(
     if (model is None) == (model_path is None):
         raise ValueError("the torch inference engine needs exactly one of model= or model_path=")
     if model is None:
-        model = load_model(resolve_model_path(str(model_path)), dtype=dtype)
+        return TorchInferenceEngine.from_pretrained(model_path, dtype=dtype, **kwargs)
     return TorchInferenceEngine(model, **kwargs)

@@ -9,6 +9,9 @@ to `packing` (`auto`: the rule `should_pack`; `on`; `off`). With `lora` (`asyncf
 the policy gets adapters and only they are optimized; `state_dict` is then the merged weights under
 the base model's names (what rollout engines and checkpoints' `model.safetensors` take) and
 `training_state` carries the adapter, so `load_checkpoint` restores it onto the frozen base.
+`precision="bf16"` runs the forward and backward under bfloat16 autocast (`compute_precision`) while the
+parameters, gradients and AdamW state stay float32; `activation_checkpointing` recomputes each decoder
+layer in the backward instead of keeping its activations (`enable_activation_checkpointing`).
 
 Invariants:
 - One `optimizer_step` per call; gradients accumulate across `backward_micro_batch` calls until
@@ -17,18 +20,22 @@ Invariants:
   skipped by `optimizer_step` (reported as `skipped=1`) and the gradients are cleared.
 - The reference model is never updated (no gradients, eval mode).
 - Under LoRA the base weights never change: the optimizer holds the adapter parameters only.
+- Under `bf16` the master weights are float32 (a policy in another dtype is rejected) and log-probs, losses
+  and gradients are float32; only the matmuls and activations inside the model are bfloat16.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
-from asyncflow.engines.base import LossFn, register_train_engine
+from asyncflow.engines.base import LossFn, TrainEngineBase, register_train_engine
 from asyncflow.models.logprobs import TrainSample
+from asyncflow.models.packing import keep_shared_prompt_attention
 from asyncflow.models.tri_model import make_reference, tri_model_logprobs
 
 if TYPE_CHECKING:
@@ -51,8 +58,52 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[i
     return factor
 
 
+PRECISIONS = ("fp32", "bf16")
+
+
+def check_precision(precision: str, model: torch.nn.Module | None = None) -> None:
+    """Raise a one-line error for an unknown `train.precision`, or for bf16 over parameters that are not float32
+    (mixed precision keeps float32 master weights)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"train.precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "bf16" and model is not None:
+        dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+        if dtypes != {torch.float32}:
+            raise ValueError(
+                f"train.precision=bf16 keeps float32 master weights: set model.dtype=float32 (the policy's parameters "
+                f"are {sorted(str(d).removeprefix('torch.') for d in dtypes)})"
+            )
+
+
+def compute_precision(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """The context a training forward runs in: bfloat16 autocast on `device` for `bf16` (matmuls and activations in
+    bf16, parameters and their gradients float32), nothing for `fp32`."""
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def enable_activation_checkpointing(model: torch.nn.Module, packing: str) -> None:
+    """Recompute every decoder layer's activations during the backward (Hugging Face gradient checkpointing,
+    non-reentrant: frozen or adapter-only parameters and keyword inputs pass through). Same gradients, less memory
+    held between forward and backward; it applies in training mode only. With packing possible, the model keeps
+    the shared-prompt attention between calls, so a layer recomputed in the backward runs what its forward ran."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"train.activation_checkpointing: {type(model).__name__} does not support gradient "
+                         "checkpointing (set train.activation_checkpointing=false)")
+    if packing != "off":
+        keep_shared_prompt_attention(model)
+    options = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # the name of newer transformers releases
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+    if getattr(model.config, "use_cache", False):
+        model.config.use_cache = False  # a recomputed layer must not append to a KV cache again
+
+
 @register_train_engine("torch")
-class TorchTrainEngine:
+class TorchTrainEngine(TrainEngineBase):
     def __init__(
         self,
         model: torch.nn.Module,
@@ -67,11 +118,17 @@ class TorchTrainEngine:
         use_reference: bool = False,
         packing: str = "auto",
         lora: LoRASettings | None = None,
+        precision: str = "fp32",
+        activation_checkpointing: bool = False,
     ):
         self.model = model
         if packing not in ("auto", "on", "off"):
             raise ValueError(f"packing must be 'auto', 'on' or 'off', got {packing!r}")
+        check_precision(precision, model)
+        self.precision = precision
         self.reference = make_reference(model) if use_reference else None  # the base, before any adapter
+        if activation_checkpointing:
+            enable_activation_checkpointing(model, packing)
         self.adapted = None  # peft's wrapper of `model` under LoRA (the model itself is trained and run)
         if lora is not None:
             from asyncflow.engines import peft_lora as lora_adapter  # peft is imported only when asked for
@@ -95,15 +152,16 @@ class TorchTrainEngine:
 
         Returns `loss_fn`'s stats plus `loss` and `train/packed_fraction` (the micro-batch's response
         tokens when it ran shared-prompt packed, else 0)."""
-        out = tri_model_logprobs(
-            self.model,
-            samples,
-            reference=self.reference,
-            old_policy=None,
-            packing=self.packing,
-            temperature=temperature,
-            with_entropy=True,
-        )
+        with compute_precision(self.precision, self.device):
+            out = tri_model_logprobs(
+                self.model,
+                samples,
+                reference=self.reference,
+                old_policy=None,
+                packing=self.packing,
+                temperature=temperature,
+                with_entropy=True,
+            )
         loss, stats = loss_fn(out)
         # A token sum like the trainer's other stats: divided by the step's tokens it is the packed fraction.
         stats = {**stats, "train/packed_fraction": float(out.policy.mask.sum()) if out.packed else 0.0}
@@ -116,9 +174,10 @@ class TorchTrainEngine:
     @torch.no_grad()
     def logprobs(self, samples: list[TrainSample], *, temperature: float = 1.0) -> torch.Tensor:
         """Policy log-probs `[N, L]` without gradient (for a separate old-policy pass)."""
-        return tri_model_logprobs(
-            self.model, samples, reference=None, old_policy=None, packing=self.packing, temperature=temperature
-        ).policy.logprobs
+        with compute_precision(self.precision, self.device):
+            return tri_model_logprobs(
+                self.model, samples, reference=None, old_policy=None, packing=self.packing, temperature=temperature
+            ).policy.logprobs
 
     def optimizer_step(self, grad_scale: float = 1.0) -> dict[str, float]:
         """Scale the accumulated gradients by `grad_scale` (the loss normaliser of the whole batch,

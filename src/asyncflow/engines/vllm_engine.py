@@ -9,8 +9,14 @@ caller's thread: it pulls requests lazily until `max_batch_size` are in flight (
 iterator means "nothing ready now": decoding goes on and the iterator is asked again shortly), hands each to
 the loop as one vLLM request, and yields completions as vLLM finishes them (completion order). The samples
 of one prompt are separate requests with the same prompt ids: vLLM's prefix cache shares their full KV blocks.
-New weights travel as one safetensors file in /dev/shm (named after this process, so a crash leaks it only
-until the next start) that the worker extension (`asyncflow.engines.vllm_worker`) loads in place.
+New weights reach vLLM's workers one of two ways (`weight_transfer`, config `rollout.vllm_weight_transfer`):
+- `collective`: at start this process and every vLLM worker join a private process group through the
+  worker extension (`asyncflow.engines.vllm_worker`; gloo on CPU, NCCL on CUDA: `asyncflow.weights.collective`).
+  An update packs the state dict into a few large buckets (`asyncflow.weights.buckets`) in a staging buffer kept
+  between updates, sends only the manifest through `collective_rpc`, and broadcasts the buckets, which the
+  workers feed to `reload_weights` as each arrives. No file on the way.
+- `file` (default): one safetensors file in /dev/shm (named after this process, so a crash leaks it only until
+  the next start) that the worker extension loads in place.
 
 Invariants:
 - Importing this module does not import vLLM; the engine imports it when it is made, and a missing vLLM is
@@ -30,8 +36,11 @@ Invariants:
   each output's tokens beyond those already delivered go to `on_tokens` on the client loop's thread, the final
   output's included, before the request's completion is handed to `generate` (requests without it get vLLM's
   final output only).
-- Every blocking call has a timeout (`start_timeout_s` for the start, `call_timeout_s` for weight updates and
-  for each wait for the next completion) and ends in a `TimeoutError` naming what was awaited.
+- Every blocking call has a timeout (`start_timeout_s` for the start, `call_timeout_s` for weight updates, for
+  each collective join or broadcast and for each wait for the next completion) and ends in a `TimeoutError`
+  naming what was awaited. A failed collective update raises `WeightSyncError` naming the side that failed
+  (this process, "the trainer side", or a vLLM worker); the weights vLLM holds are then undefined until the
+  next update, which first makes a new group.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ import concurrent.futures
 import itertools
 import json
 import os
+import pickle
 import queue
 import shutil
 import sys
@@ -54,9 +64,14 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
-from asyncflow.engines.base import Completion, GenerationRequest, SamplingParams, register_inference_engine
+from asyncflow.engines.base import (
+    Completion, GenerationRequest, InferenceEngineBase, SamplingParams, register_inference_engine,
+)
 from asyncflow.engines.torch_inference import check_sampling_params
 from asyncflow.models.loading import ModelLoadError, resolve_model_path
+from asyncflow.weights.base import WeightSyncError
+from asyncflow.weights.buckets import DEFAULT_BUCKET_BYTES, Manifest, allocate_payload, bucket_views, pack, plan_buckets
+from asyncflow.weights.collective import CollectiveGroup, host_store, join_group
 from asyncflow.weights.segments import segment_path
 
 WORKER_EXTENSION = "asyncflow.engines.vllm_worker.WeightSyncExtension"
@@ -67,6 +82,8 @@ VLLM_MISSING = (
 )
 POLL_S = 0.005  # how soon an iterator that yielded None ("nothing ready") is asked again
 SHUTDOWN_TIMEOUT_S = 60.0
+WEIGHT_TRANSFERS = ("collective", "file")
+WEIGHT_GROUP_HOST = "127.0.0.1"  # vLLM's workers run on this host (the engine's own processes)
 MAX_CPU_KV_CACHE_BYTES = 2**30  # vLLM's CPU backend would otherwise size its KV cache from 90% of the RAM
 _LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
 
@@ -165,7 +182,7 @@ class _LoopThread:
             self.thread.join(5)
 
 
-class VLLMInferenceEngine:
+class VLLMInferenceEngine(InferenceEngineBase):
     """`InferenceEngine` on vLLM's `AsyncLLM` for a Hugging Face model folder (see the module docstring)."""
 
     updates_in_flight = True  # update_weights may run on another thread while generate() is in flight
@@ -183,12 +200,19 @@ class VLLMInferenceEngine:
         start_timeout_s: float = 900.0,
         call_timeout_s: float = 600.0,
         owned_dir: str | Path | None = None,
+        weight_transfer: str = "file",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         **engine_args: Any,
     ):
         """`engine_args` go to vLLM's `AsyncEngineArgs` and override the defaults below; `owned_dir` is removed
-        at `shutdown` (the folder a factory wrote a model into)."""
+        at `shutdown` (the folder a factory wrote a model into); `weight_transfer`: how `update_weights` reaches
+        the workers (module docstring), `bucket_bytes` the collective path's bucket size."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if weight_transfer not in WEIGHT_TRANSFERS:
+            raise ValueError(
+                f"rollout.vllm_weight_transfer must be one of {', '.join(WEIGHT_TRANSFERS)}, got {weight_transfer!r}"
+            )
         import_vllm()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
@@ -202,6 +226,10 @@ class VLLMInferenceEngine:
         self._id_prefix = f"asyncflow-{os.getpid()}-{id(self):x}-"
         self._sampling_cache: dict[tuple[SamplingParams, bool], Any] = {}
         self._update_lock = threading.Lock()
+        self.weight_transfer, self.bucket_bytes = weight_transfer, bucket_bytes
+        self._weight_group: CollectiveGroup | None = None
+        self.last_pause_s = 0.0  # how long the last update held generation paused (seconds)
+        self._staged: tuple[Manifest, bytes, list[torch.Tensor]] | None = None  # manifest, pickled, bucket views
         args = dict(
             model=str(model_dir), dtype=dtype, seed=seed, max_num_seqs=max_batch_size, max_model_len=max_model_len,
             enable_prefix_caching=True, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
@@ -222,6 +250,8 @@ class VLLMInferenceEngine:
             )
             self.pretruncation_logprobs = all(hooked)
             self._loop.run(self._label(weight_version), call_timeout_s, "weight version label")
+            if weight_transfer == "collective":
+                self._join_weight_group()
         except BaseException:
             self.shutdown()
             raise
@@ -372,30 +402,105 @@ class VLLMInferenceEngine:
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load `state_dict` (Hugging Face names) in place; tokens sampled afterwards carry `version`. Safe to call
         from another thread while `generate` runs: in-flight samples continue on the new weights."""
+        if self.weight_transfer == "collective":
+            with self._update_lock:
+                if self._weight_group is None or self._weight_group.broken:
+                    self._join_weight_group()
+                manifest, blob, buckets = self._stage(state_dict)
+                load = self._receive_collective(manifest, blob, buckets, version)
+                # each broadcast has its own `call_timeout_s` and names the side that failed: this outer limit is later
+                what = f"weight update to version {version}"
+                self._loop.run(self._swap(load, version), 2 * self.call_timeout_s, what)
+            return
         path = segment_path("vllmweights")
         from safetensors.torch import save_file
 
         try:
             save_file(distinct_tensors(state_dict), path)
             with self._update_lock:
-                self._loop.run(self._swap(path, version), self.call_timeout_s, f"weight update to version {version}")
+                load = self._llm.collective_rpc("asyncflow_load_weights", args=(path,))
+                self._loop.run(self._swap(load, version), self.call_timeout_s, f"weight update to version {version}")
         finally:
             if os.path.exists(path):
                 os.unlink(path)
 
-    async def _swap(self, path: str, version: int) -> None:
+    def _join_weight_group(self) -> None:
+        """Make the weight group: a store here, every vLLM worker joins through `collective_rpc` while this
+        process joins as rank 0 (the calls meet; each waits at most `call_timeout_s`)."""
+        from vllm.platforms import current_platform
+
+        if self._weight_group is not None:
+            self._weight_group.close()
+            self._weight_group = None
+        world_size = 1 + self._llm.vllm_config.parallel_config.world_size
+        device = torch.device("cpu") if current_platform.is_cpu() else torch.device("cuda", torch.cuda.current_device())
+        store = host_store(WEIGHT_GROUP_HOST, self.call_timeout_s)
+        joined = self._loop.submit(self._llm.collective_rpc(
+            "asyncflow_join_weight_group", args=(WEIGHT_GROUP_HOST, store.port, world_size, self.call_timeout_s)
+        ))
+        try:
+            group = join_group(
+                WEIGHT_GROUP_HOST, store.port, 0, world_size, device=device, timeout_s=self.call_timeout_s,
+                side="the trainer side (the process calling update_weights)", store=store,
+            )
+        except BaseException:
+            joined.cancel()
+            raise
+        try:
+            joined.result(self.call_timeout_s)
+        except Exception as err:
+            group.close()
+            raise WeightSyncError(f"collective: a vLLM worker failed to join the weight group: {err}") from err
+        self._weight_group = group
+        self._group_store = store  # rank 0 serves the store for the group's lifetime
+
+    def _stage(self, state_dict: Mapping[str, torch.Tensor]) -> tuple[Manifest, bytes, list[torch.Tensor]]:
+        """Pack `state_dict` into the staging buckets (allocated again only when the layout changes)."""
+        manifest = plan_buckets(state_dict, self.bucket_bytes)
+        if self._staged is None or self._staged[0] != manifest:
+            self._staged = None  # free the old buffer before allocating the new one
+            payload = allocate_payload(manifest, self._weight_group.device)
+            self._staged = (manifest, pickle.dumps(manifest), bucket_views(manifest, payload))
+        pack(state_dict, manifest, self._staged[2])
+        if self._weight_group.device.type == "cuda":
+            torch.cuda.synchronize(self._weight_group.device)
+        return self._staged
+
+    async def _receive_collective(self, manifest: Manifest, blob: bytes, buckets: list[torch.Tensor], version: int):
+        """The workers receive and load (one `collective_rpc`) while this process broadcasts (a thread); the
+        first side to fail is the one named in the error."""
+        loading = asyncio.ensure_future(self._llm.collective_rpc("asyncflow_receive_weights", args=(blob, version)))
+        sending = asyncio.get_running_loop().run_in_executor(None, self._weight_group.send, buckets, version)
+        done, _ = await asyncio.wait({loading, sending}, return_when=asyncio.FIRST_EXCEPTION)
+        if loading in done and loading.exception() is not None:
+            self._weight_group.broken = True  # the sender may still be blocked; it ends with its own timeout
+            err = loading.exception()
+            raise WeightSyncError(
+                f"collective weight update to version {version} failed on the vLLM worker side: {err!r}"
+            ) from err
+        await sending  # raises the trainer side's WeightSyncError / WeightSyncTimeout
+        return await loading
+
+    async def _swap(self, load, version: int) -> None:
+        """Pause (requests kept), run `load` (the awaitable that puts the new weights into the workers), drop every
+        cached KV block, label `version`, resume."""
+        paused = time.perf_counter()
         await self._llm.pause_generation(mode="keep", clear_cache=True)
         try:
-            await self._llm.collective_rpc("asyncflow_load_weights", args=(path,))
+            await load
             await self._llm.reset_prefix_cache()
             await self._label(version)
             self.weight_version = version
         finally:
             await self._llm.resume_generation()
+            self.last_pause_s = time.perf_counter() - paused
 
     # ---------------------------------------------------------------- lifetime
     def shutdown(self) -> None:
         """Stop vLLM's processes and the client loop; remove the model folder this engine wrote. Idempotent."""
+        if getattr(self, "_weight_group", None) is not None:
+            self._weight_group.close()
+            self._weight_group = None
         llm, self._llm = self._llm, None
         if llm is not None and self._loop.loop.is_running():
 
@@ -407,6 +512,8 @@ class VLLMInferenceEngine:
         if self._owned_dir is not None:
             shutil.rmtree(self._owned_dir, ignore_errors=True)
             self._owned_dir = None
+
+    close = shutdown
 
     def __del__(self):
         if getattr(self, "_loop", None) is None or sys.is_finalizing():

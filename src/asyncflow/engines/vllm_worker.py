@@ -7,17 +7,26 @@ Owns: `WeightSyncExtension`, which vLLM mixes into its worker class when the eng
 Invariants:
 - Importing this module imports neither vLLM nor anything that needs it: the worker already has vLLM
   loaded, and the parent process never imports this module.
-- New weights arrive as a path to one safetensors file with Hugging Face parameter names (tensors passed
-  through `collective_rpc` would reach the worker as plain lists); they are loaded through the worker's
-  own `reload_weights`, which restores the layers that vLLM's CPU backend repacked into kernel formats,
-  loads the tensors and repacks them. `model.load_weights` would fail on those repacked layers.
+- New weights (Hugging Face parameter names) arrive one of two ways, never as tensors passed through
+  `collective_rpc` (they would reach the worker as plain lists): `asyncflow_receive_weights` takes them as
+  buckets broadcast by the adapter's process over the weight group that `asyncflow_join_weight_group` made
+  (`asyncflow.weights.collective`: gloo on CPU, NCCL on CUDA; only the manifest travels through the RPC);
+  `asyncflow_load_weights` reads them from one safetensors file (the fallback).
+- Both load through the worker's own `reload_weights`, which restores the layers that vLLM's CPU backend
+  repacked into kernel formats, loads the tensors and repacks them (`model.load_weights` would fail on those
+  repacked layers); the collective path feeds it each bucket's tensors as the bucket arrives.
+- Every bucket announced is received even when loading fails part-way, so the sender is never left waiting;
+  a failure then raises here, and `collective_rpc` hands it to the adapter.
 """
 
 from __future__ import annotations
 
+import pickle
 from typing import Iterator
 
 import torch
+
+from asyncflow.weights.collective import CollectiveGroup, join_group
 
 
 class WeightSyncExtension:
@@ -36,6 +45,41 @@ class WeightSyncExtension:
 
             self.reload_weights(weights_iterator=tensors())
         return len(names)
+
+    def asyncflow_join_weight_group(self, host: str, port: int, world_size: int, timeout_s: float) -> int:
+        """Join the adapter's weight group (store at `host:port`) as rank 1 + this worker's rank; returns that rank.
+        A group this worker had already is closed first (the adapter makes a new one after a failure)."""
+        old: CollectiveGroup | None = getattr(self, "_asyncflow_weight_group", None)
+        if old is not None:
+            old.close()
+        rank = 1 + self.rank
+        device = getattr(self, "device", None) or torch.device("cpu")
+        self._asyncflow_weight_group = join_group(
+            host, port, rank, world_size, device=device, timeout_s=timeout_s, side=f"vLLM worker {self.rank}"
+        )
+        return rank
+
+    def asyncflow_receive_weights(self, manifest: bytes, version: int) -> int:
+        """Receive version `version` (laid out as the pickled `Manifest`) over the weight group and load it in
+        place, each bucket as it arrives; returns how many tensors were loaded."""
+        group: CollectiveGroup | None = getattr(self, "_asyncflow_weight_group", None)
+        if group is None:
+            raise RuntimeError(f"vLLM worker {self.rank} has no weight group (asyncflow_join_weight_group first)")
+        incoming = group.receive(pickle.loads(manifest), version)
+        loaded = 0
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal loaded
+            for item in incoming:
+                loaded += 1
+                yield item
+
+        try:
+            self.reload_weights(weights_iterator=counted())
+        finally:
+            for _ in incoming:  # whatever reload_weights did not ask for: the sender is still broadcasting it
+                pass
+        return loaded
 
     def asyncflow_pretruncation_logprobs(self) -> bool:
         """Make the sampler report log softmax(logits / T) *before* top-k/top-p truncation (the definition of

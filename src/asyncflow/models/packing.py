@@ -26,7 +26,9 @@ an `[N, L]` gather of hidden states (`logits_to_keep`, duplicates allowed) and n
 Invariants: samples are grouped by runs of consecutive equal `group_id`; a group id seen with two
 different prompts is an error (`PackingError`). Prompts are non-empty (the last prompt position
 predicts the first response token). The model's attention implementation is switched only for
-the duration of one call (do not run another forward of the same module concurrently).
+the duration of one call (do not run another forward of the same module concurrently), unless
+`keep_shared_prompt_attention` pinned it: activation checkpointing recomputes a layer in the backward,
+after the call returned, and the recompute must run the same attention as the forward.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from asyncflow.models.logprobs import LogProbs, TrainSample, gather_token_logprobs
 from asyncflow.models.logprobs import response_mask as trained_token_mask
@@ -223,10 +226,12 @@ def shared_prompt_attention(
     shared_prompt_layout: SharedPromptLayout | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: query `[1, H, T, D]`, key/value `[1, Hkv, T, D]` -> `[1, T, H, D]`."""
+    """transformers attention function: query `[1, H, T, D]`, key/value `[1, Hkv, T, D]` -> `[1, T, H, D]`.
+    Without a layout (an unpacked forward of a model pinned by `keep_shared_prompt_attention`) it is SDPA."""
     layout = shared_prompt_layout
     if layout is None:
-        raise RuntimeError(f"attention {ATTENTION_NAME!r} needs a shared_prompt_layout; call packed_response_logprobs")
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     if query.shape[0] != 1 or query.shape[2] != layout.num_tokens:
         raise RuntimeError(f"packed attention expects one row of {layout.num_tokens} tokens, got {tuple(query.shape)}")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
@@ -247,6 +252,16 @@ def shared_prompt_attention(
 
 
 AttentionInterface.register(ATTENTION_NAME, shared_prompt_attention)
+
+
+def keep_shared_prompt_attention(model: torch.nn.Module) -> None:
+    """Run every forward of `model` (an SDPA model) through `shared_prompt_attention`: packed calls with their
+    layout, the others as SDPA. Needed when layers are recomputed in the backward (activation checkpointing)."""
+    current = model.config._attn_implementation
+    if current not in ("sdpa", ATTENTION_NAME):
+        raise ValueError(f"shared-prompt packing with activation checkpointing needs the sdpa attention, not "
+                         f"{current!r} (set train.packing=off)")
+    model.set_attn_implementation(ATTENTION_NAME)
 
 
 @contextmanager

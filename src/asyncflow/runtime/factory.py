@@ -4,7 +4,9 @@ otherwise."""
 
 from __future__ import annotations
 
-from asyncflow.config import Config
+from asyncflow.config import Config, ConfigError
+from asyncflow.runtime.base import RolloutSpec, Runtime
+from asyncflow.workers.reward import RewardWorker
 
 
 def runtime_kind(config: Config) -> str:
@@ -15,12 +17,28 @@ def runtime_kind(config: Config) -> str:
     return kind
 
 
-def make_runtime(config: Config):
+def require_ray(config: Config) -> None:
+    """A clear error when the config places work on Ray and the `ray` extra is not installed."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        why = "runtime.kind=ray" if config.runtime.kind == "ray" else \
+            f"workflow.mode={config.workflow.mode} with runtime.kind=auto runs rollout replicas on Ray"
+        raise ConfigError(f"{why}, and ray is not installed: pip install 'asyncflow-rl[ray]', or set "
+                          "runtime.kind=inline") from None
+
+
+def make_runtime(config: Config, spec: RolloutSpec, scorer: RewardWorker) -> Runtime:
+    """The runtime placing the rollout replicas of `spec`; `scorer` is the driver's reward worker (inline)."""
     kind = runtime_kind(config)
     if kind == "ray":
+        if config.workflow.mode == "sync":
+            raise ConfigError("workflow.mode=sync generates, scores and trains one after another in this process: "
+                              "use runtime.kind=inline (or auto), or workflow.mode=stream|async for Ray replicas")
+        require_ray(config)
         from asyncflow.runtime.ray_runtime import RayRuntime
 
-        return RayRuntime(config)
+        return RayRuntime(config, spec)
     from asyncflow.runtime.inline import InlineRuntime
 
-    return InlineRuntime(config)
+    return InlineRuntime(config, spec, scorer)

@@ -32,13 +32,14 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import replace
 
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from asyncflow.observe import Timeline
+from asyncflow.runtime.base import RolloutSpec, build_rollout_worker
 from asyncflow.runtime.cores import CoreLending, create_core_lending
 from asyncflow.transfer.ray_queue import RayTransferQueue
 from asyncflow.workers.loops import SamplerHistory, restore_sampler, rollout_loop
@@ -82,52 +83,20 @@ def start_ray(*, address: str | None, num_cpus: int | None) -> None:
             time.sleep(START_RETRY_PAUSE_S)
 
 
-@dataclass(frozen=True)
-class RolloutSpec:
-    """What a rollout actor needs to build its worker (plain values: it travels to another process)."""
-
-    model_path: str
-    dtype: str
-    device: str
-    engine: str
-    max_batch_size: int
-    params: object  # SamplingParams
-    group_size: int
-    seed: int
-    threads: int
-    multiturn: object = None  # MultiTurnSpec: multi-turn episodes instead of single completions
-    agent: dict | None = None  # with `agent.fn`: the `AgentRolloutWorker` options (`RLRun.agent_options`)
-
-
 class RolloutActor:
-    """One rollout replica: an inference engine and the rollout loop over the queue's partitions."""
+    """One rollout replica: its inference engine and worker (built here, in the actor's process, from the spec)
+    and the rollout loop over the queue's partitions."""
 
-    def __init__(self, spec: RolloutSpec, name: str, make_scorer):
-        from asyncflow.engines.base import make_inference_engine
-        from asyncflow.models.loading import load_model, load_tokenizer
-        from asyncflow.workers.multiturn import make_rollout_worker
-
+    def __init__(self, spec: RolloutSpec, name: str):
         torch.set_num_threads(spec.threads)
-        model = load_model(spec.model_path, dtype=spec.dtype, device=spec.device).eval().requires_grad_(False)
-        engine = make_inference_engine(
-            spec.engine, model=model, max_batch_size=spec.max_batch_size, device=spec.device, seed=spec.seed
-        )
-        tokenizer = load_tokenizer(spec.model_path) if spec.multiturn is not None or spec.agent else None
-        self.scorer = make_scorer()
-        if spec.agent:  # its server thread binds 127.0.0.1 in this process, where the agent's calls come from
-            from asyncflow.workers.agent import AgentRolloutWorker
-
-            self.worker = AgentRolloutWorker(engine, spec.params, spec.group_size, tokenizer=tokenizer,
-                                             scorer=self.scorer, **spec.agent)
-        else:
-            self.worker = make_rollout_worker(engine, spec.params, spec.group_size, multiturn=spec.multiturn,
-                                              tokenizer=tokenizer)
+        self.scorer = spec.make_scorer()
+        self.worker = build_rollout_worker(spec, self.scorer)
         self.name = name
         self.incarnation = uuid.uuid4().hex  # new after every restart
         self.history = SamplerHistory()
 
     def run(self, queue, receiver_spec, steps: range, max_staleness: int, batch_size: int, timeout: float, cores_spec,
-            on_weight_update: str = "finish"):
+            on_weight_update: str):
         """Generate partitions `steps`; returns (rows generated, timeline events of this replica)."""
         timeline = Timeline()
         receiver = receiver_spec.open()
@@ -167,10 +136,12 @@ class RayRuntime:
     # Each replica scores its own responses and writes them with their rewards: one queue round trip
     # per batch of rows instead of three more (request, read, write) for a separate reward stage.
     scores_in_rollout = True
+    local_rollout = None  # every engine lives in a replica
 
-    def __init__(self, config):
+    def __init__(self, config, spec: RolloutSpec):
         rt = config.runtime
         self.config = config
+        self.spec = spec
         self.timeout = rt.call_timeout_s
         self.weight_sync = rt.weight_sync
         if self.weight_sync == "inprocess":
@@ -221,46 +192,22 @@ class RayRuntime:
             return {"num_receivers": self.config.rollout.replicas, "timeout_s": self.timeout, "backend": backend}
         return {}
 
-    def start_rollout(
-        self, run, queue, receiver_spec, steps, *, max_staleness: int, make_scorer, sampler_states=None
-    ) -> None:
+    def start_rollout(self, queue, receiver_spec, steps, *, max_staleness: int, timeline, sampler_states=None) -> None:
         """Start one actor per replica running the rollout loop over `steps`; `sampler_states` (replica name
         -> generator state, from `sampler_states` of an earlier run) sets each engine's sampling generator."""
-        from asyncflow.models.loading import resolve_model_path
-
         cfg, rt = self.config, self.config.runtime
         actor_cls = ray.remote(RolloutActor).options(
             num_cpus=rt.rollout_cpus, num_gpus=rt.rollout_gpus, max_restarts=rt.max_restarts, max_concurrency=2
         )
-        model_path = str(resolve_model_path(cfg.model.path, seed=cfg.run.seed))
-        self.timeline = run.timeline
+        self.timeline = timeline
         for r in range(cfg.rollout.replicas):
             name = f"rollout_{r}"
-            spec = RolloutSpec(
-                model_path,
-                cfg.model.dtype,
-                "cuda" if rt.rollout_gpus > 0 else "cpu",
-                cfg.rollout.engine,
-                cfg.rollout.max_batch_size,
-                run.params,
-                cfg.rollout.group_size,
-                cfg.run.seed + 1000 * r,
-                max(1, int(rt.rollout_cpus)),
-                run.multiturn,
-                run.agent_options,
-            )
-            self.actors[name] = actor_cls.remote(spec, name, make_scorer)
+            spec = replace(self.spec, seed=self.spec.seed + 1000 * r, threads=max(1, int(rt.rollout_cpus)),
+                           device="cuda" if rt.rollout_gpus > 0 else "cpu")
+            self.actors[name] = actor_cls.remote(spec, name)
             spec_r = receiver_spec.for_rank(r + 1) if self.weight_sync == "torch_distributed" else receiver_spec
-            self._loop_args[name] = (
-                queue,
-                spec_r,
-                steps,
-                max_staleness,
-                cfg.rollout.max_batch_size,
-                self.timeout,
-                self._cores_spec,
-                cfg.rollout.on_weight_update,
-            )
+            self._loop_args[name] = (queue, spec_r, steps, max_staleness, spec.max_batch_size, self.timeout,
+                                     self._cores_spec, spec.on_weight_update)
             state = (sampler_states or {}).get(name)
             if state is not None:  # set before the loop runs: a threaded actor may run two calls at once
                 ray.get(self.actors[name].restore_sampler.remote(state), timeout=self.timeout)
@@ -403,6 +350,8 @@ class TrainRankActor:
 class RayRanks:
     """The ranks of `asyncflow.engines.fsdp2_train` as Ray actors (a `RankGroup`), each with `num_cpus` CPUs and
     `num_gpus` GPUs. A rank that dies, raises or does not answer in time ends the call with `RankFailedError`."""
+
+    shares_memory = False  # results come through Ray's object store
 
     def __init__(self, world: int, spec, timeout: float, *, num_cpus: float, num_gpus: float, local: bool):
         actor_cls = ray.remote(TrainRankActor).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)

@@ -25,7 +25,14 @@ text and its completion, as that call returned it) is tokenized as that context'
 new text's ids, so the ids sampled earlier reach the model, and the training row, unchanged.
 
 Invariants:
-- Every request needs `Authorization: Bearer <key>`; without it, or with another key: 401.
+- Every request needs `Authorization: Bearer <key>`; without it, or with another key: 401 (`GET /health`
+  alone answers without a key: 200 while the engine serves, 503 when it cannot, with its failure count).
+- No request can hurt another (`ServingLimits`, docs/serving-limits.md): the body is read whole, within a size
+  limit (413) and a per-piece timeout (408), before the app sees it; prompt length, stop strings (count,
+  length) and prompts x n are bounded (400 naming the field); sampling settings are finite and in ranges that
+  cannot make NaN; token ids are checked before anything decodes them; tokenising, chat templates and decoding
+  run on worker threads, never on the event loop; stop strings are matched in linear time. An error inside
+  the engine fails the requests it was running (503) and the engine serves the next one.
 - Bad input (malformed JSON, an unknown field or model, a value out of range, a prompt too long for the
   model, token ids outside the vocabulary, a chat template that fails) is refused with a 4xx JSON error
   `{"error": {"message", "type", "param", "code"}}` before it reaches the engine, so no request can stop
@@ -63,7 +70,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from asyncflow.engines.base import Completion, SamplingParams
 from asyncflow.engines.service import EngineService, EngineServiceError
+from asyncflow.engines.torch_inference import MIN_TEMPERATURE
 from asyncflow.serving.episodes import CallRecord, EpisodeRecorder, UnknownEpisodeError
+from asyncflow.serving.limits import ServingLimits
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +113,7 @@ def error_response(status: int, message: str, *, type: str = "invalid_request_er
 
 # ---------------------------------------------------------------- requests
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN / Infinity in the JSON: 400
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -120,6 +129,13 @@ class _Sampling(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
 
+    @field_validator("temperature")
+    @classmethod
+    def _finite_temperature(cls, value: float) -> float:
+        if 0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE} (a smaller one overflows to NaN)")
+        return value
+
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _no_penalties(cls, value: float) -> float:
@@ -131,9 +147,9 @@ class _Sampling(BaseModel):
     @classmethod
     def _stop_list(cls, value):
         stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > 8 or any(not s for s in stops):
-            raise ValueError("at most 8 stop strings, none empty")
-        return stops
+        if any(not s for s in stops):
+            raise ValueError("stop strings may not be empty")
+        return stops  # count and length: `ServingLimits`, checked by the API
 
 
 class CompletionRequest(_Sampling):
@@ -163,15 +179,22 @@ class ChatRequest(_Sampling):
 
 # ---------------------------------------------------------------- the app
 def make_app(served: ServedModel, *, api_key: str, recorder: EpisodeRecorder | None = None,
-             request_timeout_s: float = 600.0) -> FastAPI:
-    """The FastAPI app; run it with uvicorn (`asyncflow.serving.server`)."""
+             request_timeout_s: float = 600.0, limits: ServingLimits | None = None) -> FastAPI:
+    """The FastAPI app; run it with uvicorn (`asyncflow.serving.server`, with the same `limits`)."""
     if not api_key:
         raise ValueError("the server needs an API key")
+    limits = limits or ServingLimits()
     app = FastAPI(title="asyncflow OpenAI-compatible server", docs_url=None, redoc_url=None, openapi_url=None)
     expected = f"Bearer {api_key}".encode()
+    api = _API(served, recorder, request_timeout_s, limits)
+    # Added first, so it runs inside `authorize` (middleware added later wraps it): no body of a client without
+    # the key is read.
+    app.add_middleware(BufferedBody, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
 
     @app.middleware("http")
     async def authorize(request: Request, call_next):
+        if request.url.path == "/health":
+            return await api.health()
         given = request.headers.get("authorization", "").encode()
         if not hmac.compare_digest(given, expected):
             return error_response(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
@@ -198,7 +221,6 @@ def make_app(served: ServedModel, *, api_key: str, recorder: EpisodeRecorder | N
     async def _unexpected(request: Request, err: Exception):  # a bug here: the engine loop is not affected
         return error_response(500, f"internal error: {type(err).__name__}: {err}", type="server_error")
 
-    api = _API(served, recorder, request_timeout_s)
     for prefix in ("", "/episodes/{episode_id}"):
         app.add_api_route(prefix + "/v1/models", api.models, methods=["GET"])
         app.add_api_route(prefix + "/v1/completions", api.completions, methods=["POST"])
@@ -206,18 +228,90 @@ def make_app(served: ServedModel, *, api_key: str, recorder: EpisodeRecorder | N
     return app
 
 
+class _BodyRefused(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class BufferedBody:
+    """ASGI middleware: read an HTTP request's body whole before the app runs, at most `max_bytes` (413) and
+    waiting at most `timeout_s` for each piece (408), then hand the app that body; later `receive` calls (a
+    disconnect during a streamed answer) go to the client as usual."""
+
+    def __init__(self, app, *, max_bytes: int, timeout_s: float):
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        try:
+            body = await self._read(scope, receive)
+        except _BodyRefused as err:
+            code = "body_too_large" if err.status == 413 else "body_timeout"
+            response = error_response(err.status, err.message, param="body", code=code)
+            response.headers["connection"] = "close"
+            return await response(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _read(self, scope, receive) -> bytes:
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            raise _BodyRefused(413, f"body: {int(declared)} bytes is over the limit of {self.max_bytes} "
+                                    "(limits.max_body_bytes)")
+        chunks, size = [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except asyncio.TimeoutError:
+                raise _BodyRefused(408, f"body: nothing arrived for {self.timeout_s:g} s "
+                                        "(limits.body_timeout_s)") from None
+            if message["type"] == "http.disconnect":
+                raise _BodyRefused(400, "body: the client went away")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                raise _BodyRefused(413, f"body: over the limit of {self.max_bytes} bytes (limits.max_body_bytes)")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
 class _API:
-    def __init__(self, served: ServedModel, recorder: EpisodeRecorder | None, timeout_s: float):
+    def __init__(self, served: ServedModel, recorder: EpisodeRecorder | None, timeout_s: float,
+                 limits: ServingLimits):
         self.served = served
         self.recorder = recorder
         self.timeout_s = timeout_s
+        self.limits = limits
         self.told_choice_streaming = False
+
+    def _health(self) -> dict:
+        service = self.served.service
+        return {"status": "ok" if service is not None and service.healthy else "unavailable",
+                "engine_failures": getattr(service, "engine_failures", 0),
+                "last_engine_error": getattr(service, "last_error", None)}
+
+    async def health(self) -> JSONResponse:
+        """`GET /health`: 200 while a request would be served, else 503; engine errors survived so far."""
+        health = self._health()
+        return JSONResponse(health, 200 if health["status"] == "ok" else 503)
 
     async def models(self, episode_id: str | None = None):
         self._episode(episode_id)
         return {"object": "list", "data": [
             {"id": self.served.name, "object": "model", "created": 0, "owned_by": "asyncflow",
-             "max_model_len": self.served.max_model_len, "streaming": self._streaming()}]}
+             "max_model_len": self.served.max_model_len, "streaming": self._streaming(),
+             "status": self._health()["status"]}]}
 
     def _streaming(self) -> str | None:
         """How `stream: true` is sent: "token" (as sampled), "choice" (each choice once finished), None (no engine)."""
@@ -234,33 +328,71 @@ class _API:
             raise APIError(400, "prompt: empty", param="prompt")
         if episode_id is not None and len(prompts) > 1:
             raise APIError(400, "one prompt per call within an episode", param="prompt")
-        rendered = [self._completion_prompt(p, episode_id) for p in prompts]
-        params = self._params(body, body.max_tokens, [len(ids) for ids, _ in rendered], episode_id)
+        self._check_size(body, len(prompts), sum(len(p) if isinstance(p, str) else 0 for p in prompts), "prompt")
+
+        def prepare():
+            rendered = [self._completion_prompt(p, episode_id) for p in prompts]
+            return rendered, self._params(body, body.max_tokens, [len(ids) for ids, _ in rendered], episode_id)
+
+        rendered, params = await asyncio.to_thread(prepare)
         if body.stream:
             return self._stream(body, rendered, params, "completion", episode_id, logprobs=body.logprobs is not None)
         results = await self._generate([ids for ids, _ in rendered], params, body.n)
-        choices = []
-        for p, ((ids, text), completions) in enumerate(zip(rendered, results)):
-            for c, completion in enumerate(completions):
-                out = self._finish(completion, body.stop, episode_id, "completion", text)
-                choices.append({"index": p * body.n + c, **out})
-        return self._respond(body, "text_completion", choices, kind="completion", logprobs=body.logprobs is not None)
+
+        def respond():
+            choices = []
+            for p, ((ids, text), completions) in enumerate(zip(rendered, results)):
+                for c, completion in enumerate(completions):
+                    out = self._finish(completion, body.stop, episode_id, "completion", text)
+                    choices.append({"index": p * body.n + c, **out})
+            return self._respond(body, "text_completion", choices, kind="completion",
+                                 logprobs=body.logprobs is not None)
+
+        return await asyncio.to_thread(respond)
 
     async def chat(self, body: ChatRequest, episode_id: str | None = None):
         self._check_model(body.model)
         self._episode(episode_id, body.n)
-        ids, text = self._chat_prompt(body.messages, episode_id)
-        params = self._params(body, body.max_completion_tokens or body.max_tokens, [len(ids)], episode_id)
+        chars = sum(len(m.content) if isinstance(m.content, str) else sum(len(part.text) for part in m.content or [])
+                    for m in body.messages)
+        self._check_size(body, 1, chars, "messages")
+
+        def prepare():
+            ids, text = self._chat_prompt(body.messages, episode_id)
+            return ids, text, self._params(body, body.max_completion_tokens or body.max_tokens, [len(ids)], episode_id)
+
+        ids, text, params = await asyncio.to_thread(prepare)
         if body.stream:
             return self._stream(body, [(ids, text)], params, "chat", episode_id, logprobs=body.logprobs)
         [completions] = await self._generate([ids], params, body.n)
-        choices = []
-        for c, completion in enumerate(completions):
-            out = self._finish(completion, body.stop, episode_id, "chat", text)
-            choices.append({"index": c, **out})
-        return self._respond(body, "chat.completion", choices, kind="chat", logprobs=body.logprobs)
+
+        def respond():
+            choices = []
+            for c, completion in enumerate(completions):
+                out = self._finish(completion, body.stop, episode_id, "chat", text)
+                choices.append({"index": c, **out})
+            return self._respond(body, "chat.completion", choices, kind="chat", logprobs=body.logprobs)
+
+        return await asyncio.to_thread(respond)
 
     # ------------------------------------------------------------ checks and prompts
+    def _check_size(self, body: _Sampling, prompts: int, prompt_chars: int, prompt_param: str) -> None:
+        """The `ServingLimits` a request can break before any tokenising: 400 naming the field and the limit."""
+        limits = self.limits
+        if prompt_chars > limits.max_prompt_chars:
+            raise APIError(400, f"{prompt_param}: {prompt_chars} characters is over the limit of "
+                           f"{limits.max_prompt_chars} (limits.max_prompt_chars)", param=prompt_param)
+        if prompts * body.n > limits.max_choices:
+            raise APIError(400, f"n: {prompts} prompt(s) x n={body.n} asks for {prompts * body.n} samples, over the "
+                           f"limit of {limits.max_choices} (limits.max_choices)", param="n")
+        if len(body.stop) > limits.max_stop_strings:
+            raise APIError(400, f"stop: {len(body.stop)} stop strings is over the limit of {limits.max_stop_strings} "
+                           "(limits.max_stop_strings)", param="stop")
+        longest = max(map(len, body.stop), default=0)
+        if longest > limits.max_stop_chars:
+            raise APIError(400, f"stop: a stop string of {longest} characters is over the limit of "
+                           f"{limits.max_stop_chars} (limits.max_stop_chars)", param="stop")
+
     def _check_model(self, model: str) -> None:
         if model != self.served.name:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.served.name!r}",
@@ -298,7 +430,9 @@ class _API:
                 ids = bos + self._encode(prompt)
             text = prompt
         else:
-            ids, text = list(prompt), tokenizer.decode(prompt, skip_special_tokens=True)
+            ids = list(prompt)
+            self._check_ids(ids, "prompt")  # before decoding: a tokenizer may raise on ids outside its vocabulary
+            return ids, tokenizer.decode(ids, skip_special_tokens=True)
         self._check_ids(ids, "prompt")
         return ids, text
 
@@ -330,6 +464,9 @@ class _API:
             raise APIError(400, f"{param}: the prompt has no tokens", param=param)
         if min(ids) < 0 or max(ids) >= self.served.vocab_size:
             raise APIError(400, f"{param}: token ids must be in [0, {self.served.vocab_size})", param=param)
+        if len(ids) >= self.served.max_model_len:
+            raise APIError(400, f"{param}: {len(ids)} tokens leave no room in this model's context of "
+                           f"{self.served.max_model_len}", param=param, code="context_length_exceeded")
 
     def _params(self, body: _Sampling, max_tokens: int | None, prompt_lengths: list[int],
                 episode_id: str | None) -> SamplingParams:
@@ -347,7 +484,10 @@ class _API:
         tokenizer = self.served.tokenizer
         stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         for stop in body.stop:  # a stop string that is one token stops the engine itself
-            ids = self._encode(stop)
+            try:
+                ids = self._encode(stop)
+            except APIError:  # not expressible in this vocabulary: matched in the text only
+                continue
             if len(ids) == 1 and tokenizer.decode(ids) == stop:
                 stop_ids.append(ids[0])
         if forced is not None:
@@ -384,7 +524,7 @@ class _API:
             _cancel(futures)
             raise self._timed_out() from None
         except EngineServiceError as err:
-            raise APIError(503, f"the engine stopped: {err}", type="server_error", code="engine_unavailable")
+            raise APIError(503, f"the engine failed: {err}", type="server_error", code="engine_unavailable")
         return [done[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _finish(self, completion: Completion, stops: list[str], episode_id: str | None, kind: str,
@@ -394,13 +534,11 @@ class _API:
         tokenizer = self.served.tokenizer
         ids, logprobs, finish = completion.response_ids, completion.logprobs, completion.finish_reason
         text = tokenizer.decode(ids, skip_special_tokens=True)
-        if stops and any(s in text for s in stops):
-            for end in range(1, len(ids) + 1):
-                text = tokenizer.decode(ids[:end], skip_special_tokens=True)
-                cut = min((text.find(s) for s in stops if s in text), default=-1)
-                if cut >= 0:
-                    ids, logprobs, finish, text = ids[:end], logprobs[:end], "stop", text[:cut]
-                    break
+        if stops and _stop_at(text, stops) >= 0:
+            end = _first_prefix(len(ids), lambda k: _stop_at(tokenizer.decode(ids[:k], skip_special_tokens=True),
+                                                             stops) >= 0)
+            text = tokenizer.decode(ids[:end], skip_special_tokens=True)
+            ids, logprobs, finish, text = ids[:end], logprobs[:end], "stop", text[: _stop_at(text, stops)]
         if episode_id is not None:
             call = CallRecord(list(completion.prompt_ids), list(ids), list(logprobs), completion.weight_version, finish)
             context = prompt_text + tokenizer.decode(ids, skip_special_tokens=kind == "completion")
@@ -518,7 +656,7 @@ class _API:
                         try:
                             completion = item.result()
                         except EngineServiceError as err:
-                            raise APIError(503, f"the engine stopped: {err}", type="server_error",
+                            raise APIError(503, f"the engine failed: {err}", type="server_error",
                                            code="engine_unavailable") from None
                         out = self._finish(completion, body.stop, episode_id, kind, rendered[index // body.n][1])
                         sent = len(streams[index].ids)
@@ -543,6 +681,24 @@ class _API:
                 _cancel(futures)
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _stop_at(text: str, stops: list[str], start: int = 0) -> int:
+    """Where the first stop string in `text[start:]` begins, -1 if none (str.find: linear in the text)."""
+    return min((at for at in (text.find(s, start) for s in stops) if at >= 0), default=-1)
+
+
+def _first_prefix(n: int, holds) -> int:
+    """The smallest k in 1..n with `holds(k)`, for a `holds` false then true as k grows (`holds(n)` is true):
+    O(log n) calls, e.g. the fewest tokens whose text contains a stop string."""
+    low, high = 1, n
+    while low < high:
+        middle = (low + high) // 2
+        if holds(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return high
 
 
 def _cancel(futures: list[Future]) -> None:
@@ -577,12 +733,14 @@ class TextStream:
         if not ids or self.stopped:
             return "", [], []
         taken = 0
+        longest = max(map(len, self.stops), default=0)
         while taken < len(ids) and not self.stopped:
             self.ids.append(ids[taken])
             taken += 1
+            settled = len(self._text)  # a stop string not found before now can only end in the text added after
             pending = self._pending_text()
             text = self._text + pending
-            cut = min((text.find(s) for s in self.stops if s in text), default=-1)
+            cut = _stop_at(text, self.stops, max(0, settled - longest)) if self.stops else -1
             if cut >= 0:
                 self.stopped, self._text = True, text[:cut]
         return self._release(self._text if self.stopped else self._safe(pending)), ids[:taken], logprobs[:taken]

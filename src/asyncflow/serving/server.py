@@ -1,31 +1,77 @@
 """Running the OpenAI-compatible API with uvicorn: in the foreground (`asyncflow serve`) or on a thread
 (the agent rollout of a training run, tests).
 
-Owns: `ServerThread` (start with a bounded wait, the bound port, stop) and `serve_forever`.
+Owns: `ServerThread` (start with a bounded wait, the bound port, stop), `serve_forever` and the connection
+limits of `ServingLimits` (uvicorn's keep-alive timeout, head size and concurrency limits, and a head timeout
+uvicorn lacks: `_HeadTimeoutProtocol`).
 
-Invariant: a started server listens on `host` only (loopback unless asked otherwise); `start` returns only
-once it accepts connections, or raises within its timeout.
+Invariants: a started server listens on `host` only (loopback unless asked otherwise); `start` returns only
+once it accepts connections, or raises within its timeout. A connection that has not sent a whole request head
+within `header_timeout_s` of connecting (or of its previous response) is closed, however slowly it trickles.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from asyncflow.serving.limits import ServingLimits
 
 
-def _config(app, host: str, port: int) -> uvicorn.Config:
-    return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-                          timeout_keep_alive=30)
+class _HeadTimeoutProtocol(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection whose next request head is not complete within `head_timeout_s`
+    (a half-open or slow client; uvicorn's own keep-alive timer restarts on every byte received)."""
+
+    def __init__(self, *args, head_timeout_s: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._head_timeout_s = head_timeout_s
+        self._head_timer = None
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        waiting_after = self.cycle  # a new request head replaces `cycle`
+        self._head_timer = self.loop.call_later(self._head_timeout_s, self._head_timed_out, waiting_after)
+
+    def _head_timed_out(self, waiting_after) -> None:
+        if self.cycle is waiting_after and not self.transport.is_closing():
+            self.transport.close()
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_head_timer()
+
+    def connection_lost(self, exc) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        super().connection_lost(exc)
+
+
+def _config(app, host: str, port: int, limits: ServingLimits | None) -> uvicorn.Config:
+    limits = limits or ServingLimits()
+    return uvicorn.Config(
+        app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
+        http=functools.partial(_HeadTimeoutProtocol, head_timeout_s=limits.header_timeout_s),
+        timeout_keep_alive=limits.keep_alive_s, h11_max_incomplete_event_size=limits.max_header_bytes,
+        limit_concurrency=limits.max_connections,
+    )
 
 
 class ServerThread:
     """The app served by uvicorn on a daemon thread. `port=0` takes a free port (see `port` once started)."""
 
-    def __init__(self, app, *, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, app, *, host: str = "127.0.0.1", port: int = 0, limits: ServingLimits | None = None):
         self.host = host
-        self._server = uvicorn.Server(_config(app, host, port))
+        self._server = uvicorn.Server(_config(app, host, port, limits))
         self._thread = threading.Thread(target=self._server.run, name="openai-server", daemon=True)
         self.port: int | None = None
 
@@ -53,6 +99,6 @@ class ServerThread:
             raise TimeoutError(f"the HTTP server did not stop within {timeout:.0f} s")
 
 
-def serve_forever(app, *, host: str, port: int) -> None:
+def serve_forever(app, *, host: str, port: int, limits: ServingLimits | None = None) -> None:
     """Serve in this thread until Ctrl-C / SIGTERM."""
-    uvicorn.Server(_config(app, host, port)).run()
+    uvicorn.Server(_config(app, host, port, limits)).run()

@@ -31,7 +31,7 @@ from asyncflow.weights.buckets import DEFAULT_BUCKET_BYTES, Manifest, allocate_p
 # Broadcasts are collective: a send completes only when every receiver has polled. Each
 # broadcast waits at most `timeout_s`; after a timeout the group is out of step and the
 # transport is broken (WeightSyncError on every later call): close it and build a new one.
-def _make_group(store: Any, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
+def make_group(store: Any, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -124,7 +124,7 @@ class TorchDistributedPublisher(BackgroundPublisher):
                     self.timeout_s,
                 )
             time.sleep(0.01)
-        self._group = _make_group(
+        self._group = make_group(
             dist.PrefixStore("group", self._store), 0, self.num_receivers + 1, self.backend, self.timeout_s
         )
 
@@ -161,7 +161,7 @@ class TorchDistributedReceiver(PollingReceiver):
         try:
             self._store = dist.TCPStore(spec.host, spec.port, is_master=False, timeout=timeout)
             self._store.add("joined", 1)
-            self._group = _make_group(
+            self._group = make_group(
                 dist.PrefixStore("group", self._store), spec.rank, spec.world_size, spec.backend, spec.timeout_s
             )
         except RuntimeError as err:  # DistStoreError and gloo's connect errors are RuntimeErrors

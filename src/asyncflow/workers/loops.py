@@ -27,7 +27,7 @@ def partition_name(step: int) -> str:
 
 class SamplerHistory:
     """The sampling generator's state of an engine after each of its last `keep` partitions (thread-safe).
-    Engines without a `generator` attribute (a `torch.Generator`) record None."""
+    Engines whose `generator` is None record None."""
 
     def __init__(self, keep: int = 8):
         self.keep = keep
@@ -42,9 +42,8 @@ class SamplerHistory:
             self._changed.notify_all()
 
     def record(self, step: int, engine) -> None:
-        generator = getattr(engine, "generator", None)
         with self._changed:
-            self._states[step] = generator.get_state() if generator is not None else None
+            self._states[step] = sampler_state(engine)
             while len(self._states) > self.keep:
                 self._states.popitem(last=False)
             self._changed.notify_all()
@@ -66,16 +65,20 @@ class SamplerHistory:
             return self._states[step]
 
 
+def sampler_state(engine):
+    """The state of the engine's sampling generator now (None: it has none)."""
+    return engine.generator.get_state() if engine.generator is not None else None
+
+
 def restore_sampler(engine, state) -> None:
     """Set the engine's sampling generator to `state` (from `SamplerHistory`); no-op for None."""
-    generator = getattr(engine, "generator", None)
-    if state is not None and generator is not None:
-        generator.set_state(state)
+    if state is not None and engine.generator is not None:
+        engine.generator.set_state(state)
 
 
 def check_updates_in_flight(engine) -> None:
     """`rollout.on_weight_update=resume` needs an engine that takes `update_weights` during a `generate`."""
-    if not getattr(engine, "updates_in_flight", False):
+    if not engine.updates_in_flight:
         raise ValueError(
             "rollout.on_weight_update=resume needs an inference engine that takes weight updates in flight "
             f"(updates_in_flight = True); {type(engine).__name__} does not: use rollout.on_weight_update=finish"

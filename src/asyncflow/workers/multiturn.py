@@ -29,12 +29,9 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator
-
-import torch
 
 from asyncflow.data.prompts import Prompt
 from asyncflow.engines.base import Completion, InferenceEngine, SamplingParams, Transcript
@@ -42,7 +39,7 @@ from asyncflow.engines.service import EngineService
 from asyncflow.envs import Environment, SandboxLimits, ToolBox, make_environment
 from asyncflow.envs.builtin import COUNTERS
 from asyncflow.rewards import CompositeReward
-from asyncflow.workers.rollout import WRITE_ROWS, Rollout, RolloutWorker
+from asyncflow.workers.rollout import FinishedRow, Rollout, RolloutWorker, RowWriter
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +216,9 @@ class MultiTurnRolloutWorker:
 
     scores_rows = True
 
+    def close(self) -> None:
+        self.engine.close()
+
     def __init__(self, engine: InferenceEngine, params: SamplingParams, group_size: int, runner: EpisodeRunner,
                  *, concurrency: int, turn_timeout_s: float = 600.0):
         self.engine = engine
@@ -259,40 +259,21 @@ class MultiTurnRolloutWorker:
     def run_partition(self, queue, partition: str, *, batch_size: int, timeout: float, consumer: str | None = None,
                       scorer=None) -> int:
         """Run an episode per row of `partition` not taken by another replica; write `response_ids`,
-        `rollout_logprobs`, `loss_mask` and `reward` in writes of `WRITE_ROWS` rows. `scorer` is unused: the
+        `rollout_logprobs`, `loss_mask` and `reward` through a `RowWriter`. `scorer` is unused: the
         environment scores. Returns rows generated."""
         version = self.engine.weight_version
-        rows: dict[int, dict] = {}
-        lock = threading.Lock()
 
         def items():
             for batch in queue.loader(partition, "rollout", ["prompt_ids"], min(batch_size, self.concurrency),
                                       timeout=timeout, consumer=consumer):
-                for index, prompt_ids, meta in zip(batch.meta.indices, batch.rows("prompt_ids"), batch.meta.metadata):
-                    with lock:
-                        rows[index] = meta
-                    yield index, prompt_ids.tolist(), meta
+                yield from zip(batch.meta.indices, (ids.tolist() for ids in batch.rows("prompt_ids")),
+                               batch.meta.metadata)
 
-        finished: list[tuple[int, Episode]] = []
-
-        def flush():
-            queue.write(partition, [i for i, _ in finished], {
-                "response_ids": [torch.tensor(e.response_ids, dtype=torch.int64) for _, e in finished],
-                "rollout_logprobs": [torch.tensor(e.logprobs, dtype=torch.float32) for _, e in finished],
-                "loss_mask": [torch.tensor(e.loss_mask, dtype=torch.int8) for _, e in finished],
-                "reward": torch.tensor([e.reward for _, e in finished], dtype=torch.float32),
-            }, weight_version=version, metadata=[episode_metadata(e) for _, e in finished])
-            finished.clear()
-
-        count = 0
-        for index, episode in self._episodes(items()):
-            finished.append((index, episode))
-            count += 1
-            if len(finished) >= max(WRITE_ROWS, self.group_size):
-                flush()
-        if finished:
-            flush()
-        return count
+        with RowWriter(queue, partition, group_size=self.group_size) as writer:
+            for index, episode in self._episodes(items()):
+                writer.add(FinishedRow(index, episode.response_ids, episode.logprobs, version,
+                                       episode_metadata(episode), reward=episode.reward, loss_mask=episode.loss_mask))
+        return writer.written
 
     def generate(self, prompts: Iterable[Prompt]) -> Iterator[Rollout]:
         """One scored rollout per (prompt, sample) as its episode finishes (reward set from the environment)."""

@@ -1,8 +1,9 @@
 """Rollout worker: turns prompts into sampled responses with an inference engine.
 
-Owns: the `Rollout` record (one sampled response and everything later stages add to it) and
-`RolloutWorker`, which expands each prompt into `group_size` requests and yields rollouts in
-completion order.
+Owns: the `Rollout` record (one sampled response and everything later stages add to it), the `RolloutRole`
+protocol every rollout worker implements (single-turn here; multi-turn and agent workers elsewhere), the
+`RowWriter` they all write finished rows through, and `RolloutWorker`, which expands each prompt into
+`group_size` requests and yields rollouts in completion order.
 
 Invariants:
 - Every rollout carries the weight version of the engine that generated it. A partial rollout (its
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Protocol
 
 import torch
 
@@ -77,28 +78,129 @@ def row_fields(completion: Completion) -> tuple[int, dict]:
 
 PROMPT_COLUMNS = ["prompt_ids"]
 RESPONSE_COLUMNS = ["response_ids", "rollout_logprobs"]
-AGENT_PROMPT_COLUMN = "agent_prompt_ids"  # an agent's rows: its first call's prompt, in place of `prompt_ids`
+LOSS_MASK_COLUMN = "loss_mask"  # per response token, 1 = model-sampled (trained): multi-turn and agent rows
+TRAINED_PROMPT_COLUMN = "trained_prompt_ids"  # the prompt that is trained, where it is not `prompt_ids` (an agent's)
 WRITE_ROWS = 32  # finished responses per queue write
 
 
+class RolloutRole(Protocol):
+    """What a runtime and a workflow need of a rollout worker."""
+
+    engine: InferenceEngine
+    scores_rows: bool
+    """`run_partition` writes each row's reward itself (no reward stage reads its partitions)."""
+
+    def run_partition(self, queue, partition: str, *, batch_size: int, timeout: float, consumer: str | None = None,
+                      scorer=None) -> int:
+        """Generate every row of `partition` not yet taken by another rollout worker; returns rows written."""
+        ...
+
+    def generate(self, prompts: Iterable[Prompt]) -> Iterator[Rollout]:
+        """One rollout per (prompt, sample) as it finishes (evaluation, benchmarks)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class FinishedRow:
+    """A finished row as the queue stores it; optional parts are written by the workers that have them."""
+
+    index: int
+    response_ids: list[int]
+    logprobs: list[float]
+    version: int
+    metadata: dict
+    reward: float | None = None
+    loss_mask: list[int] | None = None
+    trained_prompt_ids: list[int] | None = None
+
+    @classmethod
+    def of(cls, index: int, completion: Completion) -> FinishedRow:
+        version, meta = row_fields(completion)
+        return cls(index, completion.response_ids, completion.logprobs, version, meta, loss_mask=completion.loss_mask)
+
+
+class RowWriter:
+    """Writes a partition's finished rows in writes of `max(WRITE_ROWS, group_size)` rows, so a remote queue
+    sees one round trip per few groups' worth of rows (a Ray write costs a few ms). A write travels while the
+    worker goes on; it is awaited before the next one and by `close`, so a failed write fails the partition.
+    Rows without a reward are scored by `scorer` (a `RewardWorker` beside the worker) in the same write; the
+    optional per-token columns are written when the rows have them. Use as a context manager."""
+
+    def __init__(self, queue, partition: str, *, group_size: int, scorer=None, row_meta: dict[int, dict] | None = None):
+        self.queue, self.partition, self.scorer = queue, partition, scorer
+        self.row_meta = row_meta  # index -> the row's queue metadata (what a scorer reads: answer ...)
+        self.batch = max(WRITE_ROWS, group_size)
+        self.rows: list[FinishedRow] = []
+        self.written = 0
+        self._in_flight = None
+
+    def __enter__(self) -> RowWriter:
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is None:
+            self.close()
+
+    def add(self, row: FinishedRow) -> None:
+        self.rows.append(row)
+        if len(self.rows) >= self.batch:
+            self.flush()
+
+    def flush(self) -> None:
+        rows, self.rows = self.rows, []
+        if not rows:
+            return
+        columns = {
+            "response_ids": [torch.tensor(r.response_ids, dtype=torch.int64) for r in rows],
+            "rollout_logprobs": [torch.tensor(r.logprobs, dtype=torch.float32) for r in rows],
+        }
+        if rows[0].loss_mask is not None:
+            columns[LOSS_MASK_COLUMN] = [torch.tensor(r.loss_mask, dtype=torch.int8) for r in rows]
+        if rows[0].trained_prompt_ids is not None:
+            columns[TRAINED_PROMPT_COLUMN] = [torch.tensor(r.trained_prompt_ids, dtype=torch.int64) for r in rows]
+        if rows[0].reward is not None:
+            columns["reward"] = torch.tensor([r.reward for r in rows], dtype=torch.float32)
+        elif self.scorer is not None:
+            columns["reward"] = self.scorer.score_ids([r.response_ids for r in rows],
+                                                      [self.row_meta[r.index] for r in rows])
+        if self._in_flight is not None:
+            self._in_flight.wait()
+        self._in_flight = self.queue.write(
+            self.partition, [r.index for r in rows], columns, wait=False,
+            weight_version=[r.version for r in rows], metadata=[r.metadata for r in rows],
+        )
+        self.written += len(rows)
+
+    def close(self) -> int:
+        """Write what is left and wait for the last write; returns rows written."""
+        self.flush()
+        if self._in_flight is not None:
+            self._in_flight.wait()
+            self._in_flight = None
+        return self.written
+
+
 class RolloutWorker:
+    scores_rows = False
+
     def __init__(self, engine: InferenceEngine, params: SamplingParams, group_size: int):
         self.engine = engine
         self.params = params
         self.group_size = group_size
+
+    def close(self) -> None:
+        self.engine.close()
 
     def run_partition(
         self, queue, partition: str, *, batch_size: int, timeout: float, consumer: str | None = None, scorer=None
     ) -> int:
         """Generate every row of `partition` not yet taken by another rollout worker.
 
-        Prompt rows are pulled from the queue as engine slots free up; finished responses are
-        written back (with their weight versions, see `row_fields`) in writes of `WRITE_ROWS` rows (at least a
-        group), so a remote queue sees one round trip per few groups' worth of rows, not one per row
-        (a Ray write costs a few ms). A write travels while the engine goes on decoding; it is awaited
-        before the next write and before returning, so a failed write fails the partition. With a
-        `scorer` (a `RewardWorker` placed beside this worker) the `reward` column goes in the same write.
-        Returns rows generated.
+        Prompt rows are pulled from the queue as engine slots free up; finished responses go through a
+        `RowWriter` (with their weight versions, see `row_fields`; with a `scorer`, a `RewardWorker` placed
+        beside this worker, the `reward` column goes in the same write). Returns rows generated.
         """
         metadata: dict[int, dict] = {}
 
@@ -110,39 +212,10 @@ class RolloutWorker:
                     metadata[index] = meta
                     yield GenerationRequest(index, prompt_ids.tolist())
 
-        finished: list[Completion] = []
-        in_flight = None  # the last write, awaited before the next one is sent
-
-        def flush():
-            nonlocal in_flight
-            columns = {
-                "response_ids": [torch.tensor(c.response_ids, dtype=torch.int64) for c in finished],
-                "rollout_logprobs": [torch.tensor(c.logprobs, dtype=torch.float32) for c in finished],
-            }
-            if scorer is not None:
-                columns["reward"] = scorer.score_ids(
-                    [c.response_ids for c in finished], [metadata[c.request_id] for c in finished]
-                )
-            versions, row_meta = zip(*map(row_fields, finished))
-            if in_flight is not None:
-                in_flight.wait()
-            in_flight = queue.write(
-                partition, [c.request_id for c in finished], columns, wait=False, weight_version=list(versions),
-                metadata=list(row_meta),
-            )
-            finished.clear()
-
-        count = 0
-        for completion in self.engine.generate(requests(), self.params):
-            finished.append(completion)
-            count += 1
-            if len(finished) >= max(WRITE_ROWS, self.group_size):
-                flush()
-        if finished:
-            flush()
-        if in_flight is not None:
-            in_flight.wait()
-        return count
+        with RowWriter(queue, partition, group_size=self.group_size, scorer=scorer, row_meta=metadata) as writer:
+            for completion in self.engine.generate(requests(), self.params):
+                writer.add(FinishedRow.of(completion.request_id, completion))
+        return writer.written
 
     def generate(self, prompts: Iterable[Prompt]) -> Iterator[Rollout]:
         """Yield one rollout per (prompt, sample) as soon as it finishes; prompts are pulled lazily."""
@@ -176,10 +249,10 @@ def rollouts_from_batch(batch) -> list[Rollout]:
     meta = batch.meta
     columns = batch.data
     rewards = columns["reward"].tolist() if "reward" in columns else [None] * len(meta)
-    masks = [m.tolist() for m in batch.rows("loss_mask")] if "loss_mask" in columns else [None] * len(meta)
+    masks = [m.tolist() for m in batch.rows(LOSS_MASK_COLUMN)] if LOSS_MASK_COLUMN in columns else [None] * len(meta)
     prompts, responses, logprobs = batch.rows("prompt_ids"), batch.rows("response_ids"), batch.rows("rollout_logprobs")
-    if AGENT_PROMPT_COLUMN in columns:  # an agent's rows: the prompt of its first call
-        prompts = batch.rows(AGENT_PROMPT_COLUMN)
+    if TRAINED_PROMPT_COLUMN in columns:
+        prompts = batch.rows(TRAINED_PROMPT_COLUMN)
     return [
         Rollout(
             group_id=meta.group_ids[i],

@@ -16,12 +16,15 @@ Invariants:
   applied once at `finish_step`, so feeding the same rows in any split or order (sync: all at
   once; stream: group by group as they complete) gives the same update up to float summation order.
 - Exactly one optimizer step per `finish_step`.
+- With a token budget (`max_tokens_per_micro_batch`) every micro-batch holds at most that many forward tokens
+  counted with padding (rows x longest row), so activation memory is bounded by the budget whatever the
+  response lengths; only a single row longer than the budget exceeds it, and runs alone.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +41,6 @@ from asyncflow.workers.rollout import Rollout, complete_groups, rollouts_from_ba
 
 TRAIN_COLUMNS = ["prompt_ids", "response_ids", "rollout_logprobs", "reward"]
 PER_SEQUENCE_STATS = ("mismatch/masked_sequences_fraction",)  # step metrics divided by sequences, not tokens
-LOSS_MASK_COLUMN = "loss_mask"  # written by multi-turn rollouts: 1 = model-sampled token (trained)
 
 
 class StalenessError(RuntimeError):
@@ -135,31 +137,94 @@ class PolicyLoss:
         )
 
 
+def token_budget_micro_batches(
+    lengths: Sequence[int], group_ids: Sequence, budget: int, max_rows: int
+) -> list[list[int]]:
+    """Split rows into micro-batches of at most `budget` forward tokens counted with padding (rows x longest row:
+    what the unpadded and the packed forward both stay under) and at most `max_rows` rows; -> row indices.
+
+    `lengths[i]` is row i's prompt + response tokens. Runs of consecutive rows sharing a group id stay together
+    when they fit (shared-prompt packing runs their prompt once); a group over the budget is split into rows, and a
+    single row over it gets a micro-batch of its own. Units are taken longest first, so rows of similar length
+    share a micro-batch and little is padded. Every row appears exactly once."""
+    if budget < 1 or max_rows < 1:
+        raise ValueError(f"budget and max_rows must be >= 1, got {budget} and {max_rows}")
+    units: list[list[int]] = []
+    for i in range(len(lengths)):
+        if units and group_ids[units[-1][0]] == group_ids[i]:
+            units[-1].append(i)
+        else:
+            units.append([i])
+
+    def fits(rows: int, longest: int) -> bool:
+        return rows <= max_rows and rows * longest <= budget
+
+    pieces = []
+    for unit in units:
+        longest = max(lengths[i] for i in unit)
+        pieces.extend([unit] if fits(len(unit), longest) else [[i] for i in unit])
+    batches: list[list[int]] = []
+    longest_in: list[int] = []
+    for piece in sorted(pieces, key=lambda p: (-max(lengths[i] for i in p), p[0])):
+        longest = max(lengths[i] for i in piece)
+        if batches and fits(len(batches[-1]) + len(piece), max(longest_in[-1], longest)):
+            batches[-1].extend(piece)
+        else:
+            batches.append(list(piece))
+            longest_in.append(longest)
+    return batches
+
+
 class PolicyTrainer:
     def __init__(self, engine: TrainEngine, algo: AlgoConfig, *, micro_batch_size: int, temperature: float,
-                 loss_mask: bool = False):
-        """`loss_mask`: rows carry a `loss_mask` column (multi-turn rollouts); only its 1s are trained."""
+                 row_columns: Sequence[str] = (), reward_columns: Mapping[str, float] | None = None,
+                 max_tokens_per_micro_batch: int | None = None):
+        """`row_columns`: the optional per-row columns the rows carry (`LOSS_MASK_COLUMN`: only its 1s are
+        trained; `TRAINED_PROMPT_COLUMN`: the prompt trained in place of `prompt_ids`); `reward_columns`: scalar
+        columns (written by user stages) added to the reward with these weights. `max_tokens_per_micro_batch`:
+        micro-batches by a token budget (`token_budget_micro_batches`), with `micro_batch_size` as the row cap;
+        None = `micro_batch_size` rows each."""
         self.engine = engine
-        self.columns = TRAIN_COLUMNS + ([LOSS_MASK_COLUMN] if loss_mask else [])
+        self.reward_columns = dict(reward_columns or {})
+        self.columns = TRAIN_COLUMNS + list(row_columns) + list(self.reward_columns)
         self.algo = algo
         self.micro_batch_size = micro_batch_size
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.temperature = temperature if temperature > 0 else 1.0
         self.acc = StepAccumulator()
 
     def train_partition(
+        self, queue, partition: str, *, policy_version: int, timeline=None, **experience_options,
+    ) -> tuple[list[Rollout], dict[str, float]]:
+        """Consume complete groups of `partition` in completion order (`experience`), accumulating gradients;
+        the next micro-batch is read from the queue while this one trains. Returns the consumed rollouts and their
+        stats (call `finish_step` afterwards for the update). With a `timeline`, records `train_micro_batch` spans."""
+        rollouts: list[Rollout] = []
+        stats: dict[str, float] = {}
+        for rows in self.experience(queue, partition, policy_version=policy_version, timeline=timeline, stats=stats,
+                                    **experience_options):
+            t0 = time.time()
+            self.accumulate(rows, policy_version)
+            rollouts.extend(rows)
+            if timeline is not None:
+                timeline.add_span(
+                    "trainer", "train_micro_batch", t0, time.time(), rows=len(rows), threads=torch.get_num_threads()
+                )
+        return rollouts, stats
+
+    def experience(
         self, queue, partition: str, *, policy_version: int, max_staleness: int, group_size: int,
         groups_per_batch: int, max_new_tokens: int, timeout: float, sampler, timeline=None, cores=None, alive=None,
-    ) -> tuple[list[Rollout], dict[str, float]]:
-        """Consume complete groups of `partition` in completion order, accumulating gradients; the next
-        micro-batch is read from the queue while this one trains.
+        stats: dict[str, float] | None = None,
+    ) -> Iterator[list[Rollout]]:
+        """Batches of `groups_per_batch` complete groups of `partition`, in completion order, with advantages
+        assigned (rows filtered out have `advantages = None`): the trainer's side of the queue.
 
         Checks every row: `policy_version - row.weight_version <= max_staleness` (its oldest token) and no token
-        newer than the policy. Returns the consumed
-        rollouts and their stats (call `finish_step` afterwards for the update). With a `timeline`,
-        records `wait_rows` (blocked on the queue) and `train_micro_batch` spans; with `cores` (a
-        `CoreLending`) the trainer is idle while it waits for rows and busy otherwise. `alive` is called
-        while it waits and raises if the workers producing the rows have failed."""
-        rollouts: list[Rollout] = []
+        newer than the policy. When it ends, `stats` holds the staleness and filtering figures of the rows
+        read. With a `timeline`, records `wait_rows` (blocked on the queue); with `cores` (a `CoreLending`) the
+        trainer is idle while it waits for rows and busy otherwise. `alive` is called while it waits and raises
+        if the workers producing the rows have failed."""
         staleness: list[int] = []
         token_staleness: list[int] = []
         spanning = 0
@@ -175,12 +240,14 @@ class PolicyTrainer:
             batch = next(batches, None)
             if cores is not None:
                 cores.busy()
-            t1 = time.time()
             if timeline is not None:
-                timeline.add_span("trainer", "wait_rows", t0, t1, partition=partition)
+                timeline.add_span("trainer", "wait_rows", t0, time.time(), partition=partition)
             if batch is None:
                 break
             rows = rollouts_from_batch(batch)
+            for column, weight in self.reward_columns.items():
+                for r, value in zip(rows, batch.data[column].tolist()):
+                    r.reward += weight * value
             for r in rows:
                 versions = r.versions()
                 staleness.append(policy_version - r.weight_version)
@@ -194,27 +261,29 @@ class PolicyTrainer:
                     )
             groups = list(complete_groups(rows, group_size))
             dropped += assign_advantages(groups, self.algo, max_new_tokens)["filtered/dropped_samples"]
-            self.accumulate(rows, policy_version)
-            rollouts.extend(rows)
-            if timeline is not None:
-                timeline.add_span(
-                    "trainer", "train_micro_batch", t1, time.time(), rows=len(rows), threads=torch.get_num_threads()
-                )
-        return rollouts, {
-            "filtered/dropped_samples": dropped,
-            "staleness/mean": sum(staleness) / max(1, len(staleness)),
-            "staleness/max": float(max(staleness, default=0)),
-            "staleness/token_mean": sum(token_staleness) / max(1, len(token_staleness)),
-            "staleness/token_max": float(max(token_staleness, default=0)),
-            "staleness/rows_spanning_versions": spanning / max(1, len(staleness)),
-        }
+            yield rows
+        if stats is not None:
+            stats.update({
+                "filtered/dropped_samples": dropped,
+                "staleness/mean": sum(staleness) / max(1, len(staleness)),
+                "staleness/max": float(max(staleness, default=0)),
+                "staleness/token_mean": sum(token_staleness) / max(1, len(token_staleness)),
+                "staleness/token_max": float(max(token_staleness, default=0)),
+                "staleness/rows_spanning_versions": spanning / max(1, len(staleness)),
+            })  # fmt: skip
 
     def accumulate(self, rollouts: list[Rollout], policy_version: int | None = None) -> None:
         """Forward/backward the rollouts (those with advantages) in micro-batches, summing the loss.
         Rows generated before `policy_version` are stale (see `AlgoConfig.stale_old_logprobs`)."""
         rollouts = [r for r in rollouts if r.advantages is not None and len(r.response_ids) > 0]
-        for start in range(0, len(rollouts), self.micro_batch_size):
-            self._micro_batch(rollouts[start : start + self.micro_batch_size], policy_version)
+        if self.max_tokens_per_micro_batch is None:
+            for start in range(0, len(rollouts), self.micro_batch_size):
+                self._micro_batch(rollouts[start : start + self.micro_batch_size], policy_version)
+            return
+        lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rollouts]
+        for rows in token_budget_micro_batches(lengths, [r.group_id for r in rollouts],
+                                               self.max_tokens_per_micro_batch, self.micro_batch_size):
+            self._micro_batch([rollouts[i] for i in rows], policy_version)
 
     def _micro_batch(self, batch: list[Rollout], policy_version: int | None = None) -> None:
         algo = self.algo

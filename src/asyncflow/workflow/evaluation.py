@@ -1,10 +1,14 @@
-"""Held-out evaluation: greedy accuracy of an inference engine's current weights.
+"""Held-out evaluation: greedy accuracy of an inference engine's current weights, and of a checkpoint.
 
-Invariant: a prompt counts as solved when its single sample scores a reward >= 1, the same
-reward functions training uses.
+Invariants: a prompt counts as solved when its single sample scores a reward >= 1, the same
+reward functions training uses; evaluating a checkpoint builds an inference engine and a reward worker
+only (no training engine, no optimizer).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
@@ -32,3 +36,26 @@ def evaluate(
         rewards.score(rollouts)
     scores = np.array([r.reward for r in rollouts])
     return {"eval/accuracy": float((scores >= 1.0).mean()), "eval/reward_mean": float(scores.mean())}
+
+
+def evaluate_checkpoint(config, checkpoint: Path, test: list[Example]) -> dict[str, float]:
+    """Held-out accuracy of the policy weights in `checkpoint` (a run's `checkpoints/step_N`), on a rollout
+    engine built as the run's replicas are (`config` names the model folder the weights fit)."""
+    from asyncflow.models.loading import load_tokenizer, resolve_model_path
+    from asyncflow.runtime.base import build_rollout_worker
+    from asyncflow.workflow.checkpoint import load_weights
+    from asyncflow.workflow.setup import build_reward_runner, prompt_encoder, rollout_spec, sampling_params
+
+    weights = load_weights(checkpoint)  # verified first: a damaged file is named before any model loads
+    model_path = resolve_model_path(config.model.path, seed=config.run.seed)
+    tokenizer = load_tokenizer(model_path)
+    params = sampling_params(config, tokenizer, greedy=True)
+    spec = replace(rollout_spec(config, model_path, tokenizer), params=params, group_size=1, agent=None)
+    worker = build_rollout_worker(spec, scorer=None)
+    try:
+        worker.engine.update_weights(weights, 1)
+        rewards = RewardWorker(build_reward_runner(config), tokenizer)
+        episodes = worker if spec.multiturn is not None else None
+        return evaluate(worker.engine, rewards, prompt_encoder(config, tokenizer), test, params, episodes=episodes)
+    finally:
+        worker.close()

@@ -81,19 +81,21 @@ def _base_path(base: str, run_dir: Path) -> str:
 
 def build_app(weights: ServedWeights, *, api_key: str, name: str | None = None, engine: str = "torch",
               max_batch_size: int = 64, device: str = "cpu", seed: int = 0, chat_template: str | None = None,
-              request_timeout_s: float = 600.0, recorder=None):
-    """-> (app, service): the engine from the registry, one `EngineService` over it, the API over that
-    (`recorder`: an `EpisodeRecorder` for the `/episodes/{id}/v1` routes)."""
+              request_timeout_s: float = 600.0, recorder=None, limits=None):
+    """-> (app, service): the engine from the registry, one `EngineService` over it (an engine error fails the
+    requests it was running, the next ones are served), the API over that (`recorder`: an `EpisodeRecorder` for
+    the `/episodes/{id}/v1` routes; `limits`: `ServingLimits`, pass the same to the uvicorn runner)."""
     from asyncflow.serving.api import ServedModel, make_app
 
     model = weights.model.eval().requires_grad_(False)
     inference = make_inference_engine(engine, model=model, max_batch_size=max_batch_size, device=device, seed=seed,
                                       weight_version=weights.weight_version)
-    service = EngineService(inference, SamplingParams())
+    service = EngineService(inference, SamplingParams(), restart_on_error=True)
     config = model.config
     served = ServedModel(
         name=name or weights.name, tokenizer=weights.tokenizer, service=service,
         max_model_len=int(getattr(config, "max_position_embeddings", 0) or weights.tokenizer.model_max_length),
         vocab_size=model.get_input_embeddings().num_embeddings, chat_template=chat_template,
     )
-    return make_app(served, api_key=api_key, request_timeout_s=request_timeout_s, recorder=recorder), service
+    return make_app(served, api_key=api_key, request_timeout_s=request_timeout_s, recorder=recorder,
+                    limits=limits), service

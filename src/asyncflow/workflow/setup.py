@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,14 +23,18 @@ import torch
 
 from asyncflow.config import Config
 from asyncflow.data import DatasetError, Example, make_task
-from asyncflow.data.prompts import PromptEncoder, TrainSet, open_datasets
+from asyncflow.data.prompts import PromptEncoder, PromptSource, TrainSet, open_datasets
 from asyncflow.engines.base import SamplingParams
 from asyncflow.envs.base import resolve_environment
 from asyncflow.envs.tools import SandboxLimits
 from asyncflow.models.loading import load_tokenizer, prompt_lengths, render_prompt, resolve_model_path
 from asyncflow.rewards import RewardRunner, check_reward_specs
+from asyncflow.specs import import_callable
+from asyncflow.runtime.base import RolloutSpec
 from asyncflow.workers.multiturn import MultiTurnSpec
 from asyncflow.workers.reward import RewardWorker
+from asyncflow.workers.rollout import LOSS_MASK_COLUMN, TRAINED_PROMPT_COLUMN
+from asyncflow.workers.stage import StageWorker
 
 if TYPE_CHECKING:
     from asyncflow.engines.peft_lora import LoRASettings
@@ -53,6 +58,61 @@ def prompt_encoder(config: Config, tokenizer) -> PromptEncoder:
     )
 
 
+def prompt_source(config: Config, tokenizer, train_set: TrainSet) -> PromptSource:
+    return PromptSource(train_set, prompt_encoder(config, tokenizer), keep_text=config.agent.fn is not None)
+
+
+def rollout_spec(config: Config, model_path, tokenizer) -> RolloutSpec:
+    """The rollout replicas of `config` (placed by the runtime; `model_path` is the resolved policy folder)."""
+    r = config.rollout
+    engine_options = dict(r.engine_options)
+    if r.engine == "vllm":
+        engine_options.setdefault("weight_transfer", r.vllm_weight_transfer)
+        engine_options.setdefault("gpu_memory_utilization", r.gpu_memory_fraction)
+        if r.kv_cache_gb is not None:
+            engine_options.setdefault("kv_cache_memory_bytes", int(r.kv_cache_gb * 2**30))
+    return RolloutSpec(
+        model_path=str(model_path), dtype=config.rollout_dtype(), device=config.model.device, engine=r.engine,
+        engine_options=engine_options, max_batch_size=r.max_batch_size, params=sampling_params(config, tokenizer),
+        group_size=r.group_size, seed=config.run.seed, on_weight_update=r.on_weight_update,
+        multiturn=multiturn_spec(config), agent=agent_options(config, model_path, tokenizer),
+        make_scorer=partial(make_reward_worker, config),
+    )
+
+
+def row_columns(spec: RolloutSpec) -> list[str]:
+    """The optional per-row columns the trainer reads of `spec`'s rows."""
+    trained_prompt = [TRAINED_PROMPT_COLUMN] if spec.trains_own_prompt else []
+    return ([LOSS_MASK_COLUMN] if spec.scores_rows else []) + trained_prompt
+
+
+def agent_options(config: Config, model_path, tokenizer) -> dict | None:
+    """The `AgentRolloutWorker` options of `agent.fn` (None without one)."""
+    a = config.agent
+    if a.fn is None:
+        return None
+    from transformers import AutoConfig
+
+    from asyncflow.workers.agent import absolute_agent_spec
+
+    positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 0)
+    return dict(
+        agent=absolute_agent_spec(a.fn), model_name=config.run.name or "policy",
+        max_model_len=int(positions or tokenizer.model_max_length),
+        concurrency=a.concurrency or config.rollout.max_batch_size, episode_timeout_s=a.episode_timeout_s,
+        chat_template=Path(a.chat_template).read_text() if a.chat_template else None,
+    )
+
+
+def stage_workers(config: Config) -> list[StageWorker]:
+    """The user stages of `stages`, their functions imported (an error names the stage's `fn`)."""
+    return [
+        StageWorker(s.name, import_callable(s.fn, label=f"stages[{i}].fn", error=ValueError), list(s.inputs),
+                    list(s.outputs), s.batch_size)
+        for i, s in enumerate(config.stages)
+    ]
+
+
 def lora_settings(config: Config) -> LoRASettings | None:
     """The LoRA settings of `config.train.lora`, or None when `rank` is 0 (peft is imported only otherwise)."""
     lora = config.train.lora
@@ -66,23 +126,26 @@ def lora_settings(config: Config) -> LoRASettings | None:
 
 def train_engine_options(config: Config, policy: torch.nn.Module, model_path) -> dict:
     """Keyword arguments of `make_train_engine(config.train.engine, ...)`. A multi-rank engine also gets
-    `world_size`, `model_path` (its ranks load the policy themselves), `dtype`, `timeout_s` and `launcher`: its
-    ranks are Ray actors under the Ray runtime, local processes under the inline one."""
+    `world_size`, `model_path` (its ranks load the policy themselves), `dtype`, `timeout_s` and the runtime's
+    `launcher`: its ranks are Ray actors under the Ray runtime, local processes under the inline one."""
     t = config.train
     options = dict(
         model=policy, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas, grad_clip=t.grad_clip,
         lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=t.steps,
-        use_reference=config.algo.kl_coef > 0, packing=t.packing,
+        use_reference=config.algo.kl_coef > 0, packing=t.packing, precision=t.precision,
+        activation_checkpointing=t.activation_checkpointing,
     )
     if t.engine == "torch":
         return {**options, "lora": lora_settings(config)}
-    from asyncflow.runtime.factory import runtime_kind
+    from asyncflow.runtime.factory import require_ray, runtime_kind
 
-    launcher = "processes"
     if runtime_kind(config) == "ray":
+        require_ray(config)
         from asyncflow.runtime.ray_runtime import ray_rank_launcher
 
         launcher = ray_rank_launcher(config)
+    else:
+        from asyncflow.runtime.inline import ProcessRanks as launcher
     return {
         **options, "world_size": t.world_size, "model_path": str(model_path), "dtype": config.model.dtype,
         "timeout_s": config.runtime.call_timeout_s, "launcher": launcher,
@@ -157,6 +220,7 @@ def preflight(config: Config, *, training: bool = True) -> Preflight:
     """Every check that needs only the config, in the order a user would fix them. `training=False`
     (`asyncflow eval`) checks the held-out prompts only. Raises ValueError subclasses naming the input."""
     check_reward_spec(config)
+    stage_workers(config)  # every stage's function imports
     if config.env.name is not None:
         resolve_environment(config.env.name)  # raises EnvironmentSpecError naming env.name
     train_set, test_set = check_data(config)

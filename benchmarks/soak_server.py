@@ -1,0 +1,232 @@
+"""Soak `asyncflow serve` on localhost with thousands of mixed valid and hostile requests, and say whether it held.
+
+Starts the real command (`asyncflow serve preset:tiny-llama`, its own process) on a free loopback port and sends
+`--requests` requests from `--concurrency` clients: valid completions and chats (plain, streamed to the end, and
+streamed then dropped after the first chunk, extreme but valid sampling settings, stop strings at the limits) and
+hostile ones (NaN / underflowing settings, token ids outside the vocabulary, bodies / prompts / stop strings /
+prompts x n over the limits, deep JSON, garbage bytes, half-open and trickling connections, a stalled body).
+Meanwhile a probe asks `GET /health` every 50 ms: its slowest answer bounds how long any request held the event
+loop (and so every other client); the slowest three are listed with the kinds of request in flight then. Prints one JSON object: status counts per kind, 5xx among valid requests (must
+be 0), probe latency (max, p99), resident memory of the server process after warm-up and at the end.
+
+    .venv/bin/python benchmarks/soak_server.py --requests 3000 --concurrency 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import httpx
+
+KEY = "soak-key"
+NAME = "tiny"
+TEMPLATE = ("{% for m in messages %}<s>{{ m.role }}: {{ m.content }}</s>{% endfor %}"
+            "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+WORDS = "the a one two three four five plus minus equals is of and".split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+# ---------------------------------------------------------------- the request mix: (kind, valid, coroutine)
+async def post(http, path, **kwargs) -> int:
+    return (await http.post(path, **kwargs)).status_code
+
+
+async def streamed(http, body, *, drop_after_first: bool) -> int:
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        async for _ in response.aiter_lines():
+            if drop_after_first:
+                break  # leaving the block closes the connection mid-stream
+        return response.status_code
+
+
+async def raw_socket(port: int, payload: bytes, hold_s: float) -> int:
+    """Send `payload` and keep the connection open up to `hold_s`; 200 if the server closed it (or answered)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(payload)
+        await writer.drain()
+        try:
+            await asyncio.wait_for(reader.read(), hold_s)
+            return 200  # closed by the server within the bound
+        except asyncio.TimeoutError:
+            return 599  # still open: the server did not enforce its timeouts
+    finally:
+        writer.close()
+
+
+def make_request(rng: random.Random, http, port: int):
+    base = {"model": NAME, "max_tokens": rng.randint(1, 8)}
+    valid = [
+        ("completion", lambda: post(http, "/v1/completions", json={**base, "prompt": text(rng, rng.randint(1, 40))})),
+        ("chat", lambda: post(http, "/v1/chat/completions", json={
+            **base, "messages": [{"role": "user", "content": text(rng, rng.randint(1, 30))}]})),
+        ("stream", lambda: streamed(http, {**base, "prompt": text(rng, 10), "stream": True}, drop_after_first=False)),
+        ("stream_dropped", lambda: streamed(http, {**base, "max_tokens": 24, "prompt": text(rng, 10), "stream": True},
+                                            drop_after_first=True)),
+        ("tiny_top_p", lambda: post(http, "/v1/completions", json={**base, "prompt": "one", "top_p": 1e-300})),
+        ("stops_at_limit", lambda: post(http, "/v1/completions", json={
+            **base, "prompt": text(rng, 20), "stop": ["x" * 127 + str(i) for i in range(8)], "logprobs": 1})),
+        ("n_batch", lambda: post(http, "/v1/completions", json={**base, "prompt": [text(rng, 5)] * 4, "n": 4})),
+    ]
+    hostile = [
+        ("nan_temperature", lambda: post(http, "/v1/completions", content=(
+            '{"model": "tiny", "prompt": "a", "temperature": NaN}'))),
+        ("tiny_temperature", lambda: post(http, "/v1/completions", json={**base, "prompt": "a", "temperature": 1e-45})),
+        ("bad_token_ids", lambda: post(http, "/v1/completions", json={**base, "prompt": [rng.choice([-1, 10**30])]})),
+        ("long_stop", lambda: post(http, "/v1/completions", json={**base, "prompt": "a", "stop": "ab" * 50_000})),
+        ("many_stops", lambda: post(http, "/v1/completions", json={**base, "prompt": "a", "stop": list("abcdefghij")})),
+        ("long_prompt", lambda: post(http, "/v1/completions", json={**base, "prompt": "one " * 60_000})),
+        ("huge_body", lambda: post(http, "/v1/completions", json={**base, "prompt": "a", "user": "x" * 3_000_000})),
+        ("prompts_x_n", lambda: post(http, "/v1/completions", json={**base, "prompt": ["a"] * 16, "n": 16})),
+        ("deep_json", lambda: post(http, "/v1/completions", content="[" * 100_000)),
+        ("garbage", lambda: post(http, "/v1/chat/completions", content=rng.randbytes(200))),
+        ("half_open", lambda: raw_socket(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", 15)),
+        ("stalled_body", lambda: raw_socket(port, (
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            "Content-Length: 500\r\n\r\n{\"model\"").encode(), 15)),
+    ]
+    is_valid = rng.random() < 0.6
+    kind, make = rng.choice(valid if is_valid else hostile)
+    return kind, is_valid, make
+
+
+async def soak(args, port: int, pid: int) -> dict:
+    rng = random.Random(args.seed)
+    limits = httpx.Limits(max_connections=args.concurrency * 2)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {KEY}"},
+                                 timeout=120, limits=limits) as http:
+        for _ in range(20):  # warm-up before the first memory reading
+            await post(http, "/v1/completions", json={"model": NAME, "prompt": "one two", "max_tokens": 4})
+        rss_start = rss_kib(pid)
+        statuses: dict[str, Counter] = defaultdict(Counter)
+        valid_5xx, errors = 0, Counter()
+        probe_latencies: list[float] = []
+        slowest: list[tuple[float, list[str]]] = []  # the slowest probes and the kinds in flight when they began
+        in_flight: Counter = Counter()
+        rss_samples: list[int] = []
+        done = asyncio.Event()
+
+        async def probe():
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as own:
+                while not done.is_set():
+                    kinds = sorted(k for k, v in in_flight.items() if v)
+                    started = time.perf_counter()
+                    assert (await own.get("/health")).status_code == 200
+                    latency = time.perf_counter() - started
+                    probe_latencies.append(latency)
+                    slowest.append((round(latency, 3), kinds))
+                    slowest.sort(key=lambda item: -item[0])
+                    del slowest[3:]
+                    if len(probe_latencies) % 20 == 0:
+                        rss_samples.append(rss_kib(pid))
+                    await asyncio.sleep(0.05)
+
+        queue: asyncio.Queue = asyncio.Queue()
+        for _ in range(args.requests):
+            queue.put_nowait(make_request(rng, http, port))
+
+        async def client():
+            nonlocal valid_5xx
+            while not queue.empty():
+                kind, is_valid, make = queue.get_nowait()
+                in_flight[kind] += 1
+                try:
+                    status = await make()
+                except (httpx.HTTPError, OSError) as err:  # e.g. the server closing a refused upload
+                    status = f"{type(err).__name__}"
+                    errors[kind] += 1
+                finally:
+                    in_flight[kind] -= 1
+                statuses[kind][status] += 1
+                if is_valid and (not isinstance(status, int) or status >= 500):
+                    valid_5xx += 1
+
+        started = time.monotonic()
+        prober = asyncio.create_task(probe())
+        await asyncio.gather(*(client() for _ in range(args.concurrency)))
+        elapsed = time.monotonic() - started
+        done.set()
+        await prober
+        health = (await http.get("/health")).json()
+        final = await post(http, "/v1/completions", json={"model": NAME, "prompt": "one two", "max_tokens": 4})
+    probe_sorted = sorted(probe_latencies)
+    return {
+        "requests": args.requests, "concurrency": args.concurrency, "seconds": round(elapsed, 1),
+        "valid_requests_5xx_or_failed": valid_5xx,
+        "statuses": {kind: dict(counter) for kind, counter in sorted(statuses.items())},
+        "probe_health_latency_s": {"max": round(probe_sorted[-1], 3),
+                                   "p99": round(probe_sorted[int(0.99 * (len(probe_sorted) - 1))], 3),
+                                   "median": round(statistics.median(probe_sorted), 3), "samples": len(probe_sorted),
+                                   "slowest_with_kinds_in_flight": slowest},
+        "rss_mib": {"after_warmup": round(rss_start / 1024, 1), "end": round(rss_kib(pid) / 1024, 1),
+                    "growth": round((rss_kib(pid) - rss_start) / 1024, 1),
+                    "by_quarter_of_the_run": [round(rss_samples[min(len(rss_samples) - 1, q * len(rss_samples) // 4)]
+                                                    / 1024, 1) for q in (1, 2, 3, 4)] if rss_samples else []},
+        "health_at_end": health, "normal_request_at_end": final,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="preset:tiny-llama")
+    args = parser.parse_args()
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        template = Path(tmp) / "template.jinja"
+        template.write_text(TEMPLATE)
+        cli = [sys.executable, "-m", "asyncflow.cli", "serve", args.model, "--port", str(port), "--name", NAME,
+               "--chat-template", str(template), "--threads", "1", "--header-timeout-s", "5", "--body-timeout-s", "5"]
+        server = subprocess.Popen(cli, env={**os.environ, "ASYNCFLOW_API_KEY": KEY}, stdout=subprocess.DEVNULL,
+                                  stderr=open(Path(tmp) / "server.log", "w"))
+        try:
+            deadline = time.monotonic() + 180
+            while True:
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if server.poll() is not None or time.monotonic() > deadline:
+                    sys.exit(f"the server did not start: {(Path(tmp) / 'server.log').read_text()[-2000:]}")
+                time.sleep(0.5)
+            result = asyncio.run(soak(args, port, server.pid))
+        finally:
+            server.terminate()
+            server.wait(30)
+    print(json.dumps(result, indent=1))
+    return 0 if result["valid_requests_5xx_or_failed"] == 0 and result["normal_request_at_end"] == 200 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""What every runtime provides, and what a rollout replica is built from.
+
+Owns: `RolloutSpec` (the typed, picklable description of a rollout replica: model, engine and its device
+settings, sampling, multi-turn or agent settings), `build_rollout_worker` (a replica's engine and worker,
+built where the runtime places it), and the `Runtime` protocol both runtimes implement.
+
+Invariants:
+- A rollout engine is built only inside the runtime that places it: by `InlineRuntime` in this process, by
+  each Ray rollout actor in its own. Nothing else builds one for rollouts.
+- A runtime changes no run state: it receives a spec, a queue and a weight receiver, and reports rows,
+  sampler states, reward failures and errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from asyncflow.engines.base import SamplingParams, make_inference_engine
+from asyncflow.models.loading import load_tokenizer
+from asyncflow.observe import Timeline
+from asyncflow.runtime.cores import CoreLending
+from asyncflow.workers.multiturn import MultiTurnSpec, make_rollout_worker
+from asyncflow.workers.reward import RewardWorker
+from asyncflow.workers.rollout import RolloutRole
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutSpec:
+    """A rollout replica, as plain values (it travels to Ray actors)."""
+
+    model_path: str
+    """A local Hugging Face folder (a preset already resolved to its folder)."""
+    dtype: str
+    device: str
+    engine: str
+    """Inference engine from the registry (or `package.module:factory`)."""
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of the engine's factory (vLLM's memory fraction, KV cache size ...)."""
+    max_batch_size: int
+    params: SamplingParams
+    group_size: int
+    seed: int
+    threads: int = 1
+    """torch CPU threads of a replica in a process of its own."""
+    on_weight_update: str = "finish"
+    multiturn: MultiTurnSpec | None = None
+    """Multi-turn episodes instead of single completions."""
+    agent: dict | None = None
+    """With `agent.fn`: the `AgentRolloutWorker` options."""
+    make_scorer: Callable[[], RewardWorker] | None = None
+    """Builds a reward worker in the replica's process (Ray replicas score their own rows)."""
+
+    @property
+    def scores_rows(self) -> bool:
+        """The worker writes each row's reward itself (an environment or an agent's scorer scores it)."""
+        return self.multiturn is not None or self.agent is not None
+
+    @property
+    def trains_own_prompt(self) -> bool:
+        """Rows carry the prompt that is trained (`TRAINED_PROMPT_COLUMN`: an agent's first call)."""
+        return self.agent is not None
+
+
+def build_rollout_worker(spec: RolloutSpec, scorer: RewardWorker | None) -> RolloutRole:
+    """The replica's inference engine and rollout worker (single-turn, multi-turn or agent)."""
+    engine = make_inference_engine(
+        spec.engine, model_path=spec.model_path, dtype=spec.dtype, device=spec.device,
+        max_batch_size=spec.max_batch_size, seed=spec.seed, **spec.engine_options,
+    )
+    tokenizer = load_tokenizer(spec.model_path) if spec.scores_rows else None
+    if spec.agent is not None:
+        from asyncflow.workers.agent import AgentRolloutWorker
+
+        return AgentRolloutWorker(engine, spec.params, spec.group_size, tokenizer=tokenizer, scorer=scorer,
+                                  **spec.agent)
+    return make_rollout_worker(engine, spec.params, spec.group_size, multiturn=spec.multiturn, tokenizer=tokenizer)
+
+
+class Runtime(Protocol):
+    """Places the rollout replicas (and, with `stream` / `async`, runs their loops) for a workflow."""
+
+    scores_in_rollout: bool
+    """Replicas write each row's reward with its response (no separate reward task)."""
+    weight_sync: str
+    """The weight transport (`asyncflow.weights.make_weight_sync`) replicas receive versions through."""
+    weight_sync_options: dict
+    trainer_cores: CoreLending | None
+    """Cores the trainer may borrow from replicas waiting for weights (a local CPU cluster)."""
+    local_rollout: RolloutRole | None
+    """The rollout worker in this process (inline), or None: replicas live elsewhere."""
+
+    def make_queue(self, tasks: list[str]): ...
+
+    def start_rollout(self, queue, receiver_spec, steps: range, *, max_staleness: int, timeline: Timeline,
+                      sampler_states: dict | None = None) -> None:
+        """Run the rollout loop over `steps` on every replica; `sampler_states` (replica -> generator state)
+        sets each engine's sampling generator first (a resumed run)."""
+        ...
+
+    def sampler_states(self, step: int, timeout: float) -> dict:
+        """Replica -> its engine's generator state after partition `step`."""
+        ...
+
+    def reward_failures(self) -> dict[str, float]:
+        """`reward/errors`, `reward/timeouts` of the replicas' scorers (totals); {} when the driver scores."""
+        ...
+
+    def check(self) -> None:
+        """Raise the failure of a replica."""
+        ...
+
+    def join(self, timeout: float) -> None: ...
+
+    def close(self) -> None: ...
