@@ -1,42 +1,34 @@
-"""Supervised warm-up: train on (prompt, answer) pairs so a tiny random model starts RL with a
-non-zero reward.
+"""Supervised warm-up: train on (prompt, answer) pairs so a tiny random model starts RL with a non-zero reward.
 
-Owns: the SFT loop, its stopping rule, and saving the result as an ordinary Hugging Face folder that
-`model.path` can point at (merged weights under LoRA), with `sft_summary.json`, `metrics.jsonl` (`sft/*`) and
-`checkpoints/step_N/` (every `checkpoint.every` steps and at the end) beside the weights. It trains on the
-`TrainEngine` of `train.engine` / `world_size` / `lora` in micro-batches of `train.micro_batch_size`, with SFT's
-own optimizer settings (`sft.lr`, `betas`, ...); the loss is `sft_loss`, cross-entropy on the answer tokens only.
+Owns: the SFT loop, its stopping rule, and its output folder: an ordinary Hugging Face model that `model.path` can
+point at (merged weights under LoRA), `sft_summary.json`, `metrics.jsonl` (`sft/*`) and `checkpoints/step_N/`. It
+trains on the `TrainEngine` of `train.engine` / `world_size` / `lora` in micro-batches of `train.micro_batch_size`,
+with SFT's own optimizer settings (`sft.lr`, `betas`, ...); the loss is `sft_loss` on the answer tokens only. With
+`env.name`, SFT trains on the environment's tool-use demonstrations (only the model's turns in the loss).
 
-With `env.name` (multi-turn), SFT trains on the environment's tool-use demonstrations (model turns and
-tool outputs as ids, only the model's turns in the loss), and validation runs episodes.
-
-Stopping rule: with `sft.stop_accuracy` set, every `sft.check_every` steps (and at `sft.steps`) the
-model's greedy accuracy is measured on the validation split, exactly as the RL run measures its
-held-out accuracy (same inference engine, sampling parameters and rewards; a sample counts when its
-reward is >= 1), and SFT stops at the first check that reaches the target. `sft.steps` bounds the
-run; ending there below the target logs a warning. Without `stop_accuracy`, SFT runs `sft.steps`.
+Stopping rule: with `sft.stop_accuracy` set, every `sft.check_every` steps (and at `sft.steps`) the model's greedy
+accuracy on the validation split is measured exactly as the RL run measures its held-out accuracy (same inference
+engine, sampling parameters and rewards; solved = reward >= 1; episodes with `env.name`), and SFT stops at the
+first check that reaches the target; `sft.steps` bounds the run (ending there below the target logs a warning).
 
 Invariants:
-- The prompt is rendered exactly as the RL rollout renders it (`render_prompt`) and the answer is
-  followed by EOS, so the warm-started model stops where the RL reward expects it to.
-- The validation prompts never reach SFT training and are not the test prompts the RL run reports:
-  a built-in task's validation split is disjoint from its train and test splits; from a data file
-  the rows whose prompt falls in the validation part of the fixed partition are carved out of the
-  training rows (`asyncflow.data.tasks.carve_validation`).
+- The prompt is rendered exactly as the RL rollout renders it (`render_prompt`) and the answer is followed by
+  EOS, so the warm-started model stops where the RL reward expects it to.
+- The validation prompts never reach SFT training and are not the RL run's test prompts: a built-in task's
+  validation split is disjoint from its train and test splits; from a data file the rows whose prompt falls in
+  the validation part of the fixed partition are carved out of the training rows (`carve_validation`).
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import random
 import shutil
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -44,17 +36,23 @@ from asyncflow.algos.losses import sft_loss
 from asyncflow.config import Config
 from asyncflow.data import Example, make_task
 from asyncflow.data.tasks import carve_validation
-from asyncflow.engines.base import ShardedCheckpointing, TrainEngine, make_inference_engine, make_train_engine
+from asyncflow.engines.base import ShardedCheckpointing, make_train_engine
 from asyncflow.models.loading import load_model, load_tokenizer, render_prompt, resolve_model_path
 from asyncflow.models.logprobs import TrainSample, response_mask
 from asyncflow.models.tri_model import TriLogProbs
 from asyncflow.observe import MetricsLogger, TrainProgress
-from asyncflow.workers.multiturn import make_rollout_worker
+from asyncflow.runtime.base import build_rollout_worker
 from asyncflow.workers.reward import RewardWorker
 from asyncflow.workflow.checkpoint import save_checkpoint
 from asyncflow.workflow.evaluation import evaluate
 from asyncflow.workflow.setup import (
-    build_reward_runner, datasets, multiturn_spec, prompt_encoder, sampling_params, seed_everything,
+    build_reward_runner,
+    datasets,
+    multiturn_spec,
+    prompt_encoder,
+    rollout_spec,
+    sampling_params,
+    seed_everything,
     train_engine_options,
 )
 
@@ -65,8 +63,7 @@ SUMMARY_FILE = "sft_summary.json"
 
 def sft_pools(config: Config) -> tuple[list[Example], list[Example]]:
     """(training rows, validation rows) of SFT. Validation is empty without `sft.stop_accuracy`."""
-    train_set, _ = datasets(config)
-    train = train_set.examples
+    train = datasets(config)[0].examples
     if config.sft.stop_accuracy is None:
         return train, []
     size = config.sft.validation_size
@@ -86,28 +83,22 @@ def sft_pools(config: Config) -> tuple[list[Example], list[Example]]:
 
 
 class ValidationProbe:
-    """Greedy accuracy of a model on the validation rows, measured the way the RL run measures its
-    held-out accuracy, on an inference engine of its own (a copy of the model, weights loaded per check)."""
+    """Greedy accuracy of the policy on the validation rows, measured as the RL run measures its held-out accuracy,
+    on a rollout engine of its own, built as the run's replicas are (weights loaded per check)."""
 
-    def __init__(self, config: Config, model: torch.nn.Module, tokenizer, validation: list[Example]):
-        self.validation = validation
-        self.engine = make_inference_engine(
-            config.rollout.engine, model=copy.deepcopy(model).eval().requires_grad_(False),
-            max_batch_size=config.rollout.max_batch_size, device=config.model.device, seed=config.run.seed,
-        )
+    def __init__(self, config: Config, model_path: Path, tokenizer, validation: list[Example]):
+        self.validation, self.version = validation, 0
+        self.params = sampling_params(config, tokenizer, greedy=True)
+        spec = replace(rollout_spec(config, model_path, tokenizer), params=self.params, group_size=1, agent=None)
+        self.worker = build_rollout_worker(spec, scorer=None)
+        self.episodes = self.worker if spec.multiturn is not None else None
         self.rewards = RewardWorker(build_reward_runner(config), tokenizer)
         self.encoder = prompt_encoder(config, tokenizer)
-        self.params = sampling_params(config, tokenizer, greedy=True)
-        spec = multiturn_spec(config)
-        self.episodes = None if spec is None else make_rollout_worker(
-            self.engine, self.params, 1, multiturn=spec, tokenizer=tokenizer
-        )
-        self.version = 0
 
     def accuracy(self, weights: Mapping[str, torch.Tensor]) -> float:
         self.version += 1
-        self.engine.update_weights(weights, self.version)
-        result = evaluate(self.engine, self.rewards, self.encoder, self.validation, self.params,
+        self.worker.engine.update_weights(weights, self.version)
+        result = evaluate(self.worker.engine, self.rewards, self.encoder, self.validation, self.params,
                           episodes=self.episodes)
         return float(result.get("eval/accuracy", 0.0))
 
@@ -156,16 +147,6 @@ class SFTLoss:
         return self
 
 
-def sft_engine(config: Config, model: torch.nn.Module, model_path: Path) -> TrainEngine:
-    """`train.engine` (with `train.world_size`, `train.lora`) under SFT's own optimizer settings; unpacked (SFT rows
-    share no prompt)."""
-    s = config.sft
-    return make_train_engine(config.train.engine, **{
-        **train_engine_options(config, model, model_path), "lr": s.lr, "betas": s.betas, "weight_decay": s.weight_decay,
-        "grad_clip": s.grad_clip, "lr_schedule": s.lr_schedule, "warmup_steps": s.warmup_steps, "total_steps": s.steps,
-        "use_reference": False, "packing": "off"})
-
-
 def run_sft(config: Config, output: str | Path) -> Path:
     """Fine-tune `config.model.path` on the training split until `sft.stop_accuracy` (or `sft.steps`); save model +
     tokenizer + `sft_summary.json` to `output`, with `metrics.jsonl` and `checkpoints/`."""
@@ -175,15 +156,16 @@ def run_sft(config: Config, output: str | Path) -> Path:
     tokenizer = load_tokenizer(model_path)
     model = load_model(model_path, dtype=config.model.dtype, device=config.model.device)
     train, validation = sft_pools(config)
-    probe = ValidationProbe(config, model, tokenizer, validation) if validation else None
-    engine = sft_engine(config, model, model_path)  # under LoRA it adds adapters to `model`
-    rng = random.Random(config.run.seed)
-    to_sample = sft_samples(config, tokenizer)
+    probe = ValidationProbe(config, model_path, tokenizer, validation) if validation else None
+    engine = make_train_engine(config.train.engine, **{  # SFT's optimizer; unpacked: its rows share no prompt
+        **train_engine_options(config, model, model_path), "lr": cfg.lr, "betas": cfg.betas, "total_steps": cfg.steps,
+        "weight_decay": cfg.weight_decay, "grad_clip": cfg.grad_clip, "lr_schedule": cfg.lr_schedule,
+        "warmup_steps": cfg.warmup_steps, "use_reference": False, "packing": "off"})
+    rng, to_sample = random.Random(config.run.seed), sft_samples(config, tokenizer)
     shutil.rmtree(output / "checkpoints", ignore_errors=True)  # an interrupted SFT's: this one starts again
     metrics = MetricsLogger(output, tensorboard=False, resume_from_step=0)
     sharded = engine.save_sharded if isinstance(engine, ShardedCheckpointing) else None
-    checks: list[tuple[int, float]] = []
-    reached, step, t0 = False, 0, time.perf_counter()
+    checks, reached, step, t0 = [], False, 0, time.perf_counter()  # checks: (step, validation accuracy)
     try:
         with TrainProgress(cfg.steps, description="sft", enabled=config.run.progress) as bar:
             while step < cfg.steps and not reached:
@@ -207,7 +189,9 @@ def run_sft(config: Config, output: str | Path) -> Path:
         model.load_state_dict(engine.state_dict())  # under LoRA the merged weights: a plain model folder
     finally:
         metrics.close()
-        getattr(engine, "close", lambda: None)()
+        engine.close()
+        if probe is not None:
+            probe.worker.close()
     wall_s = time.perf_counter() - t0
     summary = {
         "steps": step, "max_steps": cfg.steps, "stop_accuracy": cfg.stop_accuracy,
@@ -216,21 +200,15 @@ def run_sft(config: Config, output: str | Path) -> Path:
         "checks": [{"step": s, "val_accuracy": a} for s, a in checks], "wall_s": round(wall_s, 2),
         "torch_threads": torch.get_num_threads(),
     }  # fmt: skip
-    if probe is None:
-        log.info("SFT ran %d steps (%.1f s)", step, wall_s)
-    elif reached:
-        log.info("SFT stopped at step %d: validation accuracy %.3f >= sft.stop_accuracy=%s (%.1f s)",
-                 step, summary["val_accuracy"], cfg.stop_accuracy, wall_s)
-    else:
-        log.warning(
-            "SFT reached sft.steps=%d without validation accuracy >= sft.stop_accuracy=%s (best %.3f, last %.3f): "
-            "RL starts from a weaker model than intended; raise sft.steps or sft.lr, or lower sft.stop_accuracy",
-            step, cfg.stop_accuracy, max(a for _, a in checks), summary["val_accuracy"],
-        )
     model.save_pretrained(output)
     tokenizer.save_pretrained(output)
     (output / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
-    log.info("SFT model saved to %s", output)
+    if probe is not None and not reached:
+        log.warning("SFT reached sft.steps=%d without validation accuracy >= sft.stop_accuracy=%s (best %.3f, last "
+                    "%.3f): RL starts from a weaker model than intended; raise sft.steps or sft.lr, or lower "
+                    "sft.stop_accuracy", step, cfg.stop_accuracy, max(a for _, a in checks), summary["val_accuracy"])
+    log.info("SFT stopped at step %d (%.1f s), validation accuracy %s; model saved to %s", step, wall_s,
+             summary["val_accuracy"], output)
     return output
 
 
