@@ -6,8 +6,9 @@ streamed then dropped after the first chunk, extreme but valid sampling settings
 hostile ones (NaN / underflowing settings, token ids outside the vocabulary, bodies / prompts / stop strings /
 prompts x n over the limits, deep JSON, garbage bytes, half-open and trickling connections, a stalled body).
 Meanwhile a probe asks `GET /health` every 50 ms: its slowest answer bounds how long any request held the event
-loop (and so every other client); the slowest three are listed with the kinds of request in flight then. Prints one JSON object: status counts per kind, 5xx among valid requests (must
-be 0), probe latency (max, p99), resident memory of the server process after warm-up and at the end.
+loop (and so every other client); the slowest three are listed with the kinds of request in flight then.
+Prints one JSON object: status counts per kind, 5xx among valid requests (must be 0), probe latency (max, p99),
+resident memory of the server process after warm-up and at the end.
 
     .venv/bin/python benchmarks/soak_server.py --requests 3000 --concurrency 16
 """

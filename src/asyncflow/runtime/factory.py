@@ -4,6 +4,8 @@ otherwise."""
 
 from __future__ import annotations
 
+import importlib.util
+
 from asyncflow.config import Config, ConfigError
 from asyncflow.runtime.base import RolloutSpec, Runtime
 from asyncflow.workers.reward import RewardWorker
@@ -20,12 +22,14 @@ def runtime_kind(config: Config) -> str:
 def require_ray(config: Config) -> None:
     """A clear error when the config places work on Ray and the `ray` extra is not installed."""
     try:
-        import ray  # noqa: F401
-    except ImportError:
+        found = importlib.util.find_spec("ray") is not None
+    except ValueError:  # sys.modules["ray"] is None: taken away on purpose
+        found = False
+    if not found:
         why = "runtime.kind=ray" if config.runtime.kind == "ray" else \
             f"workflow.mode={config.workflow.mode} with runtime.kind=auto runs rollout replicas on Ray"
         raise ConfigError(f"{why}, and ray is not installed: pip install 'asyncflow-rl[ray]', or set "
-                          "runtime.kind=inline") from None
+                          "runtime.kind=inline")
 
 
 def make_runtime(config: Config, spec: RolloutSpec, scorer: RewardWorker) -> Runtime:
