@@ -1,7 +1,7 @@
-"""Short runs of the workflow with `rollout.engine=vllm` (marker `vllm`: `bash scripts/test_vllm.sh`): sync, and
-async k=1 (weights swapped into vLLM by the rollout thread while the trainer trains), each training every row of
-every step. Inline runtime: each run starts two vLLM engines (rollout and evaluation) instead of three on Ray, where
-the same engine runs inside the rollout replica (checked by the runs recorded in BENCHMARKS.md)."""
+"""Short runs of the workflow with `rollout.engine=vllm` (marker `vllm`: `bash scripts/test_vllm.sh`): sync (weights
+by the collective path, vLLM's greedy output checked against the trainer's), async k=1 (weights swapped into vLLM
+by the rollout thread while the trainer trains; file path), multi-turn, and async k=1 on Ray (collective path inside
+the rollout replica), each training every row of every step."""
 
 import pytest
 
