@@ -4,11 +4,12 @@ Starts the real command (`asyncflow serve preset:tiny-llama`, its own process) o
 `--requests` requests from `--concurrency` clients: valid completions and chats (plain, streamed to the end, and
 streamed then dropped after the first chunk, extreme but valid sampling settings, stop strings at the limits) and
 hostile ones (NaN / underflowing settings, token ids outside the vocabulary, bodies / prompts / stop strings /
-prompts x n over the limits, deep JSON, garbage bytes, half-open and trickling connections, a stalled body).
+prompts x n over the limits, deep JSON, garbage bytes, half-open connections, a stalled body).
 Meanwhile a probe asks `GET /health` every 50 ms: its slowest answer bounds how long any request held the event
 loop (and so every other client); the slowest three are listed with the kinds of request in flight then.
 Prints one JSON object: status counts per kind, 5xx among valid requests (must be 0), probe latency (max, p99),
-resident memory of the server process after warm-up and at the end.
+resident memory of the server process after warm-up, by quarter of the run and at the end. The trickling-head
+case is not in the mix (it is slow by design): tests/serving/test_hostile_requests.py covers it.
 
     .venv/bin/python benchmarks/soak_server.py --requests 3000 --concurrency 16
 """

@@ -11,8 +11,8 @@ import pytest
 import asyncflow
 from asyncflow.cli import main
 
-PUBLIC = {"Config", "ConfigError", "load_config", "build_config", "train", "sft", "evaluate", "export", "TrainResult",
-          "RLRun", "__version__"}
+PUBLIC = {"Config", "ConfigError", "load_config", "build_config", "train", "sft", "evaluate", "export", "serve",
+          "TrainResult", "RLRun", "__version__"}
 
 
 def test_public_names_are_stable_and_documented():

@@ -26,13 +26,14 @@ _PUBLIC = {
     "sft": "asyncflow.api",
     "evaluate": "asyncflow.api",
     "export": "asyncflow.api",
+    "serve": "asyncflow.api",
     "TrainResult": "asyncflow.api",
     "RLRun": "asyncflow.workflow.run",
 }
 __all__ = ["__version__", *_PUBLIC]
 
 if TYPE_CHECKING:
-    from asyncflow.api import TrainResult, evaluate, export, sft, train  # noqa: F401
+    from asyncflow.api import TrainResult, evaluate, export, serve, sft, train  # noqa: F401
     from asyncflow.config import Config, ConfigError, build_config, load_config  # noqa: F401
     from asyncflow.workflow.run import RLRun  # noqa: F401
 

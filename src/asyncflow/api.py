@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from asyncflow.config import Config
+from asyncflow.config import Config, ConfigError
 
 log = logging.getLogger("asyncflow")
 
@@ -102,3 +102,62 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, mer
     from asyncflow.workflow.export import export_run
 
     return export_run(run_dir, out, step=step, merged=merged)
+
+
+def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          name: str | None = None, engine: str = "torch", max_batch_size: int = 64, device: str = "cpu",
+          dtype: str = "float32", seed: int = 0, chat_template: str | None = None, request_timeout_s: float = 600.0,
+          limits=None) -> None:
+    """An OpenAI-compatible server over `model` (a Hugging Face folder, `preset:NAME`, a run folder or a checkpoint
+    folder), as `asyncflow serve`; blocks until interrupted. Without `api_key` one is generated and printed; a
+    host reachable from other machines needs one. `limits`: a `ServingLimits` (defaults otherwise)."""
+    import secrets
+
+    from asyncflow.workflow.serve import build_app, load_served
+
+    try:
+        from asyncflow.serving.limits import ServingLimits
+        from asyncflow.serving.server import serve_forever
+    except ImportError as err:
+        raise ValueError(f"asyncflow serve needs the serve extra (pip install 'asyncflow-rl[serve]'): {err}") from None
+    limits = limits or ServingLimits()
+    if not _is_loopback(host):
+        if not api_key:
+            raise ConfigError(f"--host {host} is reachable from other machines: give the key clients must send "
+                              "(--api-key-file FILE or $ASYNCFLOW_API_KEY), or serve on 127.0.0.1")
+        log.warning("serving on %s, reachable from other machines: anyone who can reach it and holds the key can "
+                    "use the model", host)
+    _check_can_listen(host, port)
+    key = api_key or secrets.token_urlsafe(24)
+    weights = load_served(model, dtype=dtype, device=device)
+    app, service = build_app(
+        weights, api_key=key, name=name, engine=engine, max_batch_size=max_batch_size, device=device, seed=seed,
+        chat_template=chat_template, request_timeout_s=request_timeout_s, limits=limits,
+    )
+    if not api_key:
+        print(f"API key (generated): {key}", flush=True)
+    print(f"serving {name or weights.name!r} at http://{host}:{port}/v1", flush=True)
+    try:
+        serve_forever(app, host=host, port=port, limits=limits)
+    finally:
+        service.close()
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
+def _check_can_listen(host: str, port: int) -> None:
+    """Bind `host:port` once before loading the model, so a port in use fails at once in one line."""
+    import socket
+
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as err:
+        raise ConfigError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None

@@ -106,14 +106,7 @@ def cmd_bench(args) -> int:
 
 def cmd_serve(args) -> int:
     import os
-    import secrets
 
-    from asyncflow.workflow.serve import build_app, load_served
-
-    try:
-        from asyncflow.serving.server import serve_forever
-    except ImportError as err:
-        raise ValueError(f"asyncflow serve needs the serve extra (pip install 'asyncflow-rl[serve]'): {err}") from None
     if args.overrides:
         raise ConfigError(f"asyncflow serve takes no config overrides: {' '.join(args.overrides)}")
     from asyncflow.serving.limits import ServingLimits
@@ -132,49 +125,15 @@ def cmd_serve(args) -> int:
         if not given_key:
             raise ConfigError(f"--api-key-file {args.api_key_file}: the file is empty")
     given_key = given_key or os.environ.get("ASYNCFLOW_API_KEY")
-    if not _is_loopback(args.host):
-        if not given_key:
-            raise ConfigError(f"--host {args.host} is reachable from other machines: give the key clients must send "
-                              "(--api-key-file FILE or $ASYNCFLOW_API_KEY), or serve on 127.0.0.1")
-        log.warning("serving on %s, reachable from other machines: anyone who can reach it and holds the key can "
-                    "use the model", args.host)
-    _check_can_listen(args.host, args.port)
-    api_key = given_key or secrets.token_urlsafe(24)
+    from asyncflow import api
+
     chat_template = Path(args.chat_template).read_text() if args.chat_template else None
-    weights = load_served(args.model, dtype=args.dtype, device=args.device)
-    app, service = build_app(
-        weights, api_key=api_key, name=args.name, engine=args.engine, max_batch_size=args.max_batch_size,
-        device=args.device, seed=args.seed, chat_template=chat_template, request_timeout_s=args.request_timeout,
-        limits=limits,
+    api.serve(
+        args.model, host=args.host, port=args.port, api_key=given_key, name=args.name, engine=args.engine,
+        max_batch_size=args.max_batch_size, device=args.device, dtype=args.dtype, seed=args.seed,
+        chat_template=chat_template, request_timeout_s=args.request_timeout, limits=limits,
     )
-    if not given_key:
-        print(f"API key (generated): {api_key}", flush=True)
-    print(f"serving {args.name or weights.name!r} at http://{args.host}:{args.port}/v1", flush=True)
-    try:
-        serve_forever(app, host=args.host, port=args.port, limits=limits)
-    finally:
-        service.close()
     return 0
-
-
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve anywhere
-        return False
-
-
-def _check_can_listen(host: str, port: int) -> None:
-    """Bind `host:port` once before loading the model, so a port in use fails at once in one line."""
-    import socket
-
-    try:
-        with socket.create_server((host, port)):
-            pass
-    except OSError as err:
-        raise ConfigError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
 
 
 def _port(text: str) -> int:

@@ -179,6 +179,30 @@ def test_a_half_open_or_trickling_request_head_is_disconnected(server):
     assert_serving(http)
 
 
+def test_a_kept_alive_connection_that_trickles_its_next_head_is_disconnected(server):
+    thread, _, http = server
+    sock = socket.create_connection(("127.0.0.1", thread.port))
+    try:
+        sock.sendall("GET /health HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        sock.settimeout(10)
+        assert b" 200 " in sock.recv(65536).split(b"\r\n")[0]
+        time.sleep(HEAD_TIMEOUT_S * 1.5)  # idle longer than the head timeout: still open (keep-alive)
+        sock.sendall(b"G")
+        started = time.monotonic()
+        for byte in b"ET /health HTTP/1.1\r\nX-Pad: " + b"y" * 100:
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                break
+            if time.monotonic() - started > HEAD_TIMEOUT_S + 4:
+                break
+            time.sleep(0.2)
+        assert closed_within(sock, 1) is not None and time.monotonic() - started < HEAD_TIMEOUT_S + 4
+    finally:
+        sock.close()
+    assert_serving(http)
+
+
 def test_a_stalled_body_gets_408(server):
     thread, _, http = server
     sock = socket.create_connection(("127.0.0.1", thread.port))

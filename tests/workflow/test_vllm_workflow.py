@@ -1,7 +1,7 @@
-"""Short runs of the workflow with `rollout.engine=vllm` (marker `vllm`: `bash scripts/test_vllm.sh`): sync, and
-async k=1 (weights swapped into vLLM by the rollout thread while the trainer trains), each training every row of
-every step. Inline runtime: each run starts two vLLM engines (rollout and evaluation) instead of three on Ray, where
-the same engine runs inside the rollout replica (checked by the runs recorded in BENCHMARKS.md)."""
+"""Short runs of the workflow with `rollout.engine=vllm` (marker `vllm`: `bash scripts/test_vllm.sh`): sync (weights
+by the collective path, vLLM's greedy output checked against the trainer's), async k=1 (weights swapped into vLLM
+by the rollout thread while the trainer trains; file path), multi-turn, and async k=1 on Ray (collective path inside
+the rollout replica), each training every row of every step."""
 
 import pytest
 
@@ -104,3 +104,16 @@ def test_multiturn_sync(tmp_path):
     for h in steps:
         assert h["rollout/samples"] == 16 and h["env/tool_calls"] == 16
         assert h["train/tokens"] == h["env/sampled_tokens"] < h["rollout/tokens"], "observations are not trained"
+
+
+def test_async_k1_on_ray_by_the_collective_path(tmp_path, ray_cluster):
+    """A Ray rollout replica's vLLM engine takes each version by the collective path (the replica's process is
+    rank 0): with max_staleness 1, the run reaches its last step only if new versions keep reaching vLLM."""
+    config = vllm_config(
+        tmp_path, "train.steps=4", "workflow.mode=async", "workflow.max_staleness=1", "runtime.kind=ray",
+        "runtime.rollout_cpus=1", "rollout.vllm_weight_transfer=collective",
+    )
+    history = RLRun(config).train()
+    rows = [h for h in history if "staleness/max" in h]
+    assert len(rows) == 4 and all(0 <= h["staleness/max"] <= 1 for h in rows)
+    assert all(h["rollout/samples"] == 16 for h in rows)

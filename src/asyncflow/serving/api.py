@@ -248,7 +248,7 @@ class BufferedBody:
         try:
             body = await self._read(scope, receive)
         except _BodyRefused as err:
-            code = "body_too_large" if err.status == 413 else "body_timeout"
+            code = {413: "body_too_large", 408: "body_timeout"}.get(err.status)
             response = error_response(err.status, err.message, param="body", code=code)
             response.headers["connection"] = "close"
             return await response(scope, receive, send)

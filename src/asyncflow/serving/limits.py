@@ -27,8 +27,8 @@ class ServingLimits(BaseModel):
     max_choices: int = Field(64, ge=1, description=(
         "Most samples one request may ask for: prompts x n (400 naming `n`)."))
     header_timeout_s: float = Field(10.0, gt=0, description=(
-        "Seconds a connection has to send a complete request head (from connecting, or from the end of the "
-        "previous response); a slow or half-open client is then disconnected."))
+        "Seconds a connection has to send a complete request head (from connecting, or from the first byte of "
+        "its next request); a slow or half-open client is then disconnected."))
     body_timeout_s: float = Field(30.0, gt=0, description=(
         "Seconds the server waits for each piece of a request body; a stalled upload gets 408."))
     keep_alive_s: int = Field(30, ge=1, description="Seconds an idle keep-alive connection is kept open.")

@@ -7,7 +7,8 @@ uvicorn lacks: `_HeadTimeoutProtocol`).
 
 Invariants: a started server listens on `host` only (loopback unless asked otherwise); `start` returns only
 once it accepts connections, or raises within its timeout. A connection that has not sent a whole request head
-within `header_timeout_s` of connecting (or of its previous response) is closed, however slowly it trickles.
+within `header_timeout_s` of connecting (or of its first byte after a response) is closed, however slowly it
+trickles; an idle kept-alive connection is closed after `keep_alive_s`.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from asyncflow.serving.limits import ServingLimits
 
 
 class _HeadTimeoutProtocol(H11Protocol):
-    """uvicorn's h11 protocol, closing a connection whose next request head is not complete within `head_timeout_s`
-    (a half-open or slow client; uvicorn's own keep-alive timer restarts on every byte received)."""
+    """uvicorn's h11 protocol, closing a connection whose request head is not complete within `head_timeout_s` of
+    connecting, or of the first byte after a response (a half-open or trickling client: uvicorn's own keep-alive
+    timer covers an idle connection but restarts on every byte received)."""
 
     def __init__(self, *args, head_timeout_s: float, **kwargs):
         super().__init__(*args, **kwargs)
@@ -32,8 +34,6 @@ class _HeadTimeoutProtocol(H11Protocol):
         self._head_timer = None
 
     def _arm_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
         waiting_after = self.cycle  # a new request head replaces `cycle`
         self._head_timer = self.loop.call_later(self._head_timeout_s, self._head_timed_out, waiting_after)
 
@@ -41,18 +41,26 @@ class _HeadTimeoutProtocol(H11Protocol):
         if self.cycle is waiting_after and not self.transport.is_closing():
             self.transport.close()
 
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._arm_head_timer()
 
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing():
+    def data_received(self, data: bytes) -> None:
+        if self._head_timer is None:  # the first byte of the next request on a kept-alive connection
             self._arm_head_timer()
+        super().data_received(data)
+
+    def on_response_complete(self) -> None:
+        self._disarm_head_timer()  # idle from here: uvicorn's keep-alive timeout applies
+        super().on_response_complete()
 
     def connection_lost(self, exc) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
+        self._disarm_head_timer()
         super().connection_lost(exc)
 
 
