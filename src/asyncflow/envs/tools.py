@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 MAX_EXPRESSION_CHARS = 200
 MAX_POWER = 64  # exponents beyond this are refused: 9**9**9 would hang a calculator that evaluates it
+MAX_BITS = 4096  # numerators and denominators beyond this are refused, before a power computes them
 
 
 class CalculatorError(ValueError):
@@ -53,9 +54,21 @@ _BINARY = {
 }
 
 
+def _bits(value: Fraction) -> int:
+    return max(value.numerator.bit_length(), value.denominator.bit_length())
+
+
+def _bounded(value: Fraction) -> Fraction:
+    if _bits(value) > MAX_BITS:
+        raise CalculatorError(f"number too large (over {MAX_BITS} bits)")
+    return value
+
+
 def _power(a: Fraction, b: Fraction) -> Fraction:
     if b.denominator != 1 or abs(b) > MAX_POWER:
         raise CalculatorError(f"exponent must be an integer in [-{MAX_POWER}, {MAX_POWER}]")
+    if _bits(a) * abs(int(b)) > MAX_BITS:  # checked before computing: the power itself would hold the GIL
+        raise CalculatorError(f"number too large (over {MAX_BITS} bits)")
     return a ** int(b)
 
 
@@ -68,7 +81,7 @@ def calculator(expression: str) -> str:
         raise CalculatorError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
     try:
         tree = ast.parse(expression.strip(), mode="eval")
-    except SyntaxError:
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         raise CalculatorError(f"cannot parse {expression!r}") from None
 
     def visit(node: ast.AST) -> Fraction:
@@ -85,7 +98,7 @@ def calculator(expression: str) -> str:
             left, right = visit(node.left), visit(node.right)
             if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and right == 0:
                 raise CalculatorError("division by zero")
-            return _BINARY[type(node.op)](left, right)
+            return _bounded(_BINARY[type(node.op)](left, right))  # inputs bounded: each operation is cheap
         raise CalculatorError(f"unsupported expression element {type(node).__name__}")
 
     value = visit(tree)

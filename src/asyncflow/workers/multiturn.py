@@ -119,9 +119,12 @@ class EpisodeRunner:
     def run(self, generate: Generate, prompt_ids: list[int], row: dict[str, Any],
             params: SamplingParams | None = None) -> Episode:
         params = params or self.params
-        env = self.make_env()
-        env.reset(row)
         episode = Episode(list(prompt_ids))
+        env = self.make_env()
+        try:
+            env.reset(row)
+        except Exception as err:  # noqa: BLE001 - an environment's failure fails its episode, never the rollout
+            return self._failed(episode, "reset", err)
         for _ in range(self.max_turns):
             budget = self.max_context_tokens - len(prompt_ids) - len(episode.response_ids)
             if budget <= 0:
@@ -133,7 +136,10 @@ class EpisodeRunner:
             episode.turns += 1
             if completion.finish_reason == "length":
                 return self._cut(episode)
-            result = env.step(self.tokenizer.decode(completion.response_ids, skip_special_tokens=True))
+            try:
+                result = env.step(self.tokenizer.decode(completion.response_ids, skip_special_tokens=True))
+            except Exception as err:  # noqa: BLE001 - see reset
+                return self._failed(episode, "step", err)
             episode.info = dict(result.info)
             if result.done:
                 episode.reward = float(result.reward)
@@ -143,6 +149,15 @@ class EpisodeRunner:
                 return self._cut(episode)
             episode.add_appended(observation, episode.weight_version)
         return self._cut(episode)
+
+    @staticmethod
+    def _failed(episode: Episode, where: str, err: Exception) -> Episode:
+        """The environment raised: the episode ends, scored 0 and counted (`env/env_errors`)."""
+        log.warning("environment %s failed: %r (episode scored 0)", where, err)
+        episode.finish_reason = "error"
+        episode.reward = 0.0
+        episode.info = {**episode.info, "env_errors": 1}
+        return episode
 
     @staticmethod
     def _cut(episode: Episode) -> Episode:
@@ -206,7 +221,7 @@ class MultiTurnSpec:
 def episode_metadata(episode: Episode) -> dict[str, Any]:
     """What a row's metadata records of its episode (read back by the step metrics)."""
     return {"finish_reason": episode.finish_reason, "turns": episode.turns,
-            **{f"env/{k}": episode.info.get(k, 0) for k in COUNTERS}}
+            **{f"env/{k}": episode.info.get(k, 0) for k in (*COUNTERS, "env_errors")}}
 
 
 class MultiTurnRolloutWorker:

@@ -69,7 +69,7 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     """Reward, length and truncation statistics of a step's rows, and which prompts they were: group ids are
     handed out in data order, so `data/groups` distinct ids spanning `data/group_id_min..max` name them. For
     multi-turn episodes also `env/turns_mean`, `env/sampled_tokens` (trained) and the step's tool calls, tool
-    errors, tool timeouts and malformed calls."""
+    errors, tool timeouts, malformed calls and episodes whose environment raised (`env/env_errors`)."""
     rewards = np.array([r.reward for r in rollouts], dtype=np.float64)
     lengths = np.array([len(r.response_ids) for r in rollouts], dtype=np.float64)
     groups = {r.group_id for r in rollouts}
@@ -89,7 +89,7 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
         metrics["env/turns_mean"] = float(np.mean([r.metadata.get("turns", 0) for r in rollouts]))
         trained = [sum(r.loss_mask) for r in rollouts if r.loss_mask is not None]
         metrics["env/sampled_tokens"] = float(sum(trained))
-        for key in ("env/tool_calls", "env/tool_errors", "env/tool_timeouts", "env/malformed_calls"):
+        for key in ("env/tool_calls", "env/tool_errors", "env/tool_timeouts", "env/malformed_calls", "env/env_errors"):
             metrics[key] = float(sum(r.metadata.get(key, 0) for r in rollouts))
     return metrics
 
