@@ -4,12 +4,17 @@ Owns: `calculator` (exact arithmetic on a parsed expression tree: nothing is eva
 `run_python` (Python in a child process with CPU-time, memory, output and wall-clock limits and no
 network), `TOOLS` (name -> tool) and `ToolBox`.
 
-Sandbox of `run_python`: the child runs `python -I` (isolated: no user site, no environment variables
-read), sets its own hard rlimits before the code runs (RLIMIT_CPU, RLIMIT_AS for memory, RLIMIT_FSIZE
-for output: stdout and stderr go to a file, so a flood is stopped by the kernel with SIGXFSZ), installs
-an audit hook that refuses every `socket.*` event and process creation, and, where the machine allows
-unprivileged user namespaces, runs under `unshare -rn` (a network namespace with no interface). The
-wall-clock timeout kills the child's whole process group.
+Sandbox of `run_python` (docs/security.md): with `isolation="strict"` (the default) the child runs inside
+bubblewrap: its own PID, network, IPC, UTS and mount namespaces, no capabilities, an empty environment, the
+system and the Python install read-only and nothing else of the host, a private size-limited /tmp as the only
+writable place; the wall-clock timeout kills bwrap, and its PID namespace (children that left the session
+included) dies with it. Where bubblewrap cannot run, `strict` refuses with `SandboxUnavailable` naming what is
+missing; `weak` keeps only the in-process layers. In both, the child runs `python -I` (no user site, no
+environment variables read), sets its own hard rlimits before the code runs (RLIMIT_CPU, RLIMIT_AS for memory,
+RLIMIT_FSIZE for output: stdout and stderr go to a file, so a flood is stopped by the kernel with SIGXFSZ,
+RLIMIT_NOFILE) and installs an audit hook that refuses `socket.*` events and process creation (a hook is not a
+boundary: ctypes passes it; the namespaces are the boundary). `weak` adds `unshare -rn` (no network) where
+unprivileged user namespaces exist.
 
 Invariants:
 - A tool call never raises out of `ToolBox.call`: an exception, a timeout or a flood becomes a
@@ -110,9 +115,10 @@ def calculator(expression: str) -> str:
 _CHILD = r"""
 import resource, sys
 cpu, memory, output = (int(x) for x in sys.argv[1:4])
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at the soft limit, SIGKILL one second later
 resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 resource.setrlimit(resource.RLIMIT_FSIZE, (output, output))
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
 code = sys.stdin.read()
 _BLOCKED = ("subprocess.Popen", "os.system", "os.exec", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn")
 def _guard(event, args):
@@ -144,6 +150,55 @@ class SandboxLimits:
     cpu_s: int = 2
     memory_mb: int = 256
     max_output_bytes: int = 4096
+    isolation: str = "strict"
+    """`strict`: inside a bubblewrap sandbox (`sandbox_command`); `weak`: the audit hook and rlimits only."""
+    scratch_mb: int = 16
+
+
+CHILD_ENVIRONMENT = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"}
+
+
+class SandboxUnavailable(RuntimeError):
+    """The isolation the config asks for cannot be had on this machine."""
+
+
+@functools.lru_cache(maxsize=1)
+def bubblewrap_problem() -> str | None:
+    """Why a bubblewrap sandbox cannot run here (None: it can): bwrap missing, or its namespaces refused."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return "bubblewrap (bwrap) is not installed (Debian: apt-get install bubblewrap; scripts/setup.sh does it)"
+    try:
+        probe = subprocess.run([*_bwrap_args(bwrap, 1), "/bin/true"], capture_output=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"bwrap could not start: {err}"
+    if probe.returncode != 0:
+        return f"bwrap cannot create its namespaces here: {probe.stderr.decode(errors='replace').strip()[:200]}"
+    return None
+
+
+def _bwrap_args(bwrap: str, scratch_mb: int) -> list[str]:
+    """A fresh PID, network, IPC, UTS and mount namespace; no environment; no capabilities; the system and the
+    Python install read-only, nothing else of the host (no home, run folders, sockets, /proc of the host); a
+    private size-limited /tmp the only writable place; killed with its parent, its whole PID namespace with it."""
+    binds = []
+    for path in dict.fromkeys(["/usr", "/lib", "/lib64", "/bin", sys.base_prefix]):
+        if os.path.exists(path):
+            binds += ["--ro-bind", path, path]
+    return [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv",
+            "--setenv", "PATH", "/usr/bin:/bin", *binds, "--proc", "/proc", "--dev", "/dev",
+            "--size", str(scratch_mb * 2**20), "--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/tmp"]
+
+
+def sandbox_command(limits: SandboxLimits) -> list[str]:
+    """The command prefix and interpreter that run the child of `run_python` at `limits.isolation`."""
+    if limits.isolation == "weak":
+        return [*network_namespace_prefix(), sys.executable]
+    problem = bubblewrap_problem()
+    if problem is not None:
+        raise SandboxUnavailable(f"env.python_isolation=strict: {problem}; set env.python_isolation=weak to run "
+                                 "model-written code with the audit hook and rlimits only, knowingly")
+    return [*_bwrap_args(shutil.which("bwrap"), limits.scratch_mb), os.path.realpath(sys.executable)]
 
 
 def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> str:
@@ -153,11 +208,12 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> str:
         raise TypeError("code must be a string")
     with tempfile.TemporaryFile() as out:
         command = [
-            *network_namespace_prefix(), sys.executable, "-I", "-c", _CHILD,
+            *sandbox_command(limits), "-I", "-c", _CHILD,
             str(limits.cpu_s), str(limits.memory_mb * 2**20), str(limits.max_output_bytes + 1),
         ]
         child = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=out, stderr=out, start_new_session=True, cwd=tempfile.gettempdir(),
+            env=CHILD_ENVIRONMENT,  # nothing of the trainer's (API keys), for bwrap itself too: /proc/1/environ
         )
         try:
             child.communicate(code.encode(), timeout=limits.timeout_s)
@@ -167,14 +223,19 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> str:
             raise TimeoutError(f"python: killed after the {limits.timeout_s:g} s time limit") from None
         out.seek(0)
         text = out.read(limits.max_output_bytes + 1).decode("utf-8", errors="replace")
-    if child.returncode == -signal.SIGXFSZ or len(text) > limits.max_output_bytes:
+    # the signal that ended the child: negative status from Popen, 128 + signal from bwrap's init
+    killed_by = -child.returncode if child.returncode < 0 else (child.returncode - 128 if child.returncode > 128 else 0)
+    killed_by = killed_by if killed_by in signal.valid_signals() else 0  # sys.exit(200) is no signal
+    if killed_by == signal.SIGXFSZ or len(text) > limits.max_output_bytes:
         raise ToolLimitError(f"python: output exceeded {limits.max_output_bytes} bytes")
-    if child.returncode == -signal.SIGXCPU or child.returncode == -signal.SIGKILL:
+    if killed_by == signal.SIGXCPU:
         raise ToolLimitError(f"python: killed after {limits.cpu_s} s of CPU time")
-    if "MemoryError" in text:
+    lines = text.strip().splitlines()
+    if child.returncode != 0 and lines and lines[-1].startswith("MemoryError"):  # raised, not merely printed
         raise ToolLimitError(f"python: exceeded the {limits.memory_mb} MB memory limit")
+    if killed_by:
+        raise ToolLimitError(f"python: killed by {signal.Signals(killed_by).name}")
     if child.returncode != 0:
-        lines = text.strip().splitlines()
         raise ToolLimitError(f"python: exited with status {child.returncode}: {lines[-1] if lines else ''}")
     return text
 

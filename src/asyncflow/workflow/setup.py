@@ -191,7 +191,7 @@ def multiturn_spec(config: Config) -> MultiTurnSpec | None:
         tool_timeout_s=env.tool_timeout_s, tool_workers=env.tool_workers,
         max_tool_output_chars=env.max_tool_output_chars,
         sandbox=SandboxLimits(timeout_s=env.tool_timeout_s, cpu_s=env.python_cpu_s, memory_mb=env.python_memory_mb,
-                              max_output_bytes=env.python_max_output_bytes),
+                              max_output_bytes=env.python_max_output_bytes, isolation=env.python_isolation),
         use_chat_template=config.model.use_chat_template, turn_timeout_s=config.runtime.call_timeout_s,
     )
 
@@ -223,6 +223,7 @@ def preflight(config: Config, *, training: bool = True) -> Preflight:
     stage_workers(config)  # every stage's function imports
     if config.env.name is not None:
         resolve_environment(config.env.name)  # raises EnvironmentSpecError naming env.name
+        check_python_isolation(config)
     train_set, test_set = check_data(config)
     if config.agent.fn is not None:
         check_agent(config)
@@ -231,6 +232,19 @@ def preflight(config: Config, *, training: bool = True) -> Preflight:
         sets = {"training": train_set.examples if training else [], "held-out": test_set}
         check_prompt_lengths(config, tokenizer, sets)
     return Preflight(train_set, test_set)
+
+
+def check_python_isolation(config: Config) -> None:
+    """`env.python_isolation=strict` with the `python` tool in reach: bubblewrap must run here, else a one-line
+    error naming what is missing and the key that accepts weaker isolation."""
+    from asyncflow.envs.tools import SandboxLimits, SandboxUnavailable, sandbox_command
+
+    if config.env.name == "calculator" or config.env.python_isolation != "strict":
+        return
+    try:
+        sandbox_command(SandboxLimits(isolation="strict"))
+    except SandboxUnavailable as err:
+        raise ValueError(str(err)) from None
 
 
 def check_reward_spec(config: Config) -> None:
