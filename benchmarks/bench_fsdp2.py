@@ -27,11 +27,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from asyncflow.config import AlgoConfig
-from asyncflow.runtime.inline import ProcessRanks
 from asyncflow.engines.fsdp2_train import FSDP2TrainEngine
 from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.models.loading import load_model, resolve_model_path
 from asyncflow.models.logprobs import TrainSample
+from asyncflow.runtime.inline import ProcessRanks
 from asyncflow.weights import make_weight_sync
 from asyncflow.workers.trainer import PolicyLoss
 

@@ -37,7 +37,6 @@ from asyncflow.envs import StepResult
 from asyncflow.models.loading import load_model, load_tokenizer, resolve_model_path
 from asyncflow.workers.multiturn import Episode, EpisodeRunner, MultiTurnRolloutWorker, TurnTemplate
 
-
 STOP_TOKENS = tuple(range(40, 49))
 
 

@@ -25,7 +25,7 @@ import os
 import statistics
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -68,7 +68,7 @@ def throughput(args) -> None:
         "adapter": lambda: sum(len(c.response_ids) for c in adapter.generate(requests, params)),
         "raw LLM.generate": lambda: sum(
             len(o.outputs[0].token_ids)
-            for o in raw.generate([{"prompt_token_ids": p} for p in prompts], raw_params, use_tqdm=False)
+            for o in raw.generate([{"prompt_token_ids": p} for p in prompts], raw_params, use_tqdm=False)  # noqa: F821
         ),
         "torch engine": lambda: sum(len(c.response_ids) for c in ours.generate(requests, params)),
     }

@@ -23,7 +23,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
 from bench_workflows import MODES as BENCH_MODES  # noqa: E402 - same placement as the speed benchmark
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,9 +16,9 @@ workers and leaves the folder resumable with `resume=True`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from asyncflow.config import Config, ConfigError
 

@@ -339,7 +339,7 @@ class TrainConfig(Section):
     about one extra forward of compute. Gradients are unchanged."""
 
     @model_validator(mode="after")
-    def _single_process_engine(self) -> "TrainConfig":
+    def _single_process_engine(self) -> TrainConfig:
         if self.engine == "torch" and self.world_size != 1:
             raise ValueError(f"train.world_size={self.world_size} needs a multi-rank engine (train.engine=fsdp2); "
                              "the built-in torch engine runs one process")
@@ -552,7 +552,7 @@ class Config(Section):
     """User stages (`asyncflow.workers.stage`), run between rollout and training."""
 
     @model_validator(mode="after")
-    def _check_cross_fields(self) -> "Config":
+    def _check_cross_fields(self) -> Config:
         if self.data.task is None and self.data.path is None:
             raise ValueError("data.task is null and data.path is not set: give a built-in task or a data file")
         names = [s.name for s in self.stages]

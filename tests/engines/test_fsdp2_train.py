@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from asyncflow.config import AlgoConfig
-from asyncflow.runtime.inline import ProcessRanks
 from asyncflow.engines.fsdp2_train import FSDP2TrainEngine, RankFailedError, assign_rows
 from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.models.loading import load_model
 from asyncflow.models.logprobs import TrainSample
+from asyncflow.runtime.inline import ProcessRanks
 from asyncflow.workers.trainer import PolicyLoss
 
 LR = 1e-3

@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from engines.test_fsdp2_train import groups, policy_loss, relative_difference
 
 from asyncflow.config import ConfigError, build_config
 from asyncflow.engines.fsdp2_train import FSDP2TrainEngine
@@ -21,7 +22,6 @@ from asyncflow.models.loading import load_model
 from asyncflow.models.logprobs import response_logprobs
 from asyncflow.runtime.inline import ProcessRanks
 from asyncflow.workflow.run import RLRun
-from engines.test_fsdp2_train import groups, policy_loss, relative_difference
 
 BF16_LOSS_ATOL = 1e-2
 BF16_GRAD_RTOL = 5e-2

@@ -8,7 +8,14 @@ import time
 import pytest
 
 from asyncflow.envs import (
-    SandboxLimits, ToolBox, ToolCall, ToolCallError, ToolEnv, calculator, make_environment, parse_tool_calls,
+    SandboxLimits,
+    ToolBox,
+    ToolCall,
+    ToolCallError,
+    ToolEnv,
+    calculator,
+    make_environment,
+    parse_tool_calls,
 )
 from asyncflow.envs.base import EnvironmentSpecError
 from asyncflow.envs.tool_calls import format_tool_call

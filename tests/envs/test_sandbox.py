@@ -11,7 +11,12 @@ from pathlib import Path
 import pytest
 
 from asyncflow.envs.tools import (
-    SandboxLimits, SandboxUnavailable, ToolLimitError, bubblewrap_problem, run_python, sandbox_command,
+    SandboxLimits,
+    SandboxUnavailable,
+    ToolLimitError,
+    bubblewrap_problem,
+    run_python,
+    sandbox_command,
 )
 
 needs_bwrap = pytest.mark.skipif(bubblewrap_problem() is not None, reason=f"no bubblewrap: {bubblewrap_problem()}")

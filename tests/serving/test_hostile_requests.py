@@ -13,9 +13,10 @@ import pytest
 
 pytest.importorskip("fastapi")
 
+from server_fixture import KEY, NAME, TEMPLATE, running_server  # noqa: E402
+
 from asyncflow.cli import main  # noqa: E402
 from asyncflow.engines.base import SamplingParams  # noqa: E402
-from server_fixture import KEY, NAME, TEMPLATE, running_server  # noqa: E402
 
 HEAD_TIMEOUT_S = BODY_TIMEOUT_S = 1.0
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
@@ -75,7 +76,7 @@ def test_an_engine_error_fails_its_batch_only_and_health_says_so(server):
     _, service, http = server
     failures_before = http.get("/health").json().get("engine_failures", 0)
     broken = service.submit([1, 2, 3], SamplingParams(top_p=2.0))  # the engine itself refuses it mid-loop
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - whatever the engine raises, the batch fails alone
         broken.result(timeout=30)
     assert_serving(http)
     health = http.get("/health").json()
@@ -146,7 +147,7 @@ def closed_within(sock: socket.socket, seconds: float) -> bytes | None:
     try:
         while chunk := sock.recv(65536):
             received += chunk
-    except socket.timeout:
+    except TimeoutError:
         return None
     return received
 
@@ -183,7 +184,7 @@ def test_a_kept_alive_connection_that_trickles_its_next_head_is_disconnected(ser
     thread, _, http = server
     sock = socket.create_connection(("127.0.0.1", thread.port))
     try:
-        sock.sendall("GET /health HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         sock.settimeout(10)
         assert b" 200 " in sock.recv(65536).split(b"\r\n")[0]
         time.sleep(HEAD_TIMEOUT_S * 1.5)  # idle longer than the head timeout: still open (keep-alive)

@@ -10,12 +10,13 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
+from server_fixture import KEY, NAME, running_server  # noqa: E402
+
 from asyncflow.engines.base import GenerationRequest, SamplingParams  # noqa: E402
 from asyncflow.engines.torch_inference import TorchInferenceEngine  # noqa: E402
 from asyncflow.models.loading import load_model, load_tokenizer  # noqa: E402
 from asyncflow.serving.episodes import episode_row  # noqa: E402
 from asyncflow.serving.server import ServerThread  # noqa: E402
-from server_fixture import KEY, NAME, running_server  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}<s>{{ m.role }}: {{ m.content }}</s>{% endfor %}"
             "{% if add_generation_prompt %}<s>assistant: {% endif %}")

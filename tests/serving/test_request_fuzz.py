@@ -9,7 +9,6 @@ import pytest
 pytest.importorskip("fastapi")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-
 from server_fixture import KEY, NAME, TEMPLATE, running_server  # noqa: E402
 
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}

@@ -13,13 +13,14 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
+from server_fixture import KEY, NAME, running_server
+
 from asyncflow.engines.base import SamplingParams
 from asyncflow.engines.service import EngineService
 from asyncflow.engines.torch_inference import TorchInferenceEngine
 from asyncflow.models.loading import load_model, load_tokenizer
 from asyncflow.serving.api import ServedModel, TextStream, make_app
 from asyncflow.serving.server import ServerThread
-from server_fixture import KEY, NAME, running_server
 
 TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
 PROMPT = "ab"  # the tiny model's greedy continuation changes character after a few tokens

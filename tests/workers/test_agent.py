@@ -74,7 +74,7 @@ def test_agent_rows_hold_the_recorded_ids_masks_and_rewards(tmp_path, one_torch_
         run.close()
     rows = rollouts_from_batch(batch)
     by_episode = {}
-    for index, meta in zip(batch.meta.indices, batch.meta.metadata):
+    for index in batch.meta.indices:
         [episode] = [e for e in SEEN if e.startswith(f"step_0-{index}-")]
         by_episode[index] = SEEN[episode]
     for index, row in zip(batch.meta.indices, rows):

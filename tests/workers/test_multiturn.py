@@ -7,8 +7,8 @@ engine keeps every completion the model sampled, and the test rebuilds each row 
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
 
 from asyncflow.engines.base import SamplingParams
 from asyncflow.engines.torch_inference import TorchInferenceEngine

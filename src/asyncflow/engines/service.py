@@ -26,8 +26,8 @@ import itertools
 import logging
 import queue
 import threading
+from collections.abc import Mapping
 from concurrent.futures import Future
-from typing import Mapping
 
 import torch
 
@@ -108,7 +108,7 @@ class EngineService:
         if self._thread.is_alive():
             raise TimeoutError(f"engine service did not stop within {timeout} s")
 
-    def __enter__(self) -> "EngineService":
+    def __enter__(self) -> EngineService:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -46,14 +46,18 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Mapping
 
 import torch
 from transformers.cache_utils import Cache
 
 from asyncflow.engines.base import (
-    Completion, GenerationRequest, InferenceEngineBase, SamplingParams, register_inference_engine,
+    Completion,
+    GenerationRequest,
+    InferenceEngineBase,
+    SamplingParams,
+    register_inference_engine,
 )
 from asyncflow.models.loading import load_model, resolve_model_path
 

@@ -59,13 +59,18 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 
 from asyncflow.engines.base import (
-    Completion, GenerationRequest, InferenceEngineBase, SamplingParams, register_inference_engine,
+    Completion,
+    GenerationRequest,
+    InferenceEngineBase,
+    SamplingParams,
+    register_inference_engine,
 )
 from asyncflow.engines.torch_inference import check_sampling_params
 from asyncflow.models.loading import ModelLoadError, resolve_model_path

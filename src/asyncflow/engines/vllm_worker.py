@@ -22,7 +22,7 @@ Invariants:
 from __future__ import annotations
 
 import pickle
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -13,7 +13,8 @@ Invariant: `step` never raises for model text; every tool call goes through the 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from asyncflow.envs.base import StepResult, register_environment
 from asyncflow.envs.tool_calls import ToolCallError, format_tool_call, parse_tool_calls

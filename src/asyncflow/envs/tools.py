@@ -34,11 +34,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Callable
+from typing import Any
 
 MAX_EXPRESSION_CHARS = 200
 MAX_POWER = 64  # exponents beyond this are refused: 9**9**9 would hang a calculator that evaluates it

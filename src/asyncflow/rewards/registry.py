@@ -21,7 +21,6 @@ import pickle
 from collections.abc import Callable, Sequence
 
 from asyncflow.rewards import verifiers
-from asyncflow.specs import import_callable
 from asyncflow.rewards.contract import (
     RewardFailure,
     RewardFn,
@@ -32,6 +31,7 @@ from asyncflow.rewards.contract import (
     reward_value,
     value_failure,
 )
+from asyncflow.specs import import_callable
 
 REWARDS: dict[str, RewardFn] = {}
 

@@ -13,8 +13,9 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from asyncflow.engines.base import SamplingParams, make_inference_engine
 from asyncflow.models.loading import load_tokenizer

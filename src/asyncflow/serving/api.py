@@ -341,7 +341,7 @@ class _API:
 
         def respond():
             choices = []
-            for p, ((ids, text), completions) in enumerate(zip(rendered, results)):
+            for p, ((_ids, text), completions) in enumerate(zip(rendered, results)):
                 for c, completion in enumerate(completions):
                     out = self._finish(completion, body.stop, episode_id, "completion", text)
                     choices.append({"index": p * body.n + c, **out})
@@ -509,7 +509,8 @@ class _API:
                 futures.append(service.submit(ids, params, on_tokens=callback))
         except EngineServiceError as err:
             _cancel(futures)
-            raise APIError(503, f"the engine is stopped: {err}", type="server_error", code="engine_unavailable")
+            raise APIError(503, f"the engine is stopped: {err}", type="server_error",
+                           code="engine_unavailable") from err
         return futures
 
     def _timed_out(self) -> APIError:
@@ -524,7 +525,8 @@ class _API:
             _cancel(futures)
             raise self._timed_out() from None
         except EngineServiceError as err:
-            raise APIError(503, f"the engine failed: {err}", type="server_error", code="engine_unavailable")
+            raise APIError(503, f"the engine failed: {err}", type="server_error",
+                           code="engine_unavailable") from err
         return [done[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _finish(self, completion: Completion, stops: list[str], episode_id: str | None, kind: str,

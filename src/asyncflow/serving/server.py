@@ -83,7 +83,7 @@ class ServerThread:
         self._thread = threading.Thread(target=self._server.run, name="openai-server", daemon=True)
         self.port: int | None = None
 
-    def start(self, timeout: float = 30.0) -> "ServerThread":
+    def start(self, timeout: float = 30.0) -> ServerThread:
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self._server.started:

@@ -29,8 +29,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, TypeVar
+from typing import TypeVar
 
 from asyncflow.transfer.samplers import Candidate, OldestFirst, Sampler
 from asyncflow.transfer.schema import (

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

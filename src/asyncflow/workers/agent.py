@@ -31,11 +31,11 @@ import math
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
-
+from typing import Any
 
 from asyncflow.engines.base import InferenceEngine, SamplingParams
 from asyncflow.engines.service import EngineService

@@ -29,9 +29,10 @@ Invariants:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 from asyncflow.data.prompts import Prompt
 from asyncflow.engines.base import Completion, InferenceEngine, SamplingParams, Transcript
@@ -58,7 +59,7 @@ class TurnTemplate:
         return [*self.before, *tokenizer.encode(text, add_special_tokens=False), *self.after]
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, use_chat_template: bool | None = None) -> "TurnTemplate":
+    def from_tokenizer(cls, tokenizer, use_chat_template: bool | None = None) -> TurnTemplate:
         """The tokenizer's chat template around a `tool` message (a `user` message wrapping it in
         `<tool_response>` when the template has no tool role), or plain `<tool_response>` text."""
         if use_chat_template is None:

@@ -18,8 +18,9 @@ Invariants:
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Protocol
+from typing import Protocol
 
 import torch
 
