@@ -14,7 +14,7 @@ Checked and printed:
   raises `StalenessError` beyond the bound);
 - threads: of the driver and of the replica's process (whichever incarnation is alive), after each step;
 - /dev/shm: bytes and files of this run's segments (named after this process), and in all, after each step;
-- reward failures: the run's `reward/errors` against the rows scored.
+- reward failures: the run's `reward/errors_total` against the rows scored.
 
 Run: PYTHONPATH=src .venv/bin/python benchmarks/soak_async.py [--steps 80] [--prompts 16] [--group 8]
 """
@@ -170,7 +170,7 @@ def main() -> int:
     lost = len(expected - set(trained))
     duplicated = sum(n - 1 for n in trained.values() if n > 1)
     extra = len(set(trained) - expected)
-    errors = steps[-1]["reward/errors"]
+    errors = steps[-1]["reward/errors_total"]
     warm = samples[2:] or samples  # after the first steps (threads and pools start up)
 
     def span(key: str) -> str:

@@ -29,6 +29,7 @@ _PUBLIC = {
     "serve": "asyncflow.api",
     "TrainResult": "asyncflow.api",
     "RLRun": "asyncflow.workflow.run",
+    "RunStopped": "asyncflow.workflow.stopping",
 }
 __all__ = ["__version__", *_PUBLIC]
 
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from asyncflow.api import TrainResult, evaluate, export, serve, sft, train  # noqa: F401
     from asyncflow.config import Config, ConfigError, build_config, load_config  # noqa: F401
     from asyncflow.workflow.run import RLRun  # noqa: F401
+    from asyncflow.workflow.stopping import RunStopped  # noqa: F401
 
 
 def __getattr__(name: str):

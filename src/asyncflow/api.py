@@ -9,8 +9,10 @@ over them.
 
 Invariants: a function here does what the command of the same name does, with the same checks in the same order
 (`preflight` before the run folder is touched), the same outputs and the same errors (a `ConfigError` or a
-`ValueError` naming the key, file or line); an interrupted `train` (Ctrl-C in a notebook) stops the run's
-workers and leaves the folder resumable with `resume=True`.
+`ValueError` naming the key, file or line). A function that writes into a run folder holds its lock
+(`RunFolder.claim`) while it runs. `train` interrupted by SIGINT / SIGTERM (Ctrl-C, in a notebook too) stops
+after the step in progress with a checkpoint and raises `RunStopped`; the folder is resumable with
+`resume=True`.
 """
 
 from __future__ import annotations
@@ -45,45 +47,102 @@ def sft_output(config: Config) -> Path:
     return Path(config.sft.output or Path(config.run.output_dir) / "sft")
 
 
-def train(config: Config, *, resume: bool = False, overwrite: bool = False, on_step: StepCallback | None = None
-          ) -> TrainResult:
-    """RL training as `asyncflow train`: settle the run folder (`resume` / `overwrite` a run already there),
-    check the input, run the SFT warm-up when `sft.before_rl` asks for it, then train `train.steps` steps in
-    the configured workflow. `on_step` sees every metrics row as it is logged."""
-    from asyncflow.workflow.run import RLRun
-    from asyncflow.workflow.run_folder import RunFolder
+def train(config: Config, *, resume: bool = False, overwrite: bool = False, on_step: StepCallback | None = None,
+          accept_data_change: bool = False) -> TrainResult:
+    """RL training as `asyncflow train`: claim the run folder and settle it (`resume` / `overwrite` a run already
+    there), check the input, run the SFT warm-up when `sft.before_rl` asks for it, then train `train.steps` steps
+    in the configured workflow. `on_step` sees every metrics row as it is logged. A resume refuses training data
+    that changed since its checkpoint unless `accept_data_change` (then it continues at the checkpoint's data
+    position in the new data)."""
+    from asyncflow.workflow.run import RLRun, complete_outputs
+    from asyncflow.workflow.run_folder import RunFolder, check_resumable
     from asyncflow.workflow.setup import preflight
-    from asyncflow.workflow.sft import read_summary, run_sft
+    from asyncflow.workflow.stopping import StopSignals
 
     folder = RunFolder(config.run.output_dir)
-    plan = folder.plan(steps=config.train.steps, resume=resume, overwrite=overwrite)
-    if plan.action == "finished":
-        log.info("the run in %s is already finished (checkpoint %s, train.steps=%d): nothing to do",
-                 folder.path, plan.checkpoint, config.train.steps)
-        return TrainResult(folder.path, plan.step, finished_before=True)
-    checked = preflight(config)
-    folder.prepare(plan)
-    sft = {}
-    if config.sft.before_rl:
-        out = sft_output(config)
-        if not (out / "config.json").exists():
-            run_sft(config, out)
-        summary = read_summary(out) or {}
-        sft = {"sft/steps": summary.get("steps"), "sft/val_accuracy": summary.get("val_accuracy")}
-        log.info("RL starts from the SFT model in %s (SFT steps %s, validation accuracy %s)",
-                 out, sft["sft/steps"], sft["sft/val_accuracy"])
-        config = config.model_copy(update={"model": config.model.model_copy(update={"path": str(out)})})
-    run = RLRun(config, plan=plan, checked=checked, on_step=on_step)
-    history = run.train()
+    with folder.claim("train"), StopSignals() as stop:
+        plan = folder.plan(steps=config.train.steps, resume=resume, overwrite=overwrite)
+        if plan.action != "fresh":
+            check_resumable(folder.path, _with_sft_model(config))
+        if plan.action == "finished":
+            written = complete_outputs(config)
+            log.info("the run in %s is already finished (checkpoint %s, train.steps=%d): %s", folder.path,
+                     plan.checkpoint, config.train.steps,
+                     f"wrote what was missing ({', '.join(written)})" if written else "nothing to do")
+            return TrainResult(folder.path, plan.step, finished_before=True)
+        checked = preflight(config)
+        if plan.checkpoint is not None:
+            _check_same_data(plan.checkpoint, checked.train_set, accept_data_change)
+        folder.prepare(plan)
+        sft = {}
+        if config.sft.before_rl:
+            sft = _warm_up(config, stop)
+            config = _with_sft_model(config)
+        run = RLRun(config, plan=plan, checked=checked, on_step=on_step, stop=stop)
+        history = run.train()
     return TrainResult(run.run_dir, run.step, history, sft)
+
+
+def _with_sft_model(config: Config) -> Config:
+    """`config` training from its SFT warm-up model when `sft.before_rl`."""
+    if not config.sft.before_rl:
+        return config
+    return config.model_copy(update={"model": config.model.model_copy(update={"path": str(sft_output(config))})})
+
+
+def _warm_up(config: Config, stop) -> dict:
+    """`train`'s SFT warm-up: run unless a complete one is there; -> its `sft/steps`, `sft/val_accuracy`."""
+    from asyncflow.workflow.sft import read_summary, run_sft
+
+    out = sft_output(config)
+    summary = read_summary(out)
+    if summary is None:
+        run_sft(config, out, stop=stop)
+        summary = read_summary(out)
+    sft = {"sft/steps": summary.get("steps"), "sft/val_accuracy": summary.get("val_accuracy")}
+    log.info("RL starts from the SFT model in %s (SFT steps %s, validation accuracy %s)",
+             out, sft["sft/steps"], sft["sft/val_accuracy"])
+    return sft
+
+
+def _check_same_data(checkpoint: Path, train_set, accept_change: bool) -> None:
+    """`ConfigError` when the training data differs from what `checkpoint` recorded, unless `accept_change`."""
+    import json
+
+    from asyncflow.data.prompts import data_change
+
+    state = json.loads((checkpoint / "state.json").read_text())
+    change = data_change(state.get("data_fingerprint"), train_set)
+    if change is None:
+        return
+    position = state["data_position"]
+    epoch, offset = divmod(position, len(train_set.examples))
+    where = f"data position {position} (epoch {epoch}, example {offset} of {len(train_set.examples)} in seed order)"
+    if not accept_change:
+        raise ConfigError(
+            f"--resume: the training data changed since {checkpoint.name} ({change}); the prompt order depends on "
+            f"it, so prompts would be trained twice or skipped. Restore the data, or pass --accept-data-change to "
+            f"continue on the new data from {where}"
+        )
+    log.warning("--accept-data-change: the training data changed since %s (%s); continuing on the new data from %s",
+                checkpoint.name, change, where)
 
 
 def sft(config: Config, output: str | Path | None = None) -> dict:
     """The SFT warm-up alone, as `asyncflow sft`; -> its summary (`steps`, `val_accuracy` ...) with `sft_model`."""
+    from asyncflow.workflow.run_folder import RunFolder
     from asyncflow.workflow.sft import read_summary, run_sft
+    from asyncflow.workflow.stopping import StopSignals
 
-    out = run_sft(config, Path(output) if output is not None else sft_output(config))
+    out = Path(output) if output is not None else sft_output(config)
+    with RunFolder(_owning_folder(out, Path(config.run.output_dir))).claim("sft"), StopSignals() as stop:
+        run_sft(config, out, stop=stop)
     return {"sft_model": str(out), **(read_summary(out) or {})}
+
+
+def _owning_folder(out: Path, run_dir: Path) -> Path:
+    """The run folder whose lock covers writing `out`: `run_dir` when `out` is inside it, else `out` itself."""
+    return run_dir if out.resolve().is_relative_to(run_dir.resolve()) else out
 
 
 def evaluate(config: Config, checkpoint: str | Path) -> dict[str, float]:
@@ -100,8 +159,13 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, mer
     """A run's policy as a Hugging Face folder, as `asyncflow export` (`step`: default the newest intact
     checkpoint; `merged`: LoRA runs also write the merged model)."""
     from asyncflow.workflow.export import export_run
+    from asyncflow.workflow.run_folder import RunFolder
 
-    return export_run(run_dir, out, step=step, merged=merged)
+    run_dir, out = Path(run_dir), Path(out)
+    if not out.resolve().is_relative_to(run_dir.resolve()):
+        return export_run(run_dir, out, step=step, merged=merged)
+    with RunFolder(run_dir).claim("export"):  # writing into a run: not while another process writes it
+        return export_run(run_dir, out, step=step, merged=merged)
 
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,

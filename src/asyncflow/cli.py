@@ -8,9 +8,11 @@ Invariants:
   prompt lengths) before the run folder is written and before any model loads; `train` settles
   what to do with the run folder (`RunFolder.plan`) before that, reading only.
 - Exit codes: 0 done (a finished run resumed included), 2 a config error (bad key or value, a run
-  folder in use without `--resume` / `--overwrite`), 1 any other error the user can act on (a
-  missing or damaged file, bad data, a full disk, a read-only folder, a Ray cluster that does not
-  start), each one line on stderr (`-v` adds the traceback).
+  folder in use without `--resume` / `--overwrite` or locked by another process, a resume that
+  changes its data or a fixed setting), 1 any other error the user can act on (a missing or damaged
+  file, bad data, a full disk, a read-only folder, a Ray cluster that does not start), 130 / 143
+  stopped by SIGINT / SIGTERM after a final checkpoint; each one line on stderr (`-v` adds the
+  traceback).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 
 from asyncflow.config import Config, ConfigError, load_config
 from asyncflow.rewards import RewardHealthError, RewardStuckError
+from asyncflow.workflow.stopping import RunStopped, StoppedAtOnce
 
 log = logging.getLogger("asyncflow")
 
@@ -51,7 +54,8 @@ def _config(args) -> Config:
 def cmd_train(args) -> int:
     from asyncflow import api
 
-    result = api.train(_config(args), resume=args.resume, overwrite=args.overwrite)
+    result = api.train(_config(args), resume=args.resume, overwrite=args.overwrite,
+                       accept_data_change=args.accept_data_change)
     if result.finished_before:
         print(json.dumps({"run_dir": str(result.run_dir), "step": result.step, "finished": True}))
         return 0
@@ -155,10 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
     given = train.add_mutually_exclusive_group()
     given.add_argument(
         "--resume", action="store_true",
-        help="continue the run in the run folder from its newest intact checkpoint (a finished run: nothing to do)",
+        help="continue the run in the run folder from its newest intact checkpoint (a finished run: write the "
+        "outputs it is missing)",
     )
     given.add_argument(
         "--overwrite", action="store_true", help="delete the run in the run folder (SFT model included), start again"
+    )
+    train.add_argument(
+        "--accept-data-change", action="store_true",
+        help="--resume on training data that changed since the checkpoint, from the checkpoint's data position",
     )
     train.set_defaults(func=cmd_train)
 
@@ -231,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         return args.func(args)
+    except (RunStopped, StoppedAtOnce) as err:
+        print(f"asyncflow: {err}", file=sys.stderr)
+        return err.exit_code
     except ConfigError as err:
         log.debug("config error", exc_info=True)
         print(f"asyncflow: {err}", file=sys.stderr)

@@ -63,7 +63,7 @@ class DataConfig(Section):
     max_prompt_tokens: int = Field(256, ge=1)
     """Longest prompt accepted, in tokens."""
     on_long_prompt: Literal["skip", "error"] = "skip"
-    """What to do with a longer prompt: skip it (and count it in `data/skipped_long_prompts`) or stop."""
+    """What to do with a longer prompt: skip it (and count it in `data/skipped_long_prompts_total`) or stop."""
 
 
 class RewardConfig(Section):

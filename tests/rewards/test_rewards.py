@@ -27,6 +27,7 @@ from asyncflow.rewards import (
     register_reward,
     resolve_reward,
 )
+from asyncflow.rewards.health import counter_growth
 
 
 # ---------------------------------------------------------------- verifiers
@@ -498,16 +499,10 @@ def test_reward_health_streak_threshold_reset_and_disable():
         RewardHealth(1.5, 3)
 
 
-def test_reward_health_from_cumulative_counters():
-    health = RewardHealth(0.5, 2)
-    health.observe_totals(1, samples=10, errors_total=2, timeouts_total=0)  # 2 of 10 failed
-    health.observe_totals(2, samples=10, errors_total=8, timeouts_total=1)  # 6 + 1 of 10
-    assert health.streak == 1
-    health.observe_totals(3, samples=10, errors_total=3, timeouts_total=3)  # errors restarted from 0: 3 + 2
-    assert health.streak == 0
-    health.observe_totals(4, samples=10, errors_total=9, timeouts_total=3)  # 6 + 0
-    with pytest.raises(RewardHealthError, match="step 5: 7 of 10 failed"):
-        health.observe_totals(5, samples=10, errors_total=15, timeouts_total=4)  # 6 + 1
+def test_counter_growth_counts_a_restarted_counter_from_zero():
+    assert counter_growth(8, 2) == 6
+    assert counter_growth(2, 2) == 0
+    assert counter_growth(3, 8) == 3  # the scorer restarted: it counted 3 since
 
 
 # ---------------------------------------------------------------- the reward worker's counters

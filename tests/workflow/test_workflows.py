@@ -211,7 +211,7 @@ def test_killed_rollout_replica_is_restarted_and_no_row_is_lost(tmp_path, ray_cl
     assert restart and restart[0]["start_s"] >= killed["at"], "the restart is on the timeline"
     after = [e for e in events if e["worker"] == "rollout_0" and e["kind"] == "span" and e["start_s"] > killed["at"]]
     assert after, "the restarted replica generated again (its spans reached the driver)"
-    errors = [h["reward/errors"] for h in history if "rollout/samples" in h]
+    errors = [h["reward/errors_total"] for h in history if "rollout/samples" in h]
     assert errors[-1] > 0 and errors == sorted(errors), f"reward errors carry over the restart: {errors}"
 
 

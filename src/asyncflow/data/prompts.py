@@ -5,13 +5,16 @@ files -> a `TrainSet` and the held-out list), `Prompt` (one tokenized prompt of 
 `PromptEncoder` (example -> `Prompt`, with the long-prompt policy) and `PromptSource` (the run's next
 prompts and the data cursor that names where they come from).
 
-Invariant: the order of training prompts is a pure function of (seed, position), so a run
+Invariants: the order of training prompts is a pure function of (seed, position), so a run
 resumed at data position P sees exactly the prompts the uninterrupted run would have seen; restoring a
-`PromptSource.cursor()` makes `next_prompts` repeat itself exactly.
+`PromptSource.cursor()` makes `next_prompts` repeat itself exactly. The cursor carries the training
+data's fingerprint (count and sha256 of the examples), so a resume can tell that the data changed
+(`data_change`) before it trains a prompt twice or skips one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,10 +34,20 @@ class TrainSet:
     seed: int
     _epoch: int | None = field(default=None, init=False, repr=False, compare=False)
     _order: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _fingerprint: dict | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.examples:
             raise ValueError("the training set is empty")
+
+    def fingerprint(self) -> dict:
+        """{"examples": count, "sha256": of every (prompt, answer) in file order}: what fixes the prompt order."""
+        if self._fingerprint is None:
+            digest = hashlib.sha256()
+            for example in self.examples:
+                digest.update(f"{len(example.prompt)}:{example.prompt}{len(example.answer)}:{example.answer}".encode())
+            self._fingerprint = {"examples": len(self.examples), "sha256": digest.hexdigest()}
+        return dict(self._fingerprint)
 
     def sample(self, rng: random.Random) -> Example:
         return self.examples[rng.randrange(len(self.examples))]
@@ -112,7 +125,7 @@ class PromptSource:
     def cursor(self) -> dict:
         """Where the next prompt comes from (checkpointed)."""
         return {"data_position": self.position, "next_group_id": self.next_group_id,
-                "skipped_long_prompts": self.encoder.skipped}
+                "skipped_long_prompts": self.encoder.skipped, "data_fingerprint": self.train_set.fingerprint()}
 
     def restore(self, cursor: dict) -> None:
         self.position = cursor["data_position"]
@@ -140,3 +153,16 @@ class PromptSource:
             self.next_group_id += 1
             skipped_in_a_row = 0
         return prompts
+
+
+def data_change(recorded: dict | None, train_set: TrainSet) -> str | None:
+    """How `train_set` differs from the training data a checkpoint `recorded` (its `data_fingerprint`), or None
+    when it is the same (or the checkpoint predates fingerprints)."""
+    if not recorded:
+        return None
+    now = train_set.fingerprint()
+    if now == recorded:
+        return None
+    if now["examples"] != recorded["examples"]:
+        return f"{recorded['examples']} training examples then, {now['examples']} now"
+    return f"the same number of training examples ({now['examples']}), different content"

@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -129,8 +130,25 @@ class Timeline:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         document = {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": {"origin_unix_s": origin}}
-        path.write_text(json.dumps(document, default=repr), encoding="utf-8")
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(document, default=repr), encoding="utf-8")
+        os.replace(tmp, path)  # a reader (or a resumed run) never sees half a trace
         return path
+
+    @classmethod
+    def from_chrome_trace(cls, path: str | Path) -> Timeline:
+        """The events of a trace `to_chrome_trace` wrote (a resumed run continues its timeline)."""
+        document = json.loads(Path(path).read_text(encoding="utf-8"))
+        origin = document.get("otherData", {}).get("origin_unix_s", 0.0)
+        events = []
+        for entry in document["traceEvents"]:
+            if entry.get("ph") not in ("X", "i"):
+                continue
+            start_s = origin + entry["ts"] / 1e6
+            end_s = start_s + entry.get("dur", 0.0) / 1e6
+            events.append({"kind": "span" if entry["ph"] == "X" else "instant", "worker": entry["cat"],
+                           "name": entry["name"], "start_s": start_s, "end_s": end_s, "args": entry.get("args", {})})
+        return cls(events)
 
     def step_windows(self) -> dict[int, tuple[float, float]]:
         """Per step named by a span (`span_step`), in step order: (earliest start, latest end) of its spans."""

@@ -8,8 +8,8 @@ Invariants:
   failing resets the streak. A step with no samples changes nothing.
 - `max_error_fraction` or `max_error_steps` of 0 or None disables the limit (`check` never raises).
 - Pure bookkeeping: no clock, no I/O, nothing above `rewards/` imported; one instance per run, fed
-  once per training step by the run loop. `observe_totals` turns the cumulative counters the run
-  logs (`reward/errors`, `reward/timeouts`) into per-step counts.
+  once per training step by the run loop. `counter_growth` turns the scorers' cumulative counters into
+  per-step counts.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ class RewardHealth:
         self.max_error_steps = max_error_steps
         self.enabled = bool(max_error_fraction) and bool(max_error_steps)
         self.streak = 0  # consecutive failing steps so far
-        self._totals = (0, 0)  # (errors, timeouts) last seen by observe_totals
 
     def check(self, step: int, *, samples: int, errors: int, timeouts: int, detail: str | None = None) -> None:
         """Record one step's counts; raise `RewardHealthError` at the limit. `detail` (e.g.
@@ -52,13 +51,8 @@ class RewardHealth:
                 "reward.max_error_fraction / reward.max_error_steps set this limit (0 turns it off)"
             )
 
-    def observe_totals(self, step: int, *, samples: int, errors_total: float, timeouts_total: float,
-                       detail: str | None = None) -> None:
-        """`check` with counts taken as the growth of cumulative counters since the previous call (the
-        first call counts from 0). A counter that goes down (its worker restarted) counts from 0 again."""
-        errors_total, timeouts_total = int(errors_total), int(timeouts_total)
-        last_errors, last_timeouts = self._totals
-        errors = errors_total - last_errors if errors_total >= last_errors else errors_total
-        timeouts = timeouts_total - last_timeouts if timeouts_total >= last_timeouts else timeouts_total
-        self._totals = (errors_total, timeouts_total)
-        self.check(step, samples=samples, errors=errors, timeouts=timeouts, detail=detail)
+
+def counter_growth(now: int, before: int) -> int:
+    """How much a cumulative counter grew since it read `before`: `now - before`, or `now` when it went down
+    (its worker restarted and counts from 0 again)."""
+    return now - before if now >= before else now

@@ -14,6 +14,7 @@ generator is read through the loop's `SamplerHistory`).
 from __future__ import annotations
 
 import logging
+import signal
 import time
 import traceback
 from collections.abc import Sequence
@@ -88,6 +89,7 @@ class InlineRuntime:
 # ---------------------------------------------------------------------------- ranks of a training engine
 def _rank_main(rank: int, world: int, port: int, spec: RankSpec, conn) -> None:
     """A rank process: build the `RankTrainer`, then answer (method, args) messages until `None` or EOF."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the driver stops ranks
     try:
         trainer = RankTrainer(rank, world, "127.0.0.1", port, spec)
         conn.send(("ok", None))

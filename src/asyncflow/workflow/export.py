@@ -20,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -36,6 +37,8 @@ from asyncflow.workflow.checkpoint import (
     verify_checkpoint,
 )
 from asyncflow.workflow.setup import lora_settings
+
+log = logging.getLogger(__name__)
 
 EXPORT_DIR = "export"  # RUN_DIR/export: the final export of a run
 ADAPTER_DIR = "adapter"  # OUT/adapter: the LoRA adapter when the merged model fills OUT
@@ -55,8 +58,8 @@ def pick_checkpoint(run_dir: Path, step: int | None = None) -> Path:
         try:
             verify_checkpoint(checkpoint)
             return checkpoint
-        except CheckpointError:
-            continue
+        except CheckpointError as err:
+            log.warning("export: skipping the damaged checkpoint %s (%s)", checkpoint, err)
     raise ExportError(f"{run_dir}: no intact checkpoint to export" + (f" (damaged: {found})" if found else ""))
 
 
@@ -105,4 +108,5 @@ def export_run(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    log.info("exported %s (step %d) to %s", checkpoint, info["step"], out)
     return out

@@ -20,15 +20,21 @@ Invariants:
   exactly once, with the prompts and samples the uninterrupted run would have used (bit-exact where
   the workflow is deterministic; docs/reliability.md).
 - After `train.max_nan_steps` consecutive skipped (non-finite) steps the run stops with an error.
+- SIGINT / SIGTERM stop the loop after the step in progress with a checkpoint and the outputs
+  (`asyncflow.workflow.stopping`); a finished run resumed writes the outputs a crash left unwritten
+  (`complete_outputs`). The timeline is written with every checkpoint and continued on resume.
 - Nothing is written before the run folder's plan is carried out (`RunFolder.prepare`): a run never
   writes into a folder holding another run, and a finished run resumed trains no step.
 - Every training row of metrics.jsonl has `step`, `reward/mean`, `kl` (null when `algo.kl_coef` = 0:
   there is no reference model), `entropy`, `loss`, `time/step_s`, `throughput/samples_per_s` and
   `throughput/tokens_per_s`; evaluated steps (and step 0, before any update) add `eval/accuracy`.
+  Counters are per step (`reward/errors`, `reward/timeouts`) or named as totals over the run, resumes
+  included (`reward/errors_total`, `reward/timeouts_total`, `data/skipped_long_prompts_total`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -41,6 +47,7 @@ from asyncflow.engines.base import ShardedCheckpointing, make_train_engine
 from asyncflow.models.loading import load_model, load_tokenizer, resolve_model_path
 from asyncflow.observe import MetricsLogger, Timeline, TrainProgress, plot_metrics
 from asyncflow.rewards import RewardHealth
+from asyncflow.rewards.health import counter_growth
 from asyncflow.runtime.base import build_rollout_worker
 from asyncflow.runtime.factory import make_runtime
 from asyncflow.weights.segments import sweep_dead_segments
@@ -66,8 +73,12 @@ from asyncflow.workflow.setup import (
     stage_workers,
     train_engine_options,
 )
+from asyncflow.workflow.stopping import RunStopped, StopSignals
 
 log = logging.getLogger(__name__)
+
+TIMELINE_FILE = "timeline.json"
+CURVES_FILE = "curves.png"
 
 
 class NonFiniteLossError(RuntimeError):
@@ -84,19 +95,24 @@ class RunState:
     nan_streak: int = 0
     samples_seen: int = 0
     wall_offset: float = 0.0
+    reward_errors: int = 0  # totals over the run, resumes included
+    reward_timeouts: int = 0
 
 
 class RLRun:
     """One RL run in `run.output_dir`. `resume` / `overwrite`: what to do with a run already there (see
     `RunFolder.plan`), or `plan`: that decision, already taken and carried out by the caller. `checked`:
-    the datasets `preflight` loaded. `on_step` is called with each metrics row as it is logged."""
+    the datasets `preflight` loaded. `on_step` is called with each metrics row as it is logged. `stop`: the
+    command's signal handlers (`train` installs its own otherwise)."""
 
     def __init__(
         self, config: Config, *, resume: bool = False, overwrite: bool = False, plan: Plan | None = None,
         checked: Preflight | None = None, on_step: Callable[[dict], None] | None = None,
+        stop: StopSignals | None = None,
     ):
         self.config = config
         self.on_step = on_step
+        self.stop = stop
         self.run_dir = Path(config.run.output_dir)
         self.folder = RunFolder(self.run_dir)
         if plan is None:
@@ -110,9 +126,12 @@ class RLRun:
         self.train_engine = make_train_engine(config.train.engine, **train_engine_options(config, policy, model_path))
         self.runtime = self.workflow = self.eval_worker = None  # the evaluation engine: see `evaluate`
         self.closed = False
-        self.timeline = Timeline()
+        timeline_file = self.run_dir / TIMELINE_FILE
+        resuming = plan.checkpoint is not None and timeline_file.is_file()
+        self.timeline = Timeline.from_chrome_trace(timeline_file) if resuming else Timeline()
         self.state = RunState()
         self.start_wall = 0.0
+        self._scorer_totals = (0, 0)  # the scorers' own counters when last logged (see `_count_reward_failures`)
         try:
             self.rewards = RewardWorker(build_reward_runner(config), self.tokenizer)
             self.reward_health = RewardHealth(config.reward.max_error_fraction, config.reward.max_error_steps)
@@ -163,14 +182,18 @@ class RLRun:
             "workflow": workflow,
             "nan_streak": self.state.nan_streak,
             "samples_seen": self.state.samples_seen,
+            "reward_errors": self.state.reward_errors,
+            "reward_timeouts": self.state.reward_timeouts,
             "wall_s": self.wall_s(),
         }
         engine = self.train_engine
-        return save_checkpoint(
+        path = save_checkpoint(
             self.run_dir, self.state.step, engine.state_dict(), engine.training_state(), state,
             keep=self.config.checkpoint.keep,
             write_sharded=engine.save_sharded if isinstance(engine, ShardedCheckpointing) else None,
         )
+        self.timeline.to_chrome_trace(self.run_dir / TIMELINE_FILE)
+        return path
 
     def _resume(self, checkpoint: Path) -> dict:
         """Restore weights, optimizer, RNGs, the prompt cursor and `RunState`; returns the workflow's part."""
@@ -186,7 +209,9 @@ class RLRun:
             self.train_engine.load_checkpoint(weights, training_state)
         self.prompts.restore(state)
         self.state = RunState(step=state["step"], version=state["version"], nan_streak=state["nan_streak"],
-                              samples_seen=state["samples_seen"], wall_offset=state["wall_s"])
+                              samples_seen=state["samples_seen"], wall_offset=state["wall_s"],
+                              reward_errors=state.get("reward_errors", 0),
+                              reward_timeouts=state.get("reward_timeouts", 0))
         log.info("resumed from %s (step %d)", checkpoint, self.state.step)
         return state.get("workflow") or {}
 
@@ -220,9 +245,13 @@ class RLRun:
     # ---------------------------------------------------------------- the step loop
     def train(self) -> list[dict]:
         """Run the workflow's steps until `train.steps`; returns the logged metrics rows. Everything the run
-        started (replicas, ranks, engines) is stopped at the end, also when a step fails."""
+        started (replicas, ranks, engines) is stopped at the end, also when a step fails. On SIGINT / SIGTERM:
+        `RunStopped` after a checkpoint of the last finished step."""
+        own_signals = self.stop is None
+        self.stop = self.stop or StopSignals()
         try:
-            return self._train()
+            with self.stop if own_signals else contextlib.nullcontext():
+                return self._train()
         finally:
             self.close()
 
@@ -256,19 +285,22 @@ class RLRun:
                 last = state.step == cfg.train.steps
                 if last or (cfg.eval.every and state.step % cfg.eval.every == 0):
                     metrics.update(self.evaluate())
-                history.append(self._log(metrics))
-                self.reward_health.observe_totals(  # Ray: the replicas' totals are in `metrics`; inline: the worker's
-                    state.step, samples=int(metrics.get("rollout/samples", 0)),
-                    errors_total=metrics.get("reward/errors", self.rewards.errors),
-                    timeouts_total=metrics.get("reward/timeouts", self.rewards.timeouts),
-                    detail=self.rewards.last_failure,
-                )
-                bar.update(state.step, metrics)
-                if last or (cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0):
-                    self.save()
+                row = self._log(metrics)
+                history.append(row)
+                self.reward_health.check(state.step, samples=int(row.get("rollout/samples", 0)),
+                                         errors=int(row["reward/errors"]), timeouts=int(row["reward/timeouts"]),
+                                         detail=self.rewards.last_failure)
+                bar.update(state.step, row)
+                if last or self.stop.requested or (cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0):
+                    checkpoint = self.save()
+                if self.stop.requested and not last:
+                    self.metrics.close()
+                    write_reports(self.run_dir, self.timeline, cfg.workflow.mode)
+                    raise RunStopped(self.stop.signum, f"stopped by {self.stop.name} after step {state.step}: "
+                                     f"checkpoint {checkpoint} written; continue with --resume")
         self.workflow.finish()
         self.metrics.close()
-        self.write_reports()
+        write_reports(self.run_dir, self.timeline, cfg.workflow.mode)
         if cfg.export.at_end:
             export_run(self.run_dir, self.run_dir / EXPORT_DIR, merged=cfg.export.merged, replace=True)
         return history
@@ -298,16 +330,6 @@ class RLRun:
                 show["spanning"] = "staleness/rows_spanning_versions"
         return show
 
-    def write_reports(self) -> None:
-        """Plots of reward and accuracy, the Chrome trace, Gantt and utilization charts, each role's idle fraction."""
-        plot_metrics(self.run_dir, keys=("reward/mean", "eval/accuracy"), out_png=self.run_dir / "curves.png")
-        if self.timeline.events:
-            self.timeline.to_chrome_trace(self.run_dir / "timeline.json")
-            self.timeline.gantt_png(self.run_dir / "timeline.png", title=f"{self.config.workflow.mode} workers")
-            self.timeline.utilization_png(self.run_dir / "utilization.png", f"{self.config.workflow.mode} workers")
-            idle = self.timeline.idle_fractions()
-            log.info("idle fraction per worker: %s", {k: round(v, 3) for k, v in idle.items()})
-
     def _throughput(self, metrics: dict) -> dict[str, float]:
         self.state.samples_seen += int(metrics.get("rollout/samples", 0))
         step_s = metrics["time/step_s"]
@@ -330,19 +352,59 @@ class RLRun:
         else:
             self.state.nan_streak = 0
 
+    def _count_reward_failures(self, metrics: dict) -> dict[str, float]:
+        """This step's reward errors and timeouts, and the run's totals. The scorers count from their start (Ray:
+        the replicas' totals are in `metrics`; inline: the worker's), so a step's count is a counter's growth."""
+        errors_now = int(metrics.get("reward/errors", self.rewards.errors))
+        timeouts_now = int(metrics.get("reward/timeouts", self.rewards.timeouts))
+        errors = counter_growth(errors_now, self._scorer_totals[0])
+        timeouts = counter_growth(timeouts_now, self._scorer_totals[1])
+        self._scorer_totals = (errors_now, timeouts_now)
+        self.state.reward_errors += errors
+        self.state.reward_timeouts += timeouts
+        return {"reward/errors": float(errors), "reward/timeouts": float(timeouts),
+                "reward/errors_total": float(self.state.reward_errors),
+                "reward/timeouts_total": float(self.state.reward_timeouts)}
+
     def _log(self, metrics: dict) -> dict:
         if "loss" in metrics:  # a training step: `kl` is always logged, null in metrics.jsonl without a reference
             metrics.setdefault("kl", math.nan)
         metrics = {
             "wall_s": self.wall_s(),
             "weight_version": float(self.state.version),
-            "data/skipped_long_prompts": float(self.prompts.encoder.skipped),
-            "reward/errors": float(self.rewards.errors),
-            "reward/timeouts": float(self.rewards.timeouts),
+            "data/skipped_long_prompts_total": float(self.prompts.encoder.skipped),
             **metrics,
+            **self._count_reward_failures(metrics),
         }
         self.metrics.log(self.state.step, metrics)
         row = {"step": self.state.step, **metrics}
         if self.on_step is not None:
             self.on_step(row)
         return row
+
+
+def write_reports(run_dir: Path, timeline: Timeline, mode: str) -> None:
+    """Plots of reward and accuracy, the Chrome trace, Gantt and utilization charts, each role's idle fraction."""
+    plot_metrics(run_dir, keys=("reward/mean", "eval/accuracy"), out_png=run_dir / CURVES_FILE)
+    if timeline.events:
+        timeline.to_chrome_trace(run_dir / TIMELINE_FILE)
+        timeline.gantt_png(run_dir / "timeline.png", title=f"{mode} workers")
+        timeline.utilization_png(run_dir / "utilization.png", f"{mode} workers")
+        idle = timeline.idle_fractions()
+        log.info("idle fraction per worker: %s", {k: round(v, 3) for k, v in idle.items()})
+
+
+def complete_outputs(config: Config) -> list[str]:
+    """For a finished run (its last checkpoint written): write the outputs a crash after that checkpoint left
+    unwritten (plots, timeline charts, the final export); -> the names written."""
+    run_dir = Path(config.run.output_dir)
+    written = []
+    if not (run_dir / CURVES_FILE).is_file() or not (run_dir / "timeline.png").is_file():
+        trace = run_dir / TIMELINE_FILE
+        write_reports(run_dir, Timeline.from_chrome_trace(trace) if trace.is_file() else Timeline(),
+                      config.workflow.mode)
+        written.append("plots")
+    if config.export.at_end and not (run_dir / EXPORT_DIR).is_dir():
+        export_run(run_dir, run_dir / EXPORT_DIR, merged=config.export.merged, replace=True)
+        written.append(EXPORT_DIR)
+    return written

@@ -1,12 +1,17 @@
 """The run folder (`run.output_dir`): what it holds, what state the run in it is in, and whether a
 command may write into it.
 
-Owns: the decision taken before anything is written (`RunFolder.plan`: start fresh, resume from a
-checkpoint, or nothing to do), carrying it out (`RunFolder.prepare`: create and probe the folder,
-clear it for `--overwrite`, set damaged checkpoints aside), and writing `config.yaml` atomically.
-What the files themselves hold is owned by `checkpoint.py` and `asyncflow.observe`.
+Owns: the folder's lock (`RunFolder.claim`: one writing process at a time), the decision taken before
+anything is written (`RunFolder.plan`: start fresh, resume from a checkpoint, or nothing to do), what may
+not change on a resume (`check_resumable`), carrying the plan out (`RunFolder.prepare`: create and probe
+the folder, clear it for `--overwrite`, set damaged checkpoints aside), and writing `config.yaml`
+atomically. What the files themselves hold is owned by `checkpoint.py` and `asyncflow.observe`.
 
 Invariants:
+- One writer: a command that writes into a run folder holds its lock (`flock` on `.lock`, with the
+  holder's pid and command in it) from before `plan` until it ends; a second one is refused at once
+  with a message naming the holder. The OS drops the lock when its process dies, so a lock left by a
+  killed run never blocks.
 - A new run starts only in an empty folder: missing, empty, or holding only the SFT warm-up model
   `sft/`. A folder holding a run (config.yaml, metrics.jsonl or checkpoints/) is written into only
   with `--resume` (continue it) or `--overwrite` (delete its contents first); a non-empty folder
@@ -23,12 +28,18 @@ Invariants:
 
 from __future__ import annotations
 
+import fcntl
+import json
 import logging
 import os
 import shutil
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 
@@ -49,6 +60,9 @@ CHECKPOINTS_DIR = "checkpoints"
 SFT_DIR = "sft"  # the SFT warm-up model: written before the RL run, kept when a run starts over
 RUN_MARKERS = (CONFIG_FILE, METRICS_FILE, CHECKPOINTS_DIR)  # a folder holding one of these holds a run
 DAMAGED_PREFIX = "damaged_"
+LOCK_FILE = ".lock"
+RESUME_FIXED_KEYS = ("model.path", "train.lora.rank", "train.lora.alpha", "train.lora.target_modules")
+"""Settings a resume cannot change: the checkpoint's weights, adapter and optimizer state are shaped by them."""
 
 
 class RunFolderInUse(ConfigError):
@@ -79,6 +93,45 @@ class RunFolder:
     def __init__(self, path: str | Path):
         self.path = Path(path)
 
+    @contextmanager
+    def claim(self, command: str) -> Iterator[None]:
+        """Hold the folder's lock for the block (creating the folder); `RunFolderInUse` naming the holder when
+        another process has it. A folder created here that is still empty at the end is removed again; a folder
+        of other files (no run) is refused before anything is written into it."""
+        self._refuse_foreign()
+        created = not self.path.exists()
+        lock = self.path / LOCK_FILE
+        while True:
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as err:
+                raise RunFolderNotWritable(err.errno, f"cannot write to run folder {self.path}: {err.strerror}"
+                                           ) from err
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise RunFolderInUse(f"run folder {self.path} is in use by {_holder(lock)}: wait for it to end, "
+                                     "stop it (Ctrl-C, or kill PID: it checkpoints and exits), or choose another "
+                                     "folder with --output") from None
+            try:  # locked; but the file may have been removed by its last holder in between: lock the new one
+                if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        holder = {"pid": os.getpid(), "command": command, "argv": sys.argv, "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps(holder).encode())
+        try:
+            yield
+        finally:
+            if created and [p.name for p in self.path.iterdir()] == [LOCK_FILE]:
+                lock.unlink()
+                self.path.rmdir()
+            os.close(fd)  # releases the lock
+
     def entries(self) -> list[str]:
         """Names in the folder, SFT model and hidden files aside; [] when it does not exist."""
         if not self.path.is_dir():
@@ -95,12 +148,7 @@ class RunFolder:
             if resume:
                 log.warning("--resume: no run in %s, starting from scratch", self.path)
             return Plan(self.path, "fresh")
-        if not any(name in entries for name in RUN_MARKERS):
-            shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
-            raise RunFolderInUse(
-                f"run folder {self.path} is not empty and holds no run ({shown}): choose an empty or new folder "
-                "with --output (it is neither resumed nor cleared)"
-            )
+        self._refuse_foreign()
         checkpoints = list_checkpoints(self.path)
         if overwrite:
             log.warning("--overwrite: deleting the run in %s", self.path)
@@ -133,6 +181,16 @@ class RunFolder:
             + "; ".join(why for _, why in damaged)
             + " (pass --overwrite to start the run again)"
         )
+
+    def _refuse_foreign(self) -> None:
+        """`RunFolderInUse` when the folder holds files but no run: it is neither written into nor cleared."""
+        entries = self.entries()
+        if entries and not any(name in entries for name in RUN_MARKERS):
+            shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+            raise RunFolderInUse(
+                f"run folder {self.path} is not empty and holds no run ({shown}): choose an empty or new folder "
+                "with --output (it is neither resumed nor cleared)"
+            )
 
     def prepare(self, plan: Plan) -> None:
         """Carry out `plan`: create the folder and check it is writable, delete what a fresh start clears,
@@ -177,6 +235,31 @@ class RunFolder:
         tmp = path.with_name(f".{CONFIG_FILE}.tmp")
         dump_config(config, tmp)
         os.replace(tmp, path)
+
+
+def check_resumable(run_dir: Path, config: Config) -> None:
+    """`ConfigError` naming the key when `config` changes a setting the run's checkpoints depend on
+    (`RESUME_FIXED_KEYS`, against the run's `config.yaml`)."""
+    try:
+        before = _flatten(yaml.safe_load((Path(run_dir) / CONFIG_FILE).read_text()) or {})
+    except (OSError, yaml.YAMLError, AttributeError):
+        return  # no readable config: the checkpoint's own checks speak
+    after = _flatten(config.model_dump(mode="json"))
+    for key in RESUME_FIXED_KEYS:
+        if key in before and before[key] != after.get(key):
+            raise ConfigError(
+                f"--resume: {key} was {before[key]!r} in this run and is {after.get(key)!r} now; it cannot change "
+                f"on a resume (the checkpoints were trained with it): set {key}={before[key]!r}, or start again "
+                "with --overwrite"
+            )
+
+
+def _holder(lock: Path) -> str:
+    try:
+        info: dict[str, Any] = json.loads(lock.read_text())
+        return f"pid {info['pid']} ({info['command']}, since {info['since']})"
+    except (OSError, ValueError, KeyError):
+        return "another process"
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

@@ -12,6 +12,9 @@ engine, sampling parameters and rewards; solved = reward >= 1; episodes with `en
 first check that reaches the target; `sft.steps` bounds the run (ending there below the target logs a warning).
 
 Invariants:
+- The output folder is complete or absent: SFT writes into `.tmp_NAME` beside it and renames that into place
+  after `sft_summary.json`, so a folder with a summary is a finished SFT (`read_summary`) and anything else is
+  redone. SIGINT / SIGTERM stop SFT between steps (`RunStopped`) without writing the model.
 - The prompt is rendered exactly as the RL rollout renders it (`render_prompt`) and the answer is followed by
   EOS, so the warm-started model stops where the RL reward expects it to.
 - The validation prompts never reach SFT training and are not the RL run's test prompts: a built-in task's
@@ -33,7 +36,7 @@ from pathlib import Path
 import torch
 
 from asyncflow.algos.losses import sft_loss
-from asyncflow.config import Config
+from asyncflow.config import Config, ConfigError
 from asyncflow.data import Example, make_task
 from asyncflow.data.tasks import carve_validation
 from asyncflow.engines.base import ShardedCheckpointing, make_train_engine
@@ -55,6 +58,7 @@ from asyncflow.workflow.setup import (
     seed_everything,
     train_engine_options,
 )
+from asyncflow.workflow.stopping import RunStopped, StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -147,10 +151,18 @@ class SFTLoss:
         return self
 
 
-def run_sft(config: Config, output: str | Path) -> Path:
+def run_sft(config: Config, output: str | Path, stop: StopSignals | None = None) -> Path:
     """Fine-tune `config.model.path` on the training split until `sft.stop_accuracy` (or `sft.steps`); save model +
-    tokenizer + `sft_summary.json` to `output`, with `metrics.jsonl` and `checkpoints/`."""
-    cfg, output = config.sft, Path(output)
+    tokenizer + `sft_summary.json` to `output`, with `metrics.jsonl` and `checkpoints/` (replacing an `output`
+    that an earlier SFT left incomplete). `stop`: the command's signal handlers, looked at after each step."""
+    cfg, final = config.sft, Path(output)
+    if final.is_dir() and any(final.iterdir()) and read_summary(final) is None:
+        if not any((final / name).exists() for name in ("metrics.jsonl", "checkpoints", "config.json")):
+            raise ConfigError(f"SFT output {final} is not empty and holds no SFT model: choose a new folder")
+        log.warning("%s holds no %s (an SFT that was cut off): SFT runs again", final, SUMMARY_FILE)
+    output = final.parent / f".tmp_{final.name}"
+    shutil.rmtree(output, ignore_errors=True)  # an interrupted SFT's: this one starts again
+    output.mkdir(parents=True)
     seed_everything(config.run.seed)
     model_path = resolve_model_path(config.model.path, seed=config.run.seed)
     tokenizer = load_tokenizer(model_path)
@@ -162,7 +174,6 @@ def run_sft(config: Config, output: str | Path) -> Path:
         "weight_decay": cfg.weight_decay, "grad_clip": cfg.grad_clip, "lr_schedule": cfg.lr_schedule,
         "warmup_steps": cfg.warmup_steps, "use_reference": False, "packing": "off"})
     rng, to_sample = random.Random(config.run.seed), sft_samples(config, tokenizer)
-    shutil.rmtree(output / "checkpoints", ignore_errors=True)  # an interrupted SFT's: this one starts again
     metrics = MetricsLogger(output, tensorboard=False, resume_from_step=0)
     sharded = engine.save_sharded if isinstance(engine, ShardedCheckpointing) else None
     checks, reached, step, t0 = [], False, 0, time.perf_counter()  # checks: (step, validation accuracy)
@@ -185,6 +196,9 @@ def run_sft(config: Config, output: str | Path) -> Path:
                 if step == cfg.steps or reached or config.checkpoint.every and step % config.checkpoint.every == 0:
                     save_checkpoint(output, step, engine.state_dict(), engine.training_state(), {"phase": "sft"},
                                     keep=config.checkpoint.keep, write_sharded=sharded)
+                if stop is not None and stop.requested:
+                    raise RunStopped(stop.signum, f"stopped by {stop.name} during SFT (step {step}): the SFT model is "
+                                     f"not written; SFT runs again from the start")
         model = load_model(model_path, dtype=config.model.dtype)
         model.load_state_dict(engine.state_dict())  # under LoRA the merged weights: a plain model folder
     finally:
@@ -203,6 +217,10 @@ def run_sft(config: Config, output: str | Path) -> Path:
     model.save_pretrained(output)
     tokenizer.save_pretrained(output)
     (output / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+    if final.exists():
+        shutil.rmtree(final)
+    output.rename(final)
+    output = final
     if probe is not None and not reached:
         log.warning("SFT reached sft.steps=%d without validation accuracy >= sft.stop_accuracy=%s (best %.3f, last "
                     "%.3f): RL starts from a weaker model than intended; raise sft.steps or sft.lr, or lower "
@@ -213,6 +231,6 @@ def run_sft(config: Config, output: str | Path) -> Path:
 
 
 def read_summary(folder: str | Path) -> dict | None:
-    """The `sft_summary.json` of an SFT output folder, or None when it has none."""
+    """The `sft_summary.json` of an SFT output folder, or None when it has none (no complete SFT there)."""
     path = Path(folder) / SUMMARY_FILE
     return json.loads(path.read_text()) if path.exists() else None

@@ -1,0 +1,83 @@
+"""Stopping a command on SIGINT (Ctrl-C) or SIGTERM at its next safe point.
+
+Owns: `StopSignals` (the handlers, installed for the life of a command), `RunStopped` (raised once a
+run has stopped cleanly) and `StoppedAtOnce` (the second signal), both carrying the exit code.
+
+Invariants:
+- The first SIGINT or SIGTERM only records the signal (`requested`); the step loop looks at it after each
+  step, where a checkpoint is consistent, and stops there: a final checkpoint, the outputs written, every
+  worker, rank and Ray process the run started shut down, then `RunStopped`.
+- A second signal stops at once: `StoppedAtOnce` (a `KeyboardInterrupt`) in the main thread, so the
+  `finally` blocks still close workers and ranks; no checkpoint is written (the folder stays resumable
+  from the last one).
+- Handlers are installed only from the main thread (the only one Python delivers signals to) and the
+  previous ones are put back on exit.
+- A stopped command exits with 128 + the signal's number: 130 for SIGINT, 143 for SIGTERM.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class RunStopped(Exception):
+    """The command stopped cleanly on a signal; `exit_code` is 128 + its number."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class StoppedAtOnce(KeyboardInterrupt):
+    """A second SIGINT / SIGTERM: the command stops where it is; `exit_code` is 128 + the signal's number."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"{signal.Signals(signum).name} again: stopped at once, without a final checkpoint "
+                         "(continue from the last one with --resume)")
+        self.exit_code = 128 + signum
+
+
+class StopSignals:
+    """`with StopSignals() as stop:` ... `if stop.requested: ...`; see the module invariants."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else ""
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in STOP_SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signum is None:
+            self.signum = signum
+            log.warning("%s: stopping at the next safe point with a checkpoint (send it again to stop at once)",
+                        self.name)
+            return
+        raise StoppedAtOnce(signum)
+
