@@ -274,3 +274,26 @@ def test_sft_never_replaces_a_folder_of_other_files(tmp_path, capsys):
                  f"sft.output={out}"]) == 2
     assert str(out) in error_line(capsys)
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_sigterm_of_a_ray_run_leaves_no_ray_process_behind(tmp_path):
+    pytest.importorskip("ray")
+    run_dir = tmp_path / "run"
+    process = start_training(run_dir, "workflow.mode=async", "runtime.kind=ray", "runtime.num_cpus=2")
+    try:
+        wait_for_step(process, run_dir, 2, timeout_s=400)
+        workers = descendants(process.pid)
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=180)
+    finally:
+        process.kill()
+    assert process.returncode == 143, err[-2000:]
+    verify_checkpoint(run_dir / "checkpoints" / f"step_{rows(run_dir)[-1]['step']}")
+    assert len(workers) >= 3, f"the local Ray cluster's processes: {workers}"
+    deadline = time.monotonic() + 30
+    while [pid for pid in workers if alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:80] for pid in workers if alive(pid)}
+    assert not left, f"processes outlived the run: {left}"

@@ -232,6 +232,8 @@ class RayRuntime:
                     with self._lock:
                         del self.calls[name]
                 except RayActorError as err:
+                    if self._stop.is_set():  # killed by `close`
+                        return
                     self._recover(name, err)
                 except BaseException as err:  # noqa: BLE001 - re-raised in the driver by check()
                     self.error = err
@@ -315,6 +317,8 @@ class RayRuntime:
 
     def close(self) -> None:
         self._stop.set()
+        if self._supervisor is not None:
+            self._supervisor.join(self.timeout)  # it looks at `_stop` every 0.2 s: no restart of what is killed next
         for actor in self.actors.values():
             ray.kill(actor)
         if self.queue is not None:

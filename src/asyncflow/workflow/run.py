@@ -251,6 +251,7 @@ class RLRun:
         self.stop = self.stop or StopSignals()
         try:
             with self.stop if own_signals else contextlib.nullcontext():
+                self.stop.install()  # again: a Ray runtime's `ray.init` replaced them
                 return self._train()
         finally:
             self.close()

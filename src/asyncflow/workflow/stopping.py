@@ -63,10 +63,15 @@ class StopSignals:
         return signal.Signals(self.signum).name if self.signum is not None else ""
 
     def __enter__(self) -> StopSignals:
+        self.install()
+        return self
+
+    def install(self) -> None:
+        """(Re)install the handlers: also after something that sets its own (a Ray driver's `ray.init` does)."""
         if threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
-        return self
+                previous = signal.signal(signum, self._handle)
+                self._previous.setdefault(signum, previous)
 
     def __exit__(self, *exc_info: object) -> None:
         for signum, handler in self._previous.items():
