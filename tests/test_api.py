@@ -12,7 +12,7 @@ import asyncflow
 from asyncflow.cli import main
 
 PUBLIC = {"Config", "ConfigError", "load_config", "build_config", "train", "sft", "evaluate", "export", "serve",
-          "TrainResult", "RLRun", "__version__"}
+          "TrainResult", "RLRun", "RunStopped", "__version__"}
 
 
 def test_public_names_are_stable_and_documented():

@@ -162,8 +162,8 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, mer
     from asyncflow.workflow.run_folder import RunFolder
 
     run_dir, out = Path(run_dir), Path(out)
-    if not out.resolve().is_relative_to(run_dir.resolve()):
-        return export_run(run_dir, out, step=step, merged=merged)
+    if not out.resolve().is_relative_to(run_dir.resolve()) or not (run_dir / "config.yaml").is_file():
+        return export_run(run_dir, out, step=step, merged=merged)  # (the latter: "holds no run", from export_run)
     with RunFolder(run_dir).claim("export"):  # writing into a run: not while another process writes it
         return export_run(run_dir, out, step=step, merged=merged)
 
