@@ -63,6 +63,9 @@ def test_metrics_resume_truncates_later_steps(tmp_path):
     with MetricsLogger(tmp_path) as logger:
         for step in range(5):
             logger.log(step, {"x": step})
+    # TensorBoard reads event files in name order: `...tfevents.{second}.{host}.{pid}.{writer number}`. A resumed
+    # run is a later process; in one process within one second, writer 10 would sort before writer 9.
+    time.sleep(1.1)
     with MetricsLogger(tmp_path, resume_from_step=2) as logger:
         assert [row["step"] for row in read_metrics(tmp_path)] == [0, 1, 2]
         logger.log(3, {"x": 30})
