@@ -438,6 +438,12 @@ class RuntimeConfig(Section):
     """GPUs per rollout worker."""
     trainer_gpus: float = Field(0.0, ge=0)
     """GPUs of the trainer worker."""
+    rollout_resources: dict[str, float] = Field(default_factory=dict)
+    """`ray`: Ray custom resources each rollout replica asks for, which places replicas on the nodes that offer
+    them, e.g. `{rollout_node: 1}` with nodes started by `ray start --address=HEAD --resources='{"rollout_node":
+    4}'` (docs/cluster.md)."""
+    trainer_resources: dict[str, float] = Field(default_factory=dict)
+    """`ray` with `train.engine: fsdp2`: Ray custom resources each training rank asks for (places the ranks)."""
     weight_sync: Literal["inprocess", "shared_memory", "ray", "torch_distributed"] = "shared_memory"
     """How new weights reach Ray rollout replicas: `shared_memory` (one machine), `ray` (object store, any
     cluster), `torch_distributed` (gloo on CPU, NCCL on GPU). The inline runtime always uses `inprocess`."""

@@ -23,6 +23,7 @@ from asyncflow.engines.base import register_inference_engine
 from asyncflow.engines.torch_inference import TorchInferenceEngine
 from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.models.loading import load_model
+from asyncflow.runtime.ray_runtime import RolloutFailedError
 from asyncflow.transfer import GroupSampler, TransferQueue
 from asyncflow.workers.trainer import PolicyTrainer
 from asyncflow.workflow.run import RLRun
@@ -223,7 +224,7 @@ def test_replica_past_its_restarts_fails_the_run_at_once(tmp_path, ray_cluster):
     )
     run = RLRun(config)
     _, killed = kill_replica_at_step(ray_cluster, run, 2, restart=False)
-    with pytest.raises(RuntimeError, match=r"rollout replicas died 1 times \(runtime.max_restarts\)"):
+    with pytest.raises(RolloutFailedError, match=r"rollout replicas died 1 times \(runtime.max_restarts\)"):
         run.train()
     assert time.time() - killed["at"] < 15, "the trainer stops waiting for rows as soon as the replica is gone"
 
@@ -238,7 +239,7 @@ def test_torch_distributed_weight_sync_runs_and_refuses_a_restarted_replica(tmp_
     )
     run = RLRun(config)
     _, killed = kill_replica_at_step(ray_cluster, run, 3, restart=True)
-    with pytest.raises(RuntimeError, match="torch_distributed cannot take a restarted replica back.*shared_memory"):
+    with pytest.raises(RolloutFailedError, match="torch_distributed cannot take a restarted replica.*shared_memory"):
         run.train()
     assert time.time() - killed["at"] < 15
     # with k=1, partition 2 could only be generated with version >= 1: it came over gloo

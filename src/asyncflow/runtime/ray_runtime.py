@@ -32,7 +32,7 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import ray
 import torch
@@ -83,6 +83,27 @@ def start_ray(*, address: str | None, num_cpus: int | None) -> None:
             time.sleep(START_RETRY_PAUSE_S)
 
 
+@dataclass(frozen=True)
+class Node:
+    """A Ray node, as Ray names it: its id and IP address."""
+
+    node_id: str
+    ip: str
+
+    @classmethod
+    def here(cls) -> Node:
+        return cls(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
+
+    def __str__(self) -> str:
+        return f"node {self.ip} {self.node_id[:12]}" + ("" if self.alive() else ", lost")
+
+    def alive(self) -> bool:
+        try:
+            return any(n["NodeID"] == self.node_id and n["Alive"] for n in ray.nodes())
+        except Exception:  # noqa: BLE001 - the GCS itself is gone
+            return False
+
+
 class RolloutActor:
     """One rollout replica: its inference engine and worker (built here, in the actor's process, from the spec)
     and the rollout loop over the queue's partitions."""
@@ -109,13 +130,19 @@ class RolloutActor:
                 cores=cores, history=self.history, on_weight_update=on_weight_update,
             )
         finally:
-            receiver.close()
             if cores is not None:
                 cores.close()
+            if receiver.collective:
+                _keep_taking(receiver)
+            else:
+                receiver.close()
         return generated, timeline.events
 
     def ping(self) -> bool:
         return True
+
+    def node(self) -> Node:
+        return Node.here()
 
     def restore_sampler(self, state) -> None:
         """Set the engine's sampling generator (before `run`), as a resumed run found it in its checkpoint."""
@@ -128,6 +155,34 @@ class RolloutActor:
     def reward_failures(self) -> tuple[str, int, int]:
         """(incarnation, errors, timeouts): the reward functions' failures in this incarnation of the replica."""
         return self.incarnation, self.scorer.errors, self.scorer.timeouts
+
+
+class RolloutFailedError(ChildProcessError):
+    """A rollout replica failed, or died past its restarts; the message names it and its node (an `OSError`: the
+    command line reports it in one line)."""
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _keep_taking(receiver, period_s: float = 0.05) -> None:
+    """After this replica's last partition: keep taking part in a collective transport's publishes (versions the
+    trainer publishes before it learns rollout is done) until the publisher closes or the actor is stopped."""
+
+    def take() -> None:
+        try:
+            version = -1
+            while True:
+                received = receiver.poll(version)
+                version = received[0] if received is not None else version
+                time.sleep(period_s)
+        except Exception:  # noqa: BLE001 - the publisher closed: nothing more to take
+            log.debug("weight receiver stopped after the rollout loop", exc_info=True)
+        finally:
+            receiver.close()
+
+    threading.Thread(target=take, name="weights-after-rollout", daemon=True).start()
 
 
 class RayRuntime:
@@ -176,6 +231,7 @@ class RayRuntime:
         self._stop = threading.Event()
         self._supervisor: threading.Thread | None = None
         self._lock = threading.Lock()
+        self.nodes: dict[str, Node] = {}  # replica -> the node it first started on
 
     def make_queue(self, tasks):
         units = self.config.runtime.storage_units
@@ -189,7 +245,9 @@ class RayRuntime:
             return {"timeout_s": self.timeout}
         if self.weight_sync == "torch_distributed":
             backend = "nccl" if self.config.runtime.rollout_gpus > 0 else "gloo"
-            return {"num_receivers": self.config.rollout.replicas, "timeout_s": self.timeout, "backend": backend}
+            host = "127.0.0.1" if self.config.runtime.address is None else ray.util.get_node_ip_address()
+            return {"num_receivers": self.config.rollout.replicas, "timeout_s": self.timeout, "backend": backend,
+                    "host": host}
         return {}
 
     def start_rollout(self, queue, receiver_spec, steps, *, max_staleness: int, timeline, sampler_states=None) -> None:
@@ -197,23 +255,40 @@ class RayRuntime:
         -> generator state, from `sampler_states` of an earlier run) sets each engine's sampling generator."""
         cfg, rt = self.config, self.config.runtime
         actor_cls = ray.remote(RolloutActor).options(
-            num_cpus=rt.rollout_cpus, num_gpus=rt.rollout_gpus, max_restarts=rt.max_restarts, max_concurrency=2
+            num_cpus=rt.rollout_cpus, num_gpus=rt.rollout_gpus, resources=rt.rollout_resources or None,
+            max_restarts=rt.max_restarts, max_concurrency=2,
         )
         self.timeline = timeline
-        for r in range(cfg.rollout.replicas):
-            name = f"rollout_{r}"
+        for r in range(cfg.rollout.replicas):  # built in parallel; then placed and checked, then started
             spec = replace(self.spec, seed=self.spec.seed + 1000 * r, threads=max(1, int(rt.rollout_cpus)),
                            device="cuda" if rt.rollout_gpus > 0 else "cpu")
-            self.actors[name] = actor_cls.remote(spec, name)
+            self.actors[f"rollout_{r}"] = actor_cls.remote(spec, f"rollout_{r}")
+        self._place()
+        for r, name in enumerate(self.actors):
             spec_r = receiver_spec.for_rank(r + 1) if self.weight_sync == "torch_distributed" else receiver_spec
-            self._loop_args[name] = (queue, spec_r, steps, max_staleness, spec.max_batch_size, self.timeout,
-                                     self._cores_spec, spec.on_weight_update)
+            self._loop_args[name] = (queue, spec_r, steps, max_staleness, self.spec.max_batch_size, self.timeout,
+                                     self._cores_spec, self.spec.on_weight_update)
             state = (sampler_states or {}).get(name)
             if state is not None:  # set before the loop runs: a threaded actor may run two calls at once
                 ray.get(self.actors[name].restore_sampler.remote(state), timeout=self.timeout)
             self.calls[name] = self.actors[name].run.remote(*self._loop_args[name])
         self._supervisor = threading.Thread(target=self._supervise, name="rollout-supervisor", daemon=True)
         self._supervisor.start()
+
+    def _place(self) -> None:
+        """Learn each replica's node (logged); `shared_memory` weights reach only replicas on the driver's node."""
+        names = list(self.actors)
+        nodes = ray.get([self.actors[name].node.remote() for name in names], timeout=self.timeout)
+        self.nodes = dict(zip(names, nodes, strict=True))
+        driver = Node.here()
+        for name, node in self.nodes.items():
+            log.info("rollout replica %s runs on %s%s", name, node, " (the driver's)" if node == driver else "")
+            if self.weight_sync == "shared_memory" and node.node_id != driver.node_id:
+                raise ValueError(
+                    f"runtime.weight_sync=shared_memory reaches replicas on the driver's node only, and rollout "
+                    f"replica {name} is on {node} (the driver on {driver}): use runtime.weight_sync=ray or "
+                    "torch_distributed on a cluster of several nodes"
+                )
 
     def _supervise(self) -> None:
         """Collect finished loops; release and restart the loop of a replica that died."""
@@ -246,20 +321,19 @@ class RayRuntime:
         self.restarts += 1
         if self.weight_sync == "torch_distributed":
             self.error = RuntimeError(
-                f"rollout replica {name} died ({err}); runtime.weight_sync=torch_distributed cannot take a restarted "
-                "replica back into its process group: use shared_memory (one machine) or ray to survive restarts"
+                f"rollout replica {name} on {self.nodes.get(name, 'an unknown node')} died ({_first_line(err)}); "
+                "runtime.weight_sync=torch_distributed cannot take a restarted replica back into its process group: "
+                "use shared_memory (one machine) or ray to survive restarts"
             )
             return
         if self.restarts > self.config.runtime.max_restarts:
-            self.error = RuntimeError(
-                f"rollout replicas died {self.restarts} times (runtime.max_restarts); last: {name}: {err}"
-            )
+            self.error = RuntimeError(f"rollout replicas died {self.restarts} times (runtime.max_restarts); last: "
+                                      f"{name} on {self.nodes.get(name, 'an unknown node')}: {_first_line(err)}")
             return
         released = self.queue.release(ROLLOUT_TASK, name, RESPONSE_COLUMNS)
         count = sum(len(rows) for rows in released.values())
-        log.warning(
-            "rollout replica %s died (%s); %d rows it held are released; restarting it", name, type(err).__name__, count
-        )
+        log.warning("rollout replica %s on %s died (%s); %d rows it held are released; restarting it", name,
+                    self.nodes.get(name, "an unknown node"), type(err).__name__, count)
         self.timeline.instant(name, "restart", released=count)
         deadline = time.monotonic() + self.timeout
         while True:  # calls fail fast with ActorUnavailableError while Ray restarts the process
@@ -268,7 +342,11 @@ class RayRuntime:
                 break
             except (RayActorError, GetTimeoutError) as retry_err:
                 if time.monotonic() >= deadline or self._stop.is_set():
-                    self.error = RuntimeError(f"rollout replica {name!r} did not come back within {self.timeout:.0f} s")
+                    self.error = RuntimeError(
+                        f"rollout replica {name!r} (on {self.nodes.get(name, 'an unknown node')}) did not come back "
+                        f"within {self.timeout:.0f} s (runtime.call_timeout_s): no live node has room for it "
+                        "(runtime.rollout_cpus, rollout_gpus, rollout_resources); resume with --resume once it has"
+                    )
                     self.error.__cause__ = retry_err
                     return
                 time.sleep(0.2)
@@ -305,7 +383,7 @@ class RayRuntime:
 
     def check(self) -> None:
         if self.error is not None:
-            raise RuntimeError(f"a rollout replica failed: {self.error!r}") from self.error
+            raise RolloutFailedError(f"a rollout replica failed: {self.error}") from self.error
 
     def join(self, timeout: float) -> None:
         if self._supervisor is not None:
@@ -342,10 +420,11 @@ class TrainRankActor:
         host = "127.0.0.1" if local else ray.util.get_node_ip_address()
         return host, free_port(host)
 
-    def setup(self, rank: int, world: int, host: str, port: int, spec) -> None:
+    def setup(self, rank: int, world: int, host: str, port: int, spec) -> Node:
         from asyncflow.engines.fsdp2_train import RankTrainer
 
         self.trainer = RankTrainer(rank, world, host, port, spec)
+        return Node.here()
 
     def call(self, method: str, args: tuple):
         return getattr(self.trainer, method)(*args)
@@ -357,13 +436,18 @@ class RayRanks:
 
     shares_memory = False  # results come through Ray's object store
 
-    def __init__(self, world: int, spec, timeout: float, *, num_cpus: float, num_gpus: float, local: bool):
-        actor_cls = ray.remote(TrainRankActor).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)
+    def __init__(self, world: int, spec, timeout: float, *, num_cpus: float, num_gpus: float, local: bool,
+                 resources: dict[str, float] | None = None):
+        actor_cls = ray.remote(TrainRankActor).options(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources,
+                                                       max_restarts=0)
         self.actors = [actor_cls.remote() for _ in range(world)]
+        self.nodes: list[Node | None] = [None] * world
         try:
             host, port = self._wait([self.actors[0].node_address.remote(local)], "start", timeout)[0]
             setups = [actor.setup.remote(rank, world, host, port, spec) for rank, actor in enumerate(self.actors)]
-            self._wait(setups, "start", timeout)
+            self.nodes = self._wait(setups, "start", timeout)
+            for rank, node in enumerate(self.nodes):
+                log.info("training rank %d runs on %s", rank, node)
         except BaseException:
             self.close()
             raise
@@ -392,9 +476,10 @@ class RayRanks:
                 reason = "died" if isinstance(err, RayActorError) else "failed"
                 detail = (str(err.cause if isinstance(err, RayTaskError) else err).strip().splitlines() or [""])[-1]
                 self.close()
+                where = f" on {self.nodes[rank]}" if self.nodes[rank] is not None else ""
                 raise RankFailedError(
-                    f"train.engine=fsdp2: rank {rank} {reason} during {method} ({detail}); the other ranks were "
-                    "stopped (resume the run from its last checkpoint with --resume)"
+                    f"train.engine=fsdp2: rank {rank}{where} {reason} during {method} ({detail}); the other ranks "
+                    "were stopped (resume the run from its last checkpoint with --resume)"
                 ) from err
             if pending and time.monotonic() > deadline:
                 self.close()
@@ -435,6 +520,6 @@ def ray_rank_launcher(config):
 
     def launch(world_size: int, spec, timeout: float) -> RayRanks:
         return RayRanks(world_size, spec, timeout, num_cpus=rt.trainer_cpus / world, num_gpus=rt.trainer_gpus / world,
-                        local=rt.address is None)
+                        local=rt.address is None, resources=rt.trainer_resources or None)
 
     return launch

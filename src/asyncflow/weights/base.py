@@ -75,6 +75,8 @@ class PollingReceiver(ABC):
     """`wait_for` on top of `poll`: polls with a short, growing sleep until the deadline."""
 
     transport = ""
+    collective = False
+    """True where a publish is a collective every receiver must take part in (until the publisher closes)."""
 
     @abstractmethod
     def poll(self, have_version: int) -> Received | None: ...

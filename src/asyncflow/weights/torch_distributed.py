@@ -150,6 +150,7 @@ class TorchDistributedPublisher(BackgroundPublisher):
 
 class TorchDistributedReceiver(PollingReceiver):
     transport = "torch_distributed"
+    collective = True
 
     def __init__(self, spec: TorchDistributedSpec):
         import torch.distributed as dist

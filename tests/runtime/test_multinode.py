@@ -1,0 +1,185 @@
+"""Several nodes, proven on one machine: a Ray head and two worker nodes started with `ray start` as separate node
+processes with their own resources (the way a user starts a cluster), joined by address. The rollout replica is
+placed on one node and the FSDP2 ranks across the other two through Ray custom resources, weights cross nodes
+through the collective path (`torch_distributed`), the placement is read back from Ray, and losing the rollout
+node ends the run with an error naming it; `--resume` on a replacement node then trains every prompt once."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+ray = pytest.importorskip("ray")
+
+ROOT = Path(__file__).resolve().parents[2]
+RAY = str(Path(sys.executable).with_name("ray"))
+EXAMPLE = str(ROOT / "examples" / "arithmetic_grpo.yaml")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    """`ray start` node processes (each `--block`, in a process group of its own so it can be killed whole)."""
+
+    def __init__(self, tmp: Path):
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        # RAY_AUTH_MODE: a cluster of this test only (a user's cluster passes its token: docs/cluster.md)
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "RAY_worker_niceness": "0",
+                    "RAY_AUTH_MODE": "disabled"}
+        self.env.pop("RAY_ADDRESS", None)
+        self.nodes: dict[str, subprocess.Popen] = {}
+        self.tmp = tmp
+
+    def start(self, name: str, resources: dict[str, float], head: bool = False) -> None:
+        where = [f"--address={self.address}"]
+        if head:
+            where = ["--head", f"--port={self.port}", "--include-dashboard=false"]
+        log = open(self.tmp / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+        self.nodes[name] = subprocess.Popen(
+            [RAY, "start", *where, "--num-cpus=1", f"--resources={json.dumps(resources)}", "--disable-usage-stats",
+             "--block"], env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        running = sum(process.poll() is None for process in self.nodes.values())
+        self.wait_for(lambda nodes: sum(n["Alive"] for n in nodes) == running, f"node {name}")
+
+    def query(self, code: str):
+        """Run `code` (it prints JSON) in a client process of the cluster; its output."""
+        script = f"import json, ray\nray.init(address={self.address!r}, logging_level='ERROR')\n{code}"
+        out = subprocess.run([sys.executable, "-c", script], env=self.env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def live_nodes(self) -> list[dict]:
+        return self.query("print(json.dumps([n for n in ray.nodes()]))")
+
+    def wait_for(self, ok, what: str, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if ok(self.live_nodes()):
+                    return
+            except AssertionError:
+                pass  # the head is still starting
+            time.sleep(1)
+        raise AssertionError(f"{what} did not join the cluster within {timeout_s} s")
+
+    def kill(self, name: str) -> None:
+        os.killpg(self.nodes[name].pid, signal.SIGKILL)
+        self.nodes[name].wait(timeout=30)
+
+    def stop(self) -> None:
+        """Kill each node's process group (never `ray stop`: it would stop every Ray cluster on the machine)."""
+        for process in self.nodes.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=30)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    cluster = Cluster(tmp_path)
+    try:
+        cluster.start("head", {"trainer_node": 1}, head=True)
+        cluster.start("rollout", {"rollout_node": 1})
+        cluster.start("trainer", {"trainer_node": 1})
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def command(cluster: Cluster, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "asyncflow.cli", "train", EXAMPLE, "sft.before_rl=false", "train.steps=4",
+        "rollout.prompts_per_step=4", "rollout.group_size=2", "rollout.max_new_tokens=4", "train.micro_batch_size=4",
+        "data.test_size=0", "checkpoint.every=1", "run.progress=false", "workflow.mode=async", "runtime.kind=ray",
+        f"runtime.address={cluster.address}", "runtime.call_timeout_s=40",
+        "runtime.rollout_resources={rollout_node: 1}", "train.engine=fsdp2", "train.world_size=2",
+        "runtime.trainer_resources={trainer_node: 1}",
+        "runtime.weight_sync=torch_distributed", *extra, "--output", str(run_dir), "--threads", "1",
+    ]
+
+
+def train(cluster: Cluster, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command(cluster, run_dir, *extra), env=cluster.env, capture_output=True, text=True,
+                          timeout=500)
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def placed(log: str) -> dict[str, str]:
+    """worker -> the (shortened) node id its log line names (`... runs on node IP ID`)."""
+    return dict(re.findall(r"(rollout replica \w+|training rank \d) runs on node \S+ (\w+)", log))
+
+
+def node_ids(cluster: Cluster) -> dict[str, str]:
+    """`head`, `rollout`, `trainer` -> Ray's node id, told apart by the resources each node was started with."""
+    ids = {}
+    for node in cluster.live_nodes():
+        if node["Alive"]:
+            name = "head" if "node:__internal_head__" in node["Resources"] else (
+                "rollout" if "rollout_node" in node["Resources"] else "trainer")
+            ids[name] = node["NodeID"][:12]
+    return ids
+
+
+def test_replicas_and_ranks_on_their_nodes_weights_across_and_a_lost_node_named(cluster, tmp_path):
+    nodes = node_ids(cluster)
+    refused = train(cluster, tmp_path / "shm", "runtime.weight_sync=shared_memory")
+    assert refused.returncode == 1, refused.stderr[-3000:]
+    assert re.search(rf"rollout replica rollout_0 is on node \S+ {nodes['rollout']}", refused.stderr), refused.stderr
+
+    run_dir = tmp_path / "run"
+    done = train(cluster, run_dir, "train.steps=3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    where = placed(done.stderr)
+    assert where["rollout replica rollout_0"] == nodes["rollout"], (where, nodes)
+    assert {where["training rank 0"], where["training rank 1"]} == {nodes["head"], nodes["trainer"]}, (where, nodes)
+    assert [r["step"] for r in rows(run_dir)] == [0, 1, 2, 3]
+    # step 3 trains on version 2 with staleness <= 1: its rows were sampled with version >= 1, which reached the
+    # replica's node only by gloo broadcast from the driver's node
+    assert rows(run_dir)[-1]["staleness/max"] <= 1
+
+    # weights through Ray's object store from here on: a restarted replica can take them (gloo's group cannot)
+    process = subprocess.Popen(command(cluster, run_dir, "train.steps=400", "runtime.weight_sync=ray", "--resume"),
+                               env=cluster.env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while rows(run_dir)[-1]["step"] < 5 and time.monotonic() < deadline:
+            assert process.poll() is None, process.communicate()[1][-3000:]
+            time.sleep(0.5)
+        cluster.kill("rollout")
+        _, err = process.communicate(timeout=300)
+    finally:
+        process.kill()
+    assert process.returncode == 1, err[-3000:]
+    error = [line for line in err.splitlines() if line.startswith("asyncflow")]
+    lost = rf"rollout replica 'rollout_0' \(on node \S+ {nodes['rollout']}, lost\) did not come back"
+    assert len(error) == 1 and re.search(lost, error[0]), err[-3000:]
+
+    cluster.start("rollout2", {"rollout_node": 1})
+    stopped_at = rows(run_dir)[-1]["step"]
+    resumed = train(cluster, run_dir, f"train.steps={stopped_at + 2}", "runtime.weight_sync=ray", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    trained = [r for r in rows(run_dir) if r["step"] > 0]
+    assert [r["step"] for r in trained] == list(range(1, stopped_at + 3)), "each step logged once"
+    groups = [(r["data/group_id_min"], r["data/group_id_max"]) for r in trained]
+    assert all(b[0] == a[1] + 1 for a, b in zip(groups, groups[1:])), f"prompts trained twice or skipped: {groups}"
