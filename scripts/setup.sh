@@ -4,15 +4,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-# bubblewrap: the sandbox of the `python` tool (env.python_isolation=strict); Debian's package, as root
-if ! command -v bwrap >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-  apt-get install -y -q bubblewrap >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1) \
-    || echo "setup.sh: bubblewrap did not install; the python tool's strict sandbox will refuse to run" >&2
+# bubblewrap and libseccomp: the sandbox of the `python` tool (env.python_isolation=strict); Debian's, as root
+if ! { command -v bwrap && ldconfig -p | grep -q libseccomp.so.2; } >/dev/null && command -v apt-get >/dev/null \
+    && [ "$(id -u)" = 0 ]; then
+  packages="bubblewrap libseccomp2"
+  apt-get install -y -q $packages >/dev/null 2>&1 \
+    || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q $packages >/dev/null 2>&1) \
+    || echo "setup.sh: $packages did not install; the python tool's strict sandbox will refuse to run" >&2
 fi
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-if ! .venv/bin/python -c "import asyncflow, torch, transformers, ray, pytest, hypothesis, importlinter, ruff, wandb, peft, fastapi, uvicorn, openai" 2>/dev/null; then
+if ! .venv/bin/python -c "import asyncflow, torch, transformers, ray, pytest, hypothesis, importlinter, ruff, wandb, peft, fastapi, uvicorn, openai, pyseccomp" 2>/dev/null; then
   .venv/bin/pip install -q -c constraints.txt "torch==2.13.0"
   # the extras whose tests run in the default suite: ray (separated deployment), wandb (~10 s), lora (peft),
   # serve (fastapi/uvicorn)

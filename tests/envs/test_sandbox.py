@@ -108,3 +108,35 @@ def test_strict_refuses_without_bubblewrap(monkeypatch):
 
 def test_a_printed_memoryerror_is_not_the_memory_limit():
     assert "MemoryError" in run("print('MemoryError')", SandboxLimits(isolation="weak"))
+
+
+SECCOMP_PROBE = """
+import ctypes, threading
+libc = ctypes.CDLL(None, use_errno=True)
+def errno_of(result):
+    return ctypes.get_errno() if result == -1 else 0
+print('status', [line.split()[1] for line in open('/proc/self/status') if line.startswith('Seccomp:')][0])
+print('unshare', errno_of(libc.unshare(0x10000000)))
+print('ptrace', errno_of(libc.ptrace(16, 1, 0, 0)))
+print('mount', errno_of(libc.mount(b'none', b'/tmp', b'tmpfs', 0, None)))
+print('bpf', errno_of(libc.syscall(321, 0, 0, 0)))
+print('io_uring_setup', errno_of(libc.syscall(425, 1, 0)))
+print('keyctl', errno_of(libc.syscall(250, 0, 0, 0, 0, 0)))
+print('clone_newuser', errno_of(libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0)))
+done = []
+thread = threading.Thread(target=lambda: done.append(1))
+thread.start(); thread.join()
+print('thread', done)
+"""
+
+
+@needs_bwrap
+def test_a_seccomp_filter_refuses_what_widens_the_kernels_surface():
+    """Without the filter, code in the sandbox (no capabilities, but root in its user namespace) could create
+    user namespaces, trace its own children, and reach bpf, io_uring and keyrings: kernel surface an escape
+    starts from. EPERM (1) for each; threads still start (clone without namespace flags)."""
+    seen = dict(line.split(" ", 1) for line in run(SECCOMP_PROBE).strip().splitlines())
+    assert seen.pop("status") == "2", "the filter is in force"
+    assert seen.pop("thread") == "[1]"
+    assert seen == dict.fromkeys(
+        ["unshare", "ptrace", "mount", "bpf", "io_uring_setup", "keyctl", "clone_newuser"], "1"), seen

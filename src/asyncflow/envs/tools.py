@@ -5,16 +5,18 @@ Owns: `calculator` (exact arithmetic on a parsed expression tree: nothing is eva
 network), `TOOLS` (name -> tool) and `ToolBox`.
 
 Sandbox of `run_python` (docs/security.md): with `isolation="strict"` (the default) the child runs inside
-bubblewrap: its own PID, network, IPC, UTS and mount namespaces, no capabilities, an empty environment, the
-system and the Python install read-only and nothing else of the host, a private size-limited /tmp as the only
-writable place; the wall-clock timeout kills bwrap, and its PID namespace (children that left the session
-included) dies with it. Where bubblewrap cannot run, `strict` refuses with `SandboxUnavailable` naming what is
-missing; `weak` keeps only the in-process layers. In both, the child runs `python -I` (no user site, no
-environment variables read), sets its own hard rlimits before the code runs (RLIMIT_CPU, RLIMIT_AS for memory,
-RLIMIT_FSIZE for output: stdout and stderr go to a file, so a flood is stopped by the kernel with SIGXFSZ,
-RLIMIT_NOFILE) and installs an audit hook that refuses `socket.*` events and process creation (a hook is not a
-boundary: ctypes passes it; the namespaces are the boundary). `weak` adds `unshare -rn` (no network) where
-unprivileged user namespaces exist.
+bubblewrap: its own PID, network, IPC, UTS and mount namespaces, no capabilities, an empty environment, the system
+and the Python install read-only and nothing else of the host, a private size-limited /tmp as the only writable
+place; the wall-clock timeout kills bwrap, and its PID namespace (children that left the session included) dies with
+it. A seccomp filter (libseccomp, through bwrap `--seccomp`) refuses the system calls that widen the kernel's attack
+surface or reach outside the sandbox (`DENIED_SYSCALLS`: new namespaces, ptrace, mount, bpf, perf events, io_uring,
+keyrings, modules, ...) with EPERM. Where bubblewrap or libseccomp cannot run, `strict` refuses with
+`SandboxUnavailable` naming what is missing; `weak` keeps only the in-process layers. In both, the child runs
+`python -I` (no user site, no environment variables read), sets its own hard rlimits before the code runs
+(RLIMIT_CPU, RLIMIT_AS for memory, RLIMIT_FSIZE for output: stdout and stderr go to a file, so a flood is stopped by
+the kernel with SIGXFSZ, RLIMIT_NOFILE) and installs an audit hook that refuses `socket.*` events and process
+creation (a hook is not a boundary: ctypes passes it; the namespaces are the boundary). `weak` adds `unshare -rn`
+(no network) where unprivileged user namespaces exist.
 
 Invariants:
 - A tool call never raises out of `ToolBox.call`: an exception, a timeout or a flood becomes a
@@ -27,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import ast
+import errno
 import functools
 import os
 import shutil
@@ -191,15 +194,50 @@ def _bwrap_args(bwrap: str, scratch_mb: int) -> list[str]:
             "--size", str(scratch_mb * 2**20), "--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/tmp"]
 
 
-def sandbox_command(limits: SandboxLimits) -> list[str]:
-    """The command prefix and interpreter that run the child of `run_python` at `limits.isolation`."""
+DENIED_SYSCALLS = (
+    "ptrace", "process_vm_readv", "process_vm_writev", "unshare", "setns", "mount", "umount2", "pivot_root",
+    "chroot", "move_mount", "open_tree", "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "bpf",
+    "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register", "keyctl", "add_key",
+    "request_key", "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "reboot",
+    "swapon", "swapoff", "syslog", "acct", "quotactl", "personality", "open_by_handle_at", "name_to_handle_at",
+    "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "lookup_dcookie", "vhangup", "iopl", "ioperm",
+)
+"""Refused with EPERM inside the strict sandbox (a deny list in the spirit of Docker's default profile)."""
+_CLONE_NEWUSER = 0x10000000
+
+
+@functools.lru_cache(maxsize=1)
+def seccomp_filter() -> bytes:
+    """The sandbox's seccomp program (BPF, as bwrap `--seccomp` reads it); `SandboxUnavailable` without
+    libseccomp. clone() may not create a user namespace; clone3 answers ENOSYS, whose flags a filter cannot read,
+    so the C library falls back to clone()."""
+    try:
+        import pyseccomp as seccomp
+    except (ImportError, OSError) as err:  # the binding, or libseccomp.so.2 it loads
+        raise SandboxUnavailable(f"libseccomp is not available ({err}; Debian: apt-get install libseccomp2)") from err
+    rules = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+    for name in DENIED_SYSCALLS:
+        rules.add_rule(seccomp.ERRNO(errno.EPERM), name)
+    rules.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, _CLONE_NEWUSER,
+                                                                   _CLONE_NEWUSER))
+    rules.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    with tempfile.TemporaryFile() as program:
+        rules.export_bpf(program)
+        program.seek(0)
+        return program.read()
+
+
+def sandbox_command(limits: SandboxLimits, seccomp_fd: int | None = None) -> list[str]:
+    """The command prefix and interpreter that run the child of `run_python` at `limits.isolation` (`strict`: with
+    the seccomp program readable at `seccomp_fd`)."""
     if limits.isolation == "weak":
         return [*network_namespace_prefix(), sys.executable]
     problem = bubblewrap_problem()
     if problem is not None:
         raise SandboxUnavailable(f"env.python_isolation=strict: {problem}; set env.python_isolation=weak to run "
                                  "model-written code with the audit hook and rlimits only, knowingly")
-    return [*_bwrap_args(shutil.which("bwrap"), limits.scratch_mb), os.path.realpath(sys.executable)]
+    seccomp = ["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []
+    return [*_bwrap_args(shutil.which("bwrap"), limits.scratch_mb), *seccomp, os.path.realpath(sys.executable)]
 
 
 def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> str:
@@ -207,14 +245,20 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> str:
     the limit it hit (`TimeoutError` for the wall clock)."""
     if not isinstance(code, str):
         raise TypeError("code must be a string")
-    with tempfile.TemporaryFile() as out:
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as program:
+        pass_fds = ()
+        if limits.isolation == "strict":
+            program.write(seccomp_filter())
+            program.seek(0)
+            pass_fds = (program.fileno(),)
         command = [
-            *sandbox_command(limits), "-I", "-c", _CHILD,
+            *sandbox_command(limits, *pass_fds), "-I", "-c", _CHILD,
             str(limits.cpu_s), str(limits.memory_mb * 2**20), str(limits.max_output_bytes + 1),
         ]
         child = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=out, stderr=out, start_new_session=True, cwd=tempfile.gettempdir(),
             env=CHILD_ENVIRONMENT,  # nothing of the trainer's (API keys), for bwrap itself too: /proc/1/environ
+            pass_fds=pass_fds,
         )
         try:
             child.communicate(code.encode(), timeout=limits.timeout_s)
