@@ -233,6 +233,11 @@ def sandbox_command(limits: SandboxLimits, seccomp_fd: int | None = None) -> lis
     if limits.isolation == "weak":
         return [*network_namespace_prefix(), sys.executable]
     problem = bubblewrap_problem()
+    if problem is None:
+        try:
+            seccomp_filter()
+        except SandboxUnavailable as err:
+            problem = str(err)
     if problem is not None:
         raise SandboxUnavailable(f"env.python_isolation=strict: {problem}; set env.python_isolation=weak to run "
                                  "model-written code with the audit hook and rlimits only, knowingly")
