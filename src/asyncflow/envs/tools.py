@@ -34,6 +34,7 @@ import functools
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -201,26 +202,38 @@ DENIED_SYSCALLS = (
     "request_key", "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "reboot",
     "swapon", "swapoff", "syslog", "acct", "quotactl", "personality", "open_by_handle_at", "name_to_handle_at",
     "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "lookup_dcookie", "vhangup", "iopl", "ioperm",
+    "fork", "vfork", "execveat",
 )
-"""Refused with EPERM inside the strict sandbox (a deny list in the spirit of Docker's default profile)."""
-_CLONE_NEWUSER = 0x10000000
+"""Refused with EPERM inside the strict sandbox (a deny list in the spirit of Docker's default profile), besides
+the argument rules of `seccomp_filter`."""
+_CLONE_THREAD, _CLONE_NEWUSER = 0x00010000, 0x10000000
 
 
 @functools.lru_cache(maxsize=1)
 def seccomp_filter() -> bytes:
     """The sandbox's seccomp program (BPF, as bwrap `--seccomp` reads it); `SandboxUnavailable` without
-    libseccomp. clone() may not create a user namespace; clone3 answers ENOSYS, whose flags a filter cannot read,
-    so the C library falls back to clone()."""
+    libseccomp. Besides `DENIED_SYSCALLS`: clone() only starts threads (no process, no user namespace); clone3
+    answers ENOSYS, whose flags a filter cannot read, so the C library falls back to clone(); sockets only of
+    AF_UNIX (a socketpair); no signal to PID 1 (bwrap's init) or to a process group by negative pid. The code
+    itself was started by execve, which therefore stays allowed: it can only replace itself."""
     try:
         import pyseccomp as seccomp
     except (ImportError, OSError) as err:  # the binding, or libseccomp.so.2 it loads
         raise SandboxUnavailable(f"libseccomp is not available ({err}; Debian: apt-get install libseccomp2)") from err
     rules = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+    refuse = seccomp.ERRNO(errno.EPERM)
     for name in DENIED_SYSCALLS:
-        rules.add_rule(seccomp.ERRNO(errno.EPERM), name)
-    rules.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, _CLONE_NEWUSER,
-                                                                   _CLONE_NEWUSER))
+        try:
+            rules.add_rule(refuse, name)
+        except (ValueError, OSError):  # not a system call of this architecture (fork on arm64): nothing to refuse
+            continue
+    rules.add_rule(refuse, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, _CLONE_THREAD, 0))
+    rules.add_rule(refuse, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, _CLONE_NEWUSER, _CLONE_NEWUSER))
     rules.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    rules.add_rule(refuse, "socket", seccomp.Arg(0, seccomp.NE, socket.AF_UNIX))
+    for call in ("kill", "tkill", "tgkill"):
+        rules.add_rule(refuse, call, seccomp.Arg(0, seccomp.EQ, 1))
+    rules.add_rule(refuse, "kill", seccomp.Arg(0, seccomp.MASKED_EQ, 0x80000000, 0x80000000))
     with tempfile.TemporaryFile() as program:
         rules.export_bpf(program)
         program.seek(0)
