@@ -4,6 +4,7 @@ deep JSON, tokenising on the event loop, slow or half-open clients, and the `ser
 Each hostile request must get a clean 4xx naming the field, and a normal request must succeed afterwards."""
 
 import json
+import re
 import socket
 import threading
 import time
@@ -82,6 +83,22 @@ def test_an_engine_error_fails_its_batch_only_and_health_says_so(server):
     health = http.get("/health").json()
     assert health["engine_failures"] == failures_before + 1 and "top_p" in health["last_engine_error"]
     assert http.get("/v1/models").json()["data"][0]["status"] == "ok"
+
+
+def test_an_engine_error_fails_only_the_request_that_causes_it(server, caplog):
+    """The requests sharing a batch with one the engine fails on run again alone and complete."""
+    _, service, http = server
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
+    good = [service.submit(ids, SamplingParams(max_new_tokens=4)) for ids in prompts]
+    broken = service.submit([1, 2, 3], SamplingParams(top_p=2.0, max_new_tokens=4))
+    good += [service.submit([3, 4], SamplingParams(max_new_tokens=4))]
+    with pytest.raises(Exception, match="the engine failed on this request"):
+        broken.result(timeout=60)
+    for future in good:
+        assert len(future.result(timeout=60).response_ids) > 0
+    shared = [int(n) for n in re.findall(r"the engine failed with (\d+) request\(s\) in flight", caplog.text)]
+    assert shared and max(shared) >= 2, "the broken request ran alone: nothing was isolated"
+    assert_serving(http)
 
 
 @pytest.mark.parametrize("ids", [[-1], [10**30], [1, 2**63], [32000 * 1000]])

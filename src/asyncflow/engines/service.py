@@ -8,8 +8,10 @@ batching: a new request joins the running batch as soon as the engine has a free
 Invariants:
 - Each `submit` resolves exactly once: with its `Completion`, or with the error that stopped the loop
   (later submits then raise `EngineServiceError` at once). With `restart_on_error=True` (a server) an engine
-  error fails only the requests in flight at that moment; the loop starts a fresh `generate` and later
-  submits are served (`engine_failures` and `last_error` say what happened; `healthy` stays true).
+  error fails only the request that causes it: the requests in flight at that moment run again one at a
+  time, and those that fail alone fail (as does one that already streamed tokens: it cannot be replayed);
+  the loop then starts a fresh `generate` and later submits are served (`engine_failures` and `last_error`
+  say what happened; `healthy` stays true).
 - `update_weights` lets every in-flight request finish on the old weights ("finish" semantics), swaps
   the weights while no `generate` is open, then resumes; requests submitted meanwhile wait, and every
   completion's `weight_version` is the version that generated it.
@@ -51,6 +53,8 @@ class EngineService:
         self.last_error: str | None = None
         self._inbox: queue.SimpleQueue[tuple[GenerationRequest, Future]] = queue.SimpleQueue()
         self._pending: dict[int, Future] = {}  # in the engine, by internal request id
+        self._in_flight: dict[int, GenerationRequest] = {}  # the same requests (replayed alone after an error)
+        self._streamed: set[int] = set()  # requests whose caller has seen tokens
         self._deliver_at_end: dict[int, TokenCallback] = {}  # on_tokens of requests to an engine that cannot stream
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -123,11 +127,13 @@ class EngineService:
                         on_tokens = self._deliver_at_end.pop(completion.request_id, None)
                         if on_tokens is not None:
                             on_tokens(list(completion.response_ids), list(completion.logprobs))
+                        self._in_flight.pop(completion.request_id, None)
+                        self._streamed.discard(completion.request_id)
                         self._pending.pop(completion.request_id).set_result(completion)
                 except Exception as error:
                     if not self.restart_on_error or not self._pending:  # no request to blame: the engine is broken
                         raise
-                    self._fail_in_flight(error)
+                    self._isolate_failure(error)
                 self._apply_update()
         except BaseException as error:  # noqa: BLE001 -- every waiting caller must learn why
             with self._lock:
@@ -140,16 +146,28 @@ class EngineService:
             for future in self._drain_inbox():
                 future.set_exception(EngineServiceError("the engine service was closed"))
 
-    def _fail_in_flight(self, error: Exception) -> None:
-        """An engine error with `restart_on_error`: fail the requests it was running, keep the loop."""
+    def _isolate_failure(self, error: Exception) -> None:
+        """An engine error with `restart_on_error`: run each request that was in flight again alone, so that only
+        the ones the engine fails on alone fail; keep the loop."""
         self.engine_failures += 1
         self.last_error = f"{type(error).__name__}: {error}"
-        log.error("the engine failed; %d request(s) in flight fail, the loop goes on", len(self._pending),
+        log.error("the engine failed with %d request(s) in flight; each runs again alone", len(self._pending),
                   exc_info=error)
-        for future in self._pending.values():
-            future.set_exception(EngineServiceError(f"the engine failed on this batch: {error!r}"))
-        self._pending.clear()
-        self._deliver_at_end.clear()
+        pending, requests, streamed = self._pending, self._in_flight, self._streamed
+        self._pending, self._in_flight, self._streamed = {}, {}, set()
+        for request_id, future in pending.items():
+            on_tokens = self._deliver_at_end.pop(request_id, None)
+            if len(pending) == 1 or request_id in streamed:
+                future.set_exception(EngineServiceError(f"the engine failed on this request: {error!r}"))
+                continue
+            try:
+                (completion,) = self.engine.generate(iter([requests[request_id]]), self.params)
+            except Exception as alone:  # noqa: BLE001 - this request is the one the engine fails on
+                future.set_exception(EngineServiceError(f"the engine failed on this request: {alone!r}"))
+                continue
+            if on_tokens is not None:
+                on_tokens(list(completion.response_ids), list(completion.logprobs))
+            future.set_result(completion)
 
     def _requests(self):
         """The engine's request source: ends (closing this `generate`) when stopping or a weight update waits
@@ -168,10 +186,20 @@ class EngineService:
             if not future.set_running_or_notify_cancel():
                 continue
             self._pending[request.request_id] = future
+            self._in_flight[request.request_id] = request
             if request.on_tokens is not None and not self.streams_tokens:
                 self._deliver_at_end[request.request_id] = request.on_tokens
                 request.on_tokens = None
+            elif request.on_tokens is not None:
+                request.on_tokens = self._noting_streamed(request.request_id, request.on_tokens)
             yield request
+
+    def _noting_streamed(self, request_id: int, on_tokens: TokenCallback) -> TokenCallback:
+        def deliver(token_ids: list[int], logprobs: list[float]) -> None:
+            self._streamed.add(request_id)
+            on_tokens(token_ids, logprobs)
+
+        return deliver
 
     def _apply_update(self) -> None:
         if self._update is None:
