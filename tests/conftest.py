@@ -30,7 +30,7 @@ def ray_cluster(_isolated_cache):
     folders = [SRC, TESTS, *sorted(p for p in TESTS.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))]
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([*map(str, folders), *([saved] if saved else [])])  # workers inherit
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         yield ray
     finally:

@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,11 +46,12 @@ class Cluster:
         self.env.pop("RAY_ADDRESS", None)
         self.nodes: dict[str, subprocess.Popen] = {}
         self.tmp = tmp
+        self.temp_dir = tempfile.mkdtemp(prefix="af-ray-")  # short: Ray's socket paths live under it
 
     def start(self, name: str, resources: dict[str, float], head: bool = False) -> None:
         where = [f"--address={self.address}"]
-        if head:
-            where = ["--head", f"--port={self.port}", "--include-dashboard=false"]
+        if head:  # its own temp dir: `ray.init()` elsewhere on this machine must not find this cluster
+            where = ["--head", f"--port={self.port}", "--include-dashboard=false", f"--temp-dir={self.temp_dir}"]
         log = open(self.tmp / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
         self.nodes[name] = subprocess.Popen(
             [RAY, "start", *where, "--num-cpus=1", f"--resources={json.dumps(resources)}", "--disable-usage-stats",
@@ -89,6 +92,7 @@ class Cluster:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=30)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 @pytest.fixture

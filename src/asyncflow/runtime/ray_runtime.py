@@ -60,11 +60,12 @@ START_RETRY_PAUSE_S = 2.0
 
 def start_ray(*, address: str | None, num_cpus: int | None) -> None:
     """`ray.init`, tried `START_ATTEMPTS` times (a local cluster's start-up can time out on a loaded machine);
-    then `RayStartError` with a one-line message naming the address."""
+    then `RayStartError` with a one-line message naming the address. `address=None` always starts a new local
+    cluster (Ray alone would join one that `ray start` left on this machine, even a dead one)."""
     attempts = START_ATTEMPTS
     for attempt in range(1, attempts + 1):
         try:
-            ray.init(address=address, num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
+            ray.init(address=address or "local", num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
             return
         except Exception as err:  # noqa: BLE001 - ray.init raises plain Exception too (a node's start-up timeout)
             reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
