@@ -76,12 +76,15 @@ class Prompt:
 
 class PromptEncoder:
     """Tokenizes examples into `Prompt`s with `render` (text -> token ids, chat template included), applying
-    the long-prompt policy: `on_long="skip"` skips and counts a prompt over `max_tokens`, `"error"` stops."""
+    the long-prompt policy: `on_long="skip"` skips and counts a prompt over `max_tokens`, `"error"` stops.
+    `keep_text` puts the prompt's text in its metadata (`"prompt"`: an agent starts from the text, not the ids;
+    a judge reward quotes it)."""
 
-    def __init__(self, render: Callable[[str], list[int]], max_tokens: int, on_long: str):
+    def __init__(self, render: Callable[[str], list[int]], max_tokens: int, on_long: str, *, keep_text: bool = False):
         self.render = render
         self.max_tokens = max_tokens
         self.on_long = on_long
+        self.keep_text = keep_text
         self.skipped = 0
 
     def encode(self, example: Example, group_id: int) -> Prompt | None:
@@ -94,18 +97,17 @@ class PromptEncoder:
                 )
             self.skipped += 1
             return None
-        return Prompt(group_id, ids, example.answer, dict(example.metadata))
+        metadata = {**example.metadata, "prompt": example.prompt} if self.keep_text else dict(example.metadata)
+        return Prompt(group_id, ids, example.answer, metadata)
 
 
 class PromptSource:
     """The run's training prompts in seed order: `next_prompts(n)` encodes the next `n` (skipping and counting
-    long ones), giving each a new group id. `keep_text` puts the prompt's text in its metadata (`"prompt"`: an
-    agent starts from the text, not the ids)."""
+    long ones), giving each a new group id."""
 
-    def __init__(self, train_set: TrainSet, encoder: PromptEncoder, *, keep_text: bool = False):
+    def __init__(self, train_set: TrainSet, encoder: PromptEncoder):
         self.train_set = train_set
         self.encoder = encoder
-        self.keep_text = keep_text
         self.position = 0
         self.next_group_id = 0
 
@@ -134,8 +136,6 @@ class PromptSource:
                         "tokens: nothing left to train on (raise data.max_prompt_tokens)"
                     )
                 continue
-            if self.keep_text:
-                prompt.metadata["prompt"] = example.prompt
             prompts.append(prompt)
             self.next_group_id += 1
             skipped_in_a_row = 0
