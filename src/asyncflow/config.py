@@ -55,10 +55,17 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     task: str | None = "arithmetic"
-    """Built-in task (`arithmetic`, `reverse`, `sort`, `countdown`, `tool_arithmetic`); `null` to read `path`
-    instead."""
+    """Built-in task (`arithmetic`, `reverse`, `sort`, `countdown`, `tool_arithmetic`), or `reasoning_gym:NAME`
+    (a dataset of reasoning-gym, scored by its own `score_answer`; the `reasoning_gym` extra); `null` to read
+    `path` instead."""
     difficulty: int = Field(2, ge=1, le=5)
     """Difficulty of the built-in task."""
+    task_options: dict[str, Any] = Field(default_factory=dict)
+    """`reasoning_gym:NAME` only: the dataset's config keys as the library names them (its difficulty settings,
+    e.g. `{min_terms: 2, max_terms: 3}`); `seed` and `size` are asyncflow's (splits are drawn from `run.seed`)."""
+    train_size: int | None = Field(None, ge=1)
+    """Distinct training problems drawn from the task; null = 50,000 for built-in tasks, 5,000 for
+    reasoning-gym ones (some of its generators take milliseconds a problem)."""
     path: str | None = None
     """Training data file: `.jsonl`, `.parquet` or a saved HF dataset folder (when `task` is null)."""
     test_path: str | None = None
@@ -635,6 +642,8 @@ class Config(Section):
     def _check_cross_fields(self) -> Config:
         if self.data.task is None and self.data.path is None:
             raise ValueError("data.task is null and data.path is not set: give a built-in task or a data file")
+        if self.data.task_options and not (self.data.task or "").startswith("reasoning_gym:"):
+            raise ValueError(f"data.task_options are the config of a reasoning_gym:NAME task, not {self.data.task!r}'s")
         names = [s.name for s in self.stages]
         if len(set(names)) != len(names) or set(names) & {"rollout", "reward", "train"}:
             raise ValueError(f"stages: names must be distinct and not rollout, reward or train: {names}")

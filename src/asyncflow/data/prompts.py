@@ -1,6 +1,6 @@
 """Training prompts: the seed-determined order of a run's examples, and their tokenized form.
 
-Owns: `TrainSet` (examples in a resumable, seed-determined order), `open_datasets` (built-in task or
+Owns: `TrainSet` (examples in a resumable, seed-determined order), `open_task` and `open_datasets` (a task or
 files -> a `TrainSet` and the held-out list), `Prompt` (one tokenized prompt of a run) and
 `PromptEncoder` (example -> `Prompt`, with the long-prompt policy) and `PromptSource` (the run's next
 prompts and the data cursor that names where they come from).
@@ -20,9 +20,7 @@ import numpy as np
 
 from asyncflow.data.files import load_examples
 from asyncflow.data.records import Example
-from asyncflow.data.tasks import make_task
-
-TRAIN_POOL_SIZE = 50_000  # built-in tasks: distinct training problems drawn per run
+from asyncflow.data.tasks import Task, make_task
 
 
 @dataclass
@@ -48,13 +46,18 @@ class TrainSet:
         return self.examples[int(self._order[offset])]
 
 
+def open_task(data, seed: int) -> Task:
+    """The task `data.task` names (`data` is a `DataConfig`), with its difficulty or its options."""
+    return make_task(data.task, difficulty=data.difficulty, seed=seed, options=data.task_options)
+
+
 def open_datasets(data, seed: int) -> tuple[TrainSet, list[Example]]:
-    """The training set and the held-out examples of `data` (a `DataConfig`: a built-in task or files)."""
-    task = make_task(data.task, difficulty=data.difficulty, seed=seed) if data.task else None
+    """The training set and the held-out examples of `data` (a `DataConfig`: a task or files)."""
+    task = open_task(data, seed) if data.task else None
     if data.path:
         train = load_examples(data.path, prompt_field=data.prompt_field, answer_field=data.answer_field)
     else:
-        train = task.examples("train", TRAIN_POOL_SIZE)
+        train = task.examples("train", data.train_size or task.train_pool_size)
     if data.test_path:
         test = load_examples(data.test_path, prompt_field=data.prompt_field, answer_field=data.answer_field)
     elif task is not None:

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from asyncflow.config import Config, JudgeRewardConfig
-from asyncflow.data import DatasetError, Example, make_task
-from asyncflow.data.prompts import PromptEncoder, PromptSource, TrainSet, open_datasets
+from asyncflow.data import DatasetError, Example
+from asyncflow.data.prompts import PromptEncoder, PromptSource, TrainSet, open_datasets, open_task
 from asyncflow.engines.base import SamplingParams
 from asyncflow.envs.base import resolve_environment
 from asyncflow.envs.tools import SandboxLimits
@@ -165,7 +165,7 @@ def reward_specs(config: Config) -> list[str | JudgeReward]:
     if config.reward.fns == ["auto"]:
         if not config.data.task:
             raise ValueError("reward.fns is 'auto' but there is no built-in task: name reward functions in reward.fns")
-        return [make_task(config.data.task, difficulty=config.data.difficulty, seed=config.run.seed).verifier]
+        return [open_task(config.data, config.run.seed).verifier]
     budget_s = JUDGE_SHARE * config.reward.timeout_s
     return [JudgeReward(**fn.judge_options(), budget_s=budget_s) if isinstance(fn, JudgeRewardConfig) else fn
             for fn in config.reward.fns]
