@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from collections import Counter
 
@@ -84,6 +85,13 @@ def test_template_fields_and_score_parsing():
     for text, match in [("no score here", "holds no score"), ("11/10", "outside score_range")]:
         with pytest.raises(JudgeError, match=match):
             parse_score(text, pattern, 0, 10)
+
+
+def test_a_judge_without_httpx_is_a_config_error_naming_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "httpx", None)
+    entry = {"kind": "judge", "base_url": "http://127.0.0.1:1/v1", "model": "m"}
+    with pytest.raises(asyncflow.ConfigError, match=r"pip install 'asyncflow-rl\[judge\]'"):
+        asyncflow.build_config({"reward": {"fns": [entry]}})
 
 
 def test_a_judge_scores_through_a_live_server_and_sends_identical_requests_once(judge_server):

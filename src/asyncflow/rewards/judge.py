@@ -17,11 +17,13 @@ Invariants:
   kept, and a request identical to one in flight waits for its answer. Failures are not cached.
 - Picklable (`reward.isolation: process`): the client, locks and cache are built in each process on first use.
 - The API key is read from the environment variable `api_key_env` when the client is built, never stored in
-  the object or the run's config. `httpx` is imported on first use (the `judge` extra).
+  the object or the run's config. `httpx` (the `judge` extra) is imported on first use; without it a
+  `JudgeReward` cannot be made (a config naming one does not load), and the error names the extra.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -86,6 +88,8 @@ class JudgeReward:
                  max_tokens: int = 16, temperature: float = 0.0, api_key_env: str | None = None,
                  concurrency: int = 4, timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 1.0,
                  budget_s: float | None = None, cache_size: int = 4096, name: str | None = None):
+        if importlib.util.find_spec("httpx") is None:
+            raise ValueError("a judge reward needs httpx: pip install 'asyncflow-rl[judge]'")
         self.fields = template_fields(template)
         low, high = score_range
         if not low < high:
@@ -205,10 +209,8 @@ class _Live:
     """What a `JudgeReward` holds while it runs in one process: the HTTP client, the slots and the cache."""
 
     def __init__(self, judge: JudgeReward):
-        try:
-            import httpx
-        except ImportError:
-            raise JudgeError("a judge reward needs httpx: pip install 'asyncflow-rl[judge]'") from None
+        import httpx
+
         headers = {}
         if judge.api_key_env:
             key = os.environ.get(judge.api_key_env)
