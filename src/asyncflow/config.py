@@ -642,8 +642,6 @@ class Config(Section):
     def _check_cross_fields(self) -> Config:
         if self.data.task is None and self.data.path is None:
             raise ValueError("data.task is null and data.path is not set: give a built-in task or a data file")
-        if self.data.task_options and not (self.data.task or "").startswith("reasoning_gym:"):
-            raise ValueError(f"data.task_options are the config of a reasoning_gym:NAME task, not {self.data.task!r}'s")
         names = [s.name for s in self.stages]
         if len(set(names)) != len(names) or set(names) & {"rollout", "reward", "train"}:
             raise ValueError(f"stages: names must be distinct and not rollout, reward or train: {names}")

@@ -56,8 +56,8 @@ def test_bad_names_and_options_and_a_missing_library_are_one_line_errors(monkeyp
         make_task("reasoning_gym:chain_sum", options={"no_such_key": 1})
     with pytest.raises(DatasetError, match=r"\['seed'\] are set by asyncflow"):
         ReasoningGymScore("chain_sum", {"seed": 1})
-    with pytest.raises(asyncflow.ConfigError, match="task_options are the config of a reasoning_gym"):
-        asyncflow.build_config({"data": {"task": "arithmetic", "task_options": OPTIONS}})
+    with pytest.raises(ValueError, match="task_options are the config of a reasoning_gym:NAME task, not 'arithmetic'"):
+        make_task("arithmetic", options=OPTIONS)
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)
     _dataset.cache_clear()
     try:

@@ -156,7 +156,7 @@ class Task(ABC):
     and implement `sample`."""
 
     name: ClassVar[str]
-    verifier: ClassVar[str]  # a reward name or "module:function" spec for asyncflow.rewards
+    verifier: ClassVar[str]  # a reward name or "module:function" spec for asyncflow.rewards (or a reward object)
     default_difficulty: ClassVar[int]
     train_pool_size: ClassVar[int] = 50_000  # distinct training problems drawn per run (`data.train_size`)
     levels: ClassVar[dict[int, Any]]  # difficulty -> frozen params dataclass
@@ -385,7 +385,7 @@ def make_task(name: str, difficulty: int | None = None, seed: int = 0, options: 
 
         return ReasoningGymTask(name.removeprefix("reasoning_gym:"), options, seed=seed)
     if options:
-        raise ValueError(f"data.task_options are the config of a reasoning_gym task; task {name!r} takes difficulty")
+        raise ValueError(f"data.task_options are the config of a reasoning_gym:NAME task, not {name!r}'s")
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; built-in tasks: {sorted(TASKS)}, or reasoning_gym:NAME")
     return TASKS[name](difficulty=difficulty, seed=seed)

@@ -29,6 +29,7 @@ from asyncflow.envs.base import resolve_environment
 from asyncflow.envs.tools import SandboxLimits
 from asyncflow.models.loading import load_tokenizer, prompt_lengths, render_prompt, resolve_model_path
 from asyncflow.rewards import RewardRunner, check_reward_specs
+from asyncflow.rewards.contract import RewardFn
 from asyncflow.rewards.judge import JudgeReward
 from asyncflow.runtime.base import RolloutSpec
 from asyncflow.specs import import_callable
@@ -159,7 +160,7 @@ def train_engine_options(config: Config, policy: torch.nn.Module, model_path) ->
     }
 
 
-def reward_specs(config: Config) -> list[str | JudgeReward]:
+def reward_specs(config: Config) -> list[str | RewardFn]:
     """`reward.fns` as the reward runner takes them: names and specs as written, `auto` as the task's verifier,
     a judge entry as a `JudgeReward` whose calls end within `reward.timeout_s` (JUDGE_SHARE of it)."""
     if config.reward.fns == ["auto"]:
