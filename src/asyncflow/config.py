@@ -12,10 +12,19 @@ Invariants:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class Section(BaseModel):
@@ -46,10 +55,17 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     task: str | None = "arithmetic"
-    """Built-in task (`arithmetic`, `reverse`, `sort`, `countdown`, `tool_arithmetic`); `null` to read `path`
-    instead."""
+    """Built-in task (`arithmetic`, `reverse`, `sort`, `countdown`, `tool_arithmetic`), or `reasoning_gym:NAME`
+    (a dataset of reasoning-gym, scored by its own `score_answer`; the `reasoning_gym` extra); `null` to read
+    `path` instead."""
     difficulty: int = Field(2, ge=1, le=5)
     """Difficulty of the built-in task."""
+    task_options: dict[str, Any] = Field(default_factory=dict)
+    """`reasoning_gym:NAME` only: the dataset's config keys as the library names them (its difficulty settings,
+    e.g. `{min_terms: 2, max_terms: 3}`); `seed` and `size` are asyncflow's (splits are drawn from `run.seed`)."""
+    train_size: int | None = Field(None, ge=1)
+    """Distinct training problems drawn from the task; null = 50,000 for built-in tasks, 5,000 for
+    reasoning-gym ones (some of its generators take milliseconds a problem)."""
     path: str | None = None
     """Training data file: `.jsonl`, `.parquet` or a saved HF dataset folder (when `task` is null)."""
     test_path: str | None = None
@@ -66,10 +82,81 @@ class DataConfig(Section):
     """What to do with a longer prompt: skip it (and count it in `data/skipped_long_prompts_total`) or stop."""
 
 
+class JudgeRewardConfig(Section):
+    """A model-based reward: an entry of `reward.fns` that asks a judge model behind an OpenAI-compatible
+    `/chat/completions` endpoint (`asyncflow serve`, vLLM, a hosted API) to score each completion. A judge call
+    that fails (timeout, connection or HTTP error, no score in its answer) scores 0 and counts in
+    `reward/errors`; it never stops the run by itself (`max_error_fraction` still applies)."""
+
+    kind: Literal["judge"]
+    """Marks this entry as a judge (`kind: judge`)."""
+    base_url: str
+    """The endpoint's OpenAI base URL, e.g. `http://127.0.0.1:8001/v1`."""
+    model: str
+    """The model name sent in each request."""
+    name: str | None = None
+    """The name it is logged under; default `judge:<model>`."""
+    api_key_env: str | None = None
+    """Environment variable holding the API key (sent as a bearer token); null = no key. The key itself never
+    goes in the config, which the run writes to its folder."""
+    system: str | None = None
+    """Optional system message."""
+    template: str = (
+        "Question:\n{prompt}\n\nReference answer:\n{answer}\n\nResponse:\n{response}\n\n"
+        "Is the response correct? Reply with 1 if it is, 0 if it is not."
+    )
+    """The user message, with `{prompt}` (the row's prompt text), `{response}` (the completion) and `{answer}`
+    (the ground truth); literal braces are doubled (`{{`, `}}`)."""
+    score_pattern: str = r"-?\d+(?:\.\d+)?"
+    """Regular expression finding the score in the judge's answer: its first match (its first group, if it has
+    one) is read as a number. An answer without a match is a reward error."""
+    score_range: tuple[float, float] = (0.0, 1.0)
+    """[low, high] of the judge's scores, mapped to a reward in [0, 1]; a score outside it is a reward error."""
+    max_tokens: int = Field(16, ge=1)
+    """Longest answer of the judge, in tokens."""
+    temperature: float = Field(0.0, ge=0)
+    """The judge's sampling temperature (0 = greedy, so identical requests may share a cached score)."""
+    concurrency: int = Field(4, ge=1)
+    """Requests of this judge in flight at once (per reward process)."""
+    timeout_s: float = Field(30.0, gt=0)
+    """Time limit of one request (connect, send, each read of the answer)."""
+    retries: int = Field(2, ge=0)
+    """Further attempts after a timeout, a connection error or HTTP 408/429/5xx, `backoff_s * 2**k` apart.
+    All attempts of a sample together stop short of `reward.timeout_s` (set it to fit the judge's latency)."""
+    backoff_s: float = Field(1.0, ge=0)
+    """Wait before the first retry (doubling after each)."""
+    cache_size: int = Field(4096, ge=0)
+    """Scores of identical requests kept (an identical request in flight is waited for, not sent again);
+    0 = no cache."""
+
+    @model_validator(mode="after")
+    def _check_judge(self) -> JudgeRewardConfig:
+        from asyncflow.rewards.judge import JudgeReward
+
+        JudgeReward(**self.judge_options())  # checks the template, the pattern and the range; sends nothing
+        return self
+
+    def judge_options(self) -> dict[str, Any]:
+        """Keyword arguments of `asyncflow.rewards.judge.JudgeReward`."""
+        return self.model_dump(exclude={"kind"})
+
+
+def _reward_entry_kind(entry: Any) -> str:
+    return "judge" if isinstance(entry, (dict, JudgeRewardConfig)) else "name"
+
+
+#: An entry of `reward.fns`: a name or spec string, or a mapping (a judge); told apart before validation, so an
+#: error names what is wrong with the entry as written.
+RewardEntry = Annotated[
+    Annotated[str, Tag("name")] | Annotated[JudgeRewardConfig, Tag("judge")], Discriminator(_reward_entry_kind)
+]
+
+
 class RewardConfig(Section):
-    fns: list[str] = Field(default_factory=lambda: ["auto"])
-    """Reward functions: registered names (`exact_match`, `numeric_match`, `math_verify`, `format`, ...) or
-    `package.module:function`. `auto` = the verifier of the built-in task."""
+    fns: list[RewardEntry] = Field(default_factory=lambda: ["auto"])
+    """Reward functions: registered names (`exact_match`, `numeric_match`, `math_verify`, `format`, ...),
+    `package.module:function`, or a judge model (a mapping with `kind: judge`, see `JudgeRewardConfig`). `auto` =
+    the verifier of the built-in task."""
     weights: list[float] | None = None
     """Weights of `fns` (default: all 1)."""
     timeout_s: float = Field(5.0, gt=0)

@@ -1,6 +1,6 @@
 """Training prompts: the seed-determined order of a run's examples, and their tokenized form.
 
-Owns: `TrainSet` (examples in a resumable, seed-determined order), `open_datasets` (built-in task or
+Owns: `TrainSet` (examples in a resumable, seed-determined order), `open_task` and `open_datasets` (a task or
 files -> a `TrainSet` and the held-out list), `Prompt` (one tokenized prompt of a run) and
 `PromptEncoder` (example -> `Prompt`, with the long-prompt policy) and `PromptSource` (the run's next
 prompts and the data cursor that names where they come from).
@@ -23,9 +23,7 @@ import numpy as np
 
 from asyncflow.data.files import load_examples
 from asyncflow.data.records import Example
-from asyncflow.data.tasks import make_task
-
-TRAIN_POOL_SIZE = 50_000  # built-in tasks: distinct training problems drawn per run
+from asyncflow.data.tasks import Task, make_task
 
 
 @dataclass
@@ -61,13 +59,18 @@ class TrainSet:
         return self.examples[int(self._order[offset])]
 
 
+def open_task(data, seed: int) -> Task:
+    """The task `data.task` names (`data` is a `DataConfig`), with its difficulty or its options."""
+    return make_task(data.task, difficulty=data.difficulty, seed=seed, options=data.task_options)
+
+
 def open_datasets(data, seed: int) -> tuple[TrainSet, list[Example]]:
-    """The training set and the held-out examples of `data` (a `DataConfig`: a built-in task or files)."""
-    task = make_task(data.task, difficulty=data.difficulty, seed=seed) if data.task else None
+    """The training set and the held-out examples of `data` (a `DataConfig`: a task or files)."""
+    task = open_task(data, seed) if data.task else None
     if data.path:
         train = load_examples(data.path, prompt_field=data.prompt_field, answer_field=data.answer_field)
     else:
-        train = task.examples("train", TRAIN_POOL_SIZE)
+        train = task.examples("train", data.train_size or task.train_pool_size)
     if data.test_path:
         test = load_examples(data.test_path, prompt_field=data.prompt_field, answer_field=data.answer_field)
     elif task is not None:
@@ -89,12 +92,15 @@ class Prompt:
 
 class PromptEncoder:
     """Tokenizes examples into `Prompt`s with `render` (text -> token ids, chat template included), applying
-    the long-prompt policy: `on_long="skip"` skips and counts a prompt over `max_tokens`, `"error"` stops."""
+    the long-prompt policy: `on_long="skip"` skips and counts a prompt over `max_tokens`, `"error"` stops.
+    `keep_text` puts the prompt's text in its metadata (`"prompt"`: an agent starts from the text, not the ids;
+    a judge reward quotes it)."""
 
-    def __init__(self, render: Callable[[str], list[int]], max_tokens: int, on_long: str):
+    def __init__(self, render: Callable[[str], list[int]], max_tokens: int, on_long: str, *, keep_text: bool = False):
         self.render = render
         self.max_tokens = max_tokens
         self.on_long = on_long
+        self.keep_text = keep_text
         self.skipped = 0
 
     def encode(self, example: Example, group_id: int) -> Prompt | None:
@@ -107,18 +113,17 @@ class PromptEncoder:
                 )
             self.skipped += 1
             return None
-        return Prompt(group_id, ids, example.answer, dict(example.metadata))
+        metadata = {**example.metadata, "prompt": example.prompt} if self.keep_text else dict(example.metadata)
+        return Prompt(group_id, ids, example.answer, metadata)
 
 
 class PromptSource:
     """The run's training prompts in seed order: `next_prompts(n)` encodes the next `n` (skipping and counting
-    long ones), giving each a new group id. `keep_text` puts the prompt's text in its metadata (`"prompt"`: an
-    agent starts from the text, not the ids)."""
+    long ones), giving each a new group id."""
 
-    def __init__(self, train_set: TrainSet, encoder: PromptEncoder, *, keep_text: bool = False):
+    def __init__(self, train_set: TrainSet, encoder: PromptEncoder):
         self.train_set = train_set
         self.encoder = encoder
-        self.keep_text = keep_text
         self.position = 0
         self.next_group_id = 0
 
@@ -147,8 +152,6 @@ class PromptSource:
                         "tokens: nothing left to train on (raise data.max_prompt_tokens)"
                     )
                 continue
-            if self.keep_text:
-                prompt.metadata["prompt"] = example.prompt
             prompts.append(prompt)
             self.next_group_id += 1
             skipped_in_a_row = 0

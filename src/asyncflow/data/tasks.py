@@ -1,8 +1,9 @@
 """Built-in procedurally generated, verifiable tasks for training tiny models from scratch.
 
 Owns: the `Task` base class, the tasks `arithmetic`, `reverse`, `sort`, `countdown` and `tool_arithmetic`, the
-registry `TASKS` / `make_task`, the countdown verifier `countdown_reward`, `TASK_ALPHABET`, and the
-fixed prompt partition (`is_held_out`, `is_validation`, `carve_validation` for data files).
+registry `TASKS` / `make_task` (which also opens reasoning-gym's datasets, `reasoning_gym.py`), the countdown
+verifier `countdown_reward`, `TASK_ALPHABET`, and the fixed prompt partition (`is_held_out`, `is_validation`,
+`carve_validation` for data files).
 
 Splits:
 - train is an infinite stream drawn with replacement (duplicates happen) from a generator seeded
@@ -155,8 +156,9 @@ class Task(ABC):
     and implement `sample`."""
 
     name: ClassVar[str]
-    verifier: ClassVar[str]  # a reward name or "module:function" spec for asyncflow.rewards
+    verifier: ClassVar[str]  # a reward name or "module:function" spec for asyncflow.rewards (or a reward object)
     default_difficulty: ClassVar[int]
+    train_pool_size: ClassVar[int] = 50_000  # distinct training problems drawn per run (`data.train_size`)
     levels: ClassVar[dict[int, Any]]  # difficulty -> frozen params dataclass
 
     def __init__(self, difficulty: int | None = None, seed: int = 0) -> None:
@@ -375,8 +377,15 @@ TASKS: dict[str, type[Task]] = {
 }
 
 
-def make_task(name: str, difficulty: int | None = None, seed: int = 0) -> Task:
-    """A built-in task by name; difficulty None means the task's default."""
+def make_task(name: str, difficulty: int | None = None, seed: int = 0, options: dict[str, Any] | None = None) -> Task:
+    """A built-in task by name (difficulty None means the task's default), or `reasoning_gym:NAME`, a dataset of
+    reasoning-gym with `options` as its config (`asyncflow.data.reasoning_gym`)."""
+    if name.startswith("reasoning_gym:"):
+        from asyncflow.data.reasoning_gym import ReasoningGymTask
+
+        return ReasoningGymTask(name.removeprefix("reasoning_gym:"), options, seed=seed)
+    if options:
+        raise ValueError(f"data.task_options are the config of a reasoning_gym:NAME task, not {name!r}'s")
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; built-in tasks: {sorted(TASKS)}")
+        raise ValueError(f"unknown task {name!r}; built-in tasks: {sorted(TASKS)}, or reasoning_gym:NAME")
     return TASKS[name](difficulty=difficulty, seed=seed)

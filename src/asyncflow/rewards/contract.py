@@ -51,9 +51,12 @@ class RewardFailure(Exception):
 
 
 def reward_name(spec: Any) -> str:
-    """A short name for logs: the spec string itself, or `module:qualname` of a callable."""
+    """A short name for logs: the spec string itself, a callable object's own `reward_name` (e.g. a judge's),
+    or `module:qualname` of a function."""
     if isinstance(spec, str):
         return spec.strip()
+    if isinstance(getattr(spec, "reward_name", None), str):
+        return spec.reward_name
     module, qualname = getattr(spec, "__module__", None), getattr(spec, "__qualname__", None)
     if module and qualname:
         return f"{module}:{qualname}"

@@ -21,14 +21,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from asyncflow.config import Config
-from asyncflow.data import DatasetError, Example, make_task
-from asyncflow.data.prompts import PromptEncoder, PromptSource, TrainSet, open_datasets
+from asyncflow.config import Config, JudgeRewardConfig
+from asyncflow.data import DatasetError, Example
+from asyncflow.data.prompts import PromptEncoder, PromptSource, TrainSet, open_datasets, open_task
 from asyncflow.engines.base import SamplingParams
 from asyncflow.envs.base import resolve_environment
 from asyncflow.envs.tools import SandboxLimits
 from asyncflow.models.loading import load_tokenizer, prompt_lengths, render_prompt, resolve_model_path
 from asyncflow.rewards import RewardRunner, check_reward_specs
+from asyncflow.rewards.contract import RewardFn
+from asyncflow.rewards.judge import JudgeReward
 from asyncflow.runtime.base import RolloutSpec
 from asyncflow.specs import import_callable
 from asyncflow.workers.multiturn import MultiTurnSpec
@@ -38,6 +40,10 @@ from asyncflow.workers.stage import StageWorker
 
 if TYPE_CHECKING:
     from asyncflow.engines.peft_lora import LoRASettings
+
+#: A judge call gives up at this share of `reward.timeout_s`, so the runner counts a slow judge as an error
+#: instead of abandoning a thread stuck in it.
+JUDGE_SHARE = 0.9
 
 
 def seed_everything(seed: int) -> None:
@@ -52,14 +58,16 @@ def datasets(config: Config) -> tuple[TrainSet, list]:
 
 
 def prompt_encoder(config: Config, tokenizer) -> PromptEncoder:
+    """Prompts rendered as the policy sees them; their text is kept in the metadata for an agent or a judge."""
     use_chat = config.model.use_chat_template
-    return PromptEncoder(
-        lambda text: render_prompt(tokenizer, text, use_chat), config.data.max_prompt_tokens, config.data.on_long_prompt
-    )
+    judges = any(isinstance(fn, JudgeRewardConfig) for fn in config.reward.fns)
+    data = config.data
+    return PromptEncoder(lambda text: render_prompt(tokenizer, text, use_chat), data.max_prompt_tokens,
+                         data.on_long_prompt, keep_text=config.agent.fn is not None or judges)
 
 
 def prompt_source(config: Config, tokenizer, train_set: TrainSet) -> PromptSource:
-    return PromptSource(train_set, prompt_encoder(config, tokenizer), keep_text=config.agent.fn is not None)
+    return PromptSource(train_set, prompt_encoder(config, tokenizer))
 
 
 def rollout_spec(config: Config, model_path, tokenizer) -> RolloutSpec:
@@ -152,12 +160,16 @@ def train_engine_options(config: Config, policy: torch.nn.Module, model_path) ->
     }
 
 
-def reward_specs(config: Config) -> list[str]:
+def reward_specs(config: Config) -> list[str | RewardFn]:
+    """`reward.fns` as the reward runner takes them: names and specs as written, `auto` as the task's verifier,
+    a judge entry as a `JudgeReward` whose calls end within `reward.timeout_s` (JUDGE_SHARE of it)."""
     if config.reward.fns == ["auto"]:
         if not config.data.task:
             raise ValueError("reward.fns is 'auto' but there is no built-in task: name reward functions in reward.fns")
-        return [make_task(config.data.task, difficulty=config.data.difficulty, seed=config.run.seed).verifier]
-    return list(config.reward.fns)
+        return [open_task(config.data, config.run.seed).verifier]
+    budget_s = JUDGE_SHARE * config.reward.timeout_s
+    return [JudgeReward(**fn.judge_options(), budget_s=budget_s) if isinstance(fn, JudgeRewardConfig) else fn
+            for fn in config.reward.fns]
 
 
 def build_reward_runner(config: Config) -> RewardRunner:

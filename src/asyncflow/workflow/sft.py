@@ -37,7 +37,8 @@ import torch
 
 from asyncflow.algos.losses import sft_loss
 from asyncflow.config import Config, ConfigError
-from asyncflow.data import Example, make_task
+from asyncflow.data import Example
+from asyncflow.data.prompts import open_task
 from asyncflow.data.tasks import carve_validation
 from asyncflow.engines.base import ShardedCheckpointing, make_train_engine
 from asyncflow.models.loading import load_model, load_tokenizer, render_prompt, resolve_model_path
@@ -72,7 +73,7 @@ def sft_pools(config: Config) -> tuple[list[Example], list[Example]]:
         return train, []
     size = config.sft.validation_size
     if config.data.task and not config.data.path:
-        task = make_task(config.data.task, difficulty=config.data.difficulty, seed=config.run.seed)
+        task = open_task(config.data, config.run.seed)
         validation = task.examples("validation")[:size]  # a task may have fewer validation prompts
     else:
         train, validation = carve_validation(train, size)
