@@ -535,8 +535,9 @@ class RuntimeConfig(Section):
     """How new weights reach Ray rollout replicas: `shared_memory` (one machine), `ray` (object store, any
     cluster), `torch_distributed` (gloo on CPU, NCCL on GPU). The inline runtime always uses `inprocess`."""
     storage_units: int = Field(1, ge=1)
-    """TransferQueue storage units (rows are sharded across them); each is a Ray actor under `ray`. More
-    units spread the bytes of a large cluster; on one machine each extra unit adds a round trip per call."""
+    """TransferQueue storage units (rows are sharded across them); each is a Ray actor under `ray`. One unit sits
+    on the driver's node with the controller; more are spread over the cluster's nodes (the bytes of a large
+    cluster); on one machine each extra unit adds a round trip per call."""
     lend_idle_cores: bool = True
     """`ray` on a local CPU cluster: the trainer runs torch on the replicas' cores while they wait for weights
     (`asyncflow.runtime.cores`); `false` keeps each worker on its own CPUs. The thread count of a micro-batch

@@ -236,7 +236,8 @@ class RayRuntime:
 
     def make_queue(self, tasks):
         units = self.config.runtime.storage_units
-        self.queue = RayTransferQueue.create(num_storage_units=units, tasks=tasks, timeout=self.timeout)
+        self.queue = RayTransferQueue.create(num_storage_units=units, tasks=tasks, timeout=self.timeout,
+                                             node_id=Node.here().node_id)  # the data plane beside the driver
         return self.queue
 
     @property
@@ -310,7 +311,11 @@ class RayRuntime:
                 except RayActorError as err:
                     if self._stop.is_set():  # killed by `close`
                         return
-                    self._recover(name, err)
+                    try:
+                        self._recover(name, err)
+                    except Exception as recovery_error:  # noqa: BLE001 - e.g. the queue's node is gone too
+                        self.error = recovery_error
+                        return
                 except BaseException as err:  # noqa: BLE001 - re-raised in the driver by check()
                     self.error = err
                     return

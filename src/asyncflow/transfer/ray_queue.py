@@ -219,15 +219,20 @@ class RayTransferQueue(TransferQueue):
         tasks: Sequence[str] = (),
         timeout: float = 60.0,
         name: str | None = None,
+        node_id: str | None = None,
     ) -> RayTransferQueue:
-        """Start the actors (Ray must be initialised). `name` makes the controller a named actor.
-        Storage units are spread over the cluster's nodes."""
-        options = {"name": name} if name else {}
+        """Start the actors (Ray must be initialised). `name` makes the controller a named actor. `node_id`: the
+        node of the controller, and of the storage unit when there is one; several units are spread over the
+        cluster's nodes."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        pinned = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)} if node_id else {}
+        options = {"name": name, **pinned} if name else pinned
         controller = ControllerActor.options(**options).remote(
             num_storage_units=num_storage_units, capacity=capacity, on_full=on_full, tasks=tasks
         )
-        spread = StorageActor.options(scheduling_strategy="SPREAD")
-        units = [spread.remote(rank, num_storage_units, controller) for rank in range(num_storage_units)]
+        placed = StorageActor.options(**(pinned if num_storage_units == 1 else {"scheduling_strategy": "SPREAD"}))
+        units = [placed.remote(rank, num_storage_units, controller) for rank in range(num_storage_units)]
         queue = cls(controller, units, RayTransport(), timeout)
         queue._control("attach_units", units)  # fails within `timeout` if the controller cannot start
         queue.metrics()
