@@ -118,6 +118,15 @@ def _weighted_aggregate(
     return aggregate(per_token, mask, aggregation, total_tokens, total_sequences)
 
 
+def _clipped_surrogate(
+    ratio: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)) [N, L], and where the clipped term wins."""
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
 @torch.no_grad()
 def _ratio_stats(
     clipped: torch.Tensor, ratio: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor
@@ -161,9 +170,7 @@ def policy_loss(
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
     ratio = torch.exp(log_ratio)
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    per_token = torch.maximum(unclipped, clipped)
+    per_token, clip_active = _clipped_surrogate(ratio, adv, clip_low, clip_high)
     stats: dict[str, float] = {}
     if dual_clip is not None:
         lower_bound = -adv * dual_clip
@@ -171,7 +178,7 @@ def policy_loss(
         per_token = torch.where(adv < 0, torch.minimum(per_token, lower_bound), per_token)
         stats["dual_clip_fraction"] = masked_mean(dual_active.float(), mask).item()
     loss = _weighted_aggregate(per_token, mask, importance_weights, aggregation, total_tokens, total_sequences)
-    stats.update(_ratio_stats(clipped > unclipped, ratio, log_ratio, mask))
+    stats.update(_ratio_stats(clip_active, ratio, log_ratio, mask))
     return loss, stats
 
 
@@ -204,11 +211,9 @@ def gspo_loss(
                                         clip_low, clip_high)
     sequence_log_ratio = masked_mean(log_ratio.detach(), mask, dim=1)  # [N]
     ratio = torch.exp(sequence_log_ratio[:, None] + log_ratio - log_ratio.detach())
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    per_token = torch.maximum(unclipped, clipped)
+    per_token, clip_active = _clipped_surrogate(ratio, adv, clip_low, clip_high)
     loss = _weighted_aggregate(per_token, mask, importance_weights, aggregation, total_tokens, total_sequences)
-    return loss, _ratio_stats(clipped > unclipped, ratio, log_ratio, mask)
+    return loss, _ratio_stats(clip_active, ratio, log_ratio, mask)
 
 
 def cispo_loss(
