@@ -81,3 +81,25 @@ def test_vllm_weight_transfer_is_a_checked_key():
     assert build_config({}, ["rollout.vllm_weight_transfer=collective"]).rollout.vllm_weight_transfer == "collective"
     with pytest.raises(ConfigError, match="vllm_weight_transfer"):
         build_config({}, ["rollout.vllm_weight_transfer=nccl"])
+
+
+def test_each_policy_loss_reads_its_own_clip_keys(tmp_path):
+    assert load_config(None, []).algo.clip_range() == (0.2, 0.28)  # ppo
+    assert load_config(None, ["algo.loss=gspo"]).algo.clip_range() == (3e-4, 4e-4)
+    assert load_config(None, ["algo.loss=cispo", "algo.cispo_clip_high=1.5"]).algo.clip_range() == (1.0, 1.5)
+    config = load_config(None, ["algo.loss=gspo", "algo.gspo_clip_high=0.001"])
+    dump_config(config, tmp_path / "config.yaml")  # every key written: the other losses' at their defaults
+    assert load_config(tmp_path / "config.yaml") == config
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["algo.gspo_clip_low=0.01"], "algo.gspo_clip_low=0.01 applies to algo.loss=gspo only, but algo.loss is ppo"),
+    (["algo.loss=gspo", "algo.cispo_clip_high=2"], "algo.cispo_clip_high=2.0 applies to algo.loss=cispo only"),
+    (["algo.loss=cispo", "algo.clip_high=0.3"], "algo.clip_high=0.3 applies to algo.loss=ppo only"),
+    (["algo.loss=gspo", "algo.gspo_clip_low=1"], "algo.gspo_clip_low: Input should be less than 1"),
+    (["algo.loss=grpo"], "algo.loss: Input should be 'ppo', 'gspo' or 'cispo'"),
+])  # fmt: skip
+def test_a_clip_key_of_another_loss_is_refused(overrides, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert fragment in str(err.value)

@@ -266,6 +266,13 @@ class EnvConfig(Section):
     """`python` tool: stdout + stderr beyond this stop the child (RLIMIT_FSIZE) and become an error."""
 
 
+_LOSS_CLIP_KEYS = {  # each policy loss's (lower, upper) clip range
+    "ppo": ("clip_low", "clip_high"),
+    "gspo": ("gspo_clip_low", "gspo_clip_high"),
+    "cispo": ("cispo_clip_low", "cispo_clip_high"),
+}
+
+
 class AlgoConfig(Section):
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
     """Advantage estimator. `gae` (PPO with a critic) is rejected until a training engine trains a value
@@ -274,6 +281,24 @@ class AlgoConfig(Section):
     """Lower PPO clip range (ratio >= 1 - clip_low)."""
     clip_high: float = Field(0.28, ge=0)
     """Upper PPO clip range (DAPO clip-higher: ratio <= 1 + clip_high)."""
+    loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    """Policy loss (`asyncflow.algos.losses`): `ppo`, the clipped surrogate on each token's ratio pi/pi_old (PPO,
+    GRPO, DAPO; clipped by `clip_low`/`clip_high`); `gspo`, the clipped surrogate on each response's sequence ratio,
+    the geometric mean of its tokens' ratios (GSPO; `gspo_clip_low`/`gspo_clip_high`; the paper aggregates with
+    `loss_agg: seq_mean_token_mean`); `cispo`, every token's log-prob gradient weighted by its clipped,
+    stop-gradient ratio, no token dropped (CISPO, MiniMax-M1; `cispo_clip_low`/`cispo_clip_high`; the paper
+    aggregates with `token_mean`). With one update per step on rows of the current policy every ratio is 1 and
+    the three give the same gradient; they differ on stale rows (`workflow.mode: async` with
+    `stale_old_logprobs: rollout`)."""
+    gspo_clip_low: float = Field(3e-4, ge=0, lt=1)
+    """Lower GSPO clip range (sequence ratio >= 1 - gspo_clip_low); the default is the GSPO paper's."""
+    gspo_clip_high: float = Field(4e-4, ge=0)
+    """Upper GSPO clip range (sequence ratio <= 1 + gspo_clip_high); the default is the GSPO paper's."""
+    cispo_clip_low: float = Field(1.0, ge=0, le=1)
+    """Lower CISPO clip range (IS weight >= 1 - cispo_clip_low); 1 = no lower bound, as MiniMax-M1 trained."""
+    cispo_clip_high: float = Field(3.0, ge=0)
+    """Upper CISPO clip range (IS weight <= 1 + cispo_clip_high). MiniMax-M1 tuned it without publishing a value;
+    3 (weights <= 4) is Tinker's default CISPO cap."""
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
     """How per-token losses become one number."""
     kl_coef: float = Field(0.0, ge=0)
@@ -327,6 +352,21 @@ class AlgoConfig(Section):
     def _yaml_off(cls, value: Any) -> Any:
         """YAML 1.1 reads a bare `off` as false."""
         return "off" if value is False else value
+
+    @model_validator(mode="after")
+    def _clip_keys_of_the_chosen_loss(self) -> AlgoConfig:
+        """A clip key of another loss than the chosen one, changed from its default, would do nothing: refused."""
+        for loss, keys in _LOSS_CLIP_KEYS.items():
+            changed = [k for k in keys if getattr(self, k) != type(self).model_fields[k].default]
+            if loss != self.loss and changed:
+                raise ValueError(f"algo.{changed[0]}={getattr(self, changed[0])} applies to algo.loss={loss} only, "
+                                 f"but algo.loss is {self.loss}")
+        return self
+
+    def clip_range(self) -> tuple[float, float]:
+        """(clip_low, clip_high) of the chosen `loss`: the bounds 1 - low and 1 + high of the ratio it clips."""
+        low, high = _LOSS_CLIP_KEYS[self.loss]
+        return getattr(self, low), getattr(self, high)
 
     @field_validator("advantage")
     @classmethod

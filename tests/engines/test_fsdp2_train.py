@@ -38,7 +38,9 @@ def groups(seed: int, n_groups: int, group_size: int = 3) -> list[TrainSample]:
     return samples
 
 
-def policy_loss(samples: list[TrainSample], seed: int, aggregation: str = "token_mean") -> PolicyLoss:
+def policy_loss(
+    samples: list[TrainSample], seed: int, aggregation: str = "token_mean", loss: str = "ppo"
+) -> PolicyLoss:
     g = torch.Generator().manual_seed(seed)
     lengths = [len(s.response_ids) for s in samples]
     width = max(lengths)
@@ -46,7 +48,7 @@ def policy_loss(samples: list[TrainSample], seed: int, aggregation: str = "token
     advantages = torch.randn(len(samples), width, generator=g) * mask
     rollout_logprobs = (torch.rand(len(samples), width, generator=g) * -3.0) * mask
     stale = torch.tensor([i % 4 == 0 for i in range(len(samples))])[:, None] & mask  # rows on rollout log-probs
-    algo = AlgoConfig(loss_agg=aggregation, mismatch_correction="token_tis", mismatch_threshold=2.0)
+    algo = AlgoConfig(loss=loss, loss_agg=aggregation, mismatch_correction="token_tis", mismatch_threshold=2.0)
     return PolicyLoss(advantages, rollout_logprobs, stale, ~stale, lengths, algo)
 
 
@@ -89,12 +91,12 @@ def test_assign_rows_balances_tokens_and_keeps_groups():
 
 
 def test_two_ranks_give_the_update_of_one_process(two_ranks, tiny_llama_path, one_torch_thread):
-    """One step per `algo.loss_agg` mode, each of two micro-batches (gradient accumulation), the ranks holding
-    unequal token counts: loss, statistics and gradients within 1e-6 relative of one process (the gradient as one
-    vector; a tensor alone differs by what one process summing the same rows in the ranks' two chunks differs
-    by, up to ~1e-6 here), the same clipped gradient norm and LR, and after AdamW the same weights within
-    0.1 * lr (AdamW's first steps turn float-order noise in tiny gradients into a few % of lr; each step starts
-    the reference from the engine's weights)."""
+    """One step per `algo.loss_agg` mode (each with another `algo.loss`), each of two micro-batches (gradient
+    accumulation), the ranks holding unequal token counts: loss, statistics and gradients within 1e-6 relative of
+    one process (the gradient as one vector; a tensor alone differs by what one process summing the same rows in the
+    ranks' two chunks differs by, up to ~1e-6 here), the same clipped gradient norm and LR, and after AdamW the same
+    weights within 0.1 * lr (AdamW's first steps turn float-order noise in tiny gradients into a few % of lr; each
+    step starts the reference from the engine's weights)."""
     reference = TorchTrainEngine(load_model(tiny_llama_path), **HP)
     initial = reference.state_dict()
     assert all(torch.equal(two_ranks.state_dict()[k], initial[k]) for k in initial), "this test runs first"
@@ -102,10 +104,11 @@ def test_two_ranks_give_the_update_of_one_process(two_ranks, tiny_llama_path, on
     shares = assign_rows(micro_batches[0], 2)
     tokens = [sum(len(micro_batches[0][i].response_ids) for i in share) for share in shares]
     assert tokens[0] != tokens[1], "the test needs unequal token counts on the ranks"
-    for step, aggregation in enumerate(["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]):
+    modes = [("token_mean", "ppo"), ("seq_mean_token_mean", "gspo"), ("seq_mean_token_sum", "cispo")]
+    for step, (aggregation, loss_name) in enumerate(modes):
         reference.load_state_dict(two_ranks.state_dict())  # the same weights (AdamW left them ~1e-5 apart)
         for k, samples in enumerate(micro_batches):
-            loss = policy_loss(samples, seed=10 * step + k, aggregation=aggregation)
+            loss = policy_loss(samples, seed=10 * step + k, aggregation=aggregation, loss=loss_name)
             got, want = two_ranks.backward_micro_batch(samples, loss), reference.backward_micro_batch(samples, loss)
             assert got.keys() == want.keys()
             for key in want:

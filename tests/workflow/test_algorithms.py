@@ -15,7 +15,7 @@ from asyncflow.config import AlgoConfig, ConfigError, build_config
 from asyncflow.workflow.run import RLRun
 
 REJECTED = {"advantage": {"gae"}}  # needs a critic, which no training engine trains yet
-CHOICES = ("advantage", "loss_agg", "kl_estimator", "stale_old_logprobs", "mismatch_correction")
+CHOICES = ("advantage", "loss", "loss_agg", "kl_estimator", "stale_old_logprobs", "mismatch_correction")
 
 
 def accepted(field: str) -> list[str]:
@@ -23,14 +23,17 @@ def accepted(field: str) -> list[str]:
     return [c for c in choices if c not in REJECTED.get(field, set())]
 
 
-def one_step(tmp_path, *overrides: str) -> dict:
+def train(tmp_path, *overrides: str) -> list[dict]:
     config = build_config({}, [
         f"run.output_dir={tmp_path}", "run.progress=false", "model.path=preset:tiny-llama", "data.test_size=4",
         "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=4", "train.steps=1",
         "train.micro_batch_size=4", "eval.every=0", "checkpoint.every=0", "runtime.kind=inline", *overrides,
     ])  # fmt: skip
-    run = RLRun(config)
-    return run.train()[-1]
+    return RLRun(config).train()
+
+
+def one_step(tmp_path, *overrides: str) -> dict:
+    return train(tmp_path, *overrides)[-1]
 
 
 def combinations() -> list[list[str]]:
@@ -65,3 +68,17 @@ def test_the_combinations_cover_every_accepted_value():
 def test_rejected_algorithm_values_stop_at_config_load(field, value):
     with pytest.raises(ConfigError, match=f"algo.{field}.*{value} needs a critic"):
         build_config({}, [f"algo.{field}={value}"])
+
+
+@pytest.mark.parametrize("loss", ["gspo", "cispo"])
+def test_gspo_and_cispo_train_on_stale_rows_and_log_their_clip_fraction(tmp_path, loss):
+    """Async with staleness 1: from step 2 on the rows were sampled by the previous weights, so the ratios differ
+    from 1 and the losses' clip metrics are measured on them. (The entropy bonus moves the weights even when the
+    random model's rewards are all 0.)"""
+    rows = train(tmp_path, f"algo.loss={loss}", "workflow.mode=async", "workflow.max_staleness=1", "train.steps=3",
+                 "train.lr=1e-2", "algo.entropy_coef=0.1")[1:]  # after step 0, the model before training
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    for row in rows:
+        assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])
+        assert 0.0 <= row["clip_fraction"] <= 1.0 and math.isfinite(row["approx_kl"])
+    assert rows[-1]["staleness/mean"] > 0 and rows[-1]["ratio_mean"] != pytest.approx(1.0)

@@ -29,9 +29,12 @@ from asyncflow.algos.filtering import keep_groups_with_variance, overlong_mask, 
 from asyncflow.algos.losses import (
     AGGREGATION_MODES,
     KL_ESTIMATORS,
+    POLICY_LOSSES,
     aggregate,
     aggregation_normalisers,
+    cispo_loss,
     entropy_from_logits,
+    gspo_loss,
     kl_penalty,
     masked_mean,
     policy_loss,
@@ -39,10 +42,10 @@ from asyncflow.algos.losses import (
 )
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "AGGREGATION_MODES", "KL_ESTIMATORS", "MISMATCH_CORRECTIONS", "aggregate",
-    "aggregation_normalisers", "broadcast_to_tokens", "compute_advantages", "correction_weights",
-    "discounted_returns", "dr_grpo_advantages", "entropy_from_logits", "gae", "geometric_masked_weights",
-    "grpo_advantages", "keep_groups_with_variance", "kl_penalty", "masked_mean", "mismatch_sums",
-    "outcome_rewards_to_tokens", "overlong_mask", "overlong_penalty", "policy_loss", "reinforce_pp_advantages",
-    "rloo_advantages", "truncated_importance_weights", "value_loss", "whiten",
+    "ADVANTAGE_ESTIMATORS", "AGGREGATION_MODES", "KL_ESTIMATORS", "MISMATCH_CORRECTIONS", "POLICY_LOSSES",
+    "aggregate", "aggregation_normalisers", "broadcast_to_tokens", "cispo_loss", "compute_advantages",
+    "correction_weights", "discounted_returns", "dr_grpo_advantages", "entropy_from_logits", "gae",
+    "geometric_masked_weights", "grpo_advantages", "gspo_loss", "keep_groups_with_variance", "kl_penalty",
+    "masked_mean", "mismatch_sums", "outcome_rewards_to_tokens", "overlong_mask", "overlong_penalty", "policy_loss",
+    "reinforce_pp_advantages", "rloo_advantages", "truncated_importance_weights", "value_loss", "whiten",
 ]

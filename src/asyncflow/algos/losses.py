@@ -1,6 +1,6 @@
-"""Losses for post-training: clipped policy loss (PPO/GRPO/DAPO), KL penalties, entropy,
-clipped value loss, masked aggregation, the RL objective with its train/inference mismatch
-correction (the weights themselves are `asyncflow.algos.correction`), and the supervised (SFT) loss.
+"""Losses for post-training: the policy losses (PPO/GRPO/DAPO's clipped surrogate, GSPO, CISPO), KL
+penalties, entropy, clipped value loss, masked aggregation, the RL objective with its train/inference
+mismatch correction (the weights themselves are `asyncflow.algos.correction`), and the supervised (SFT) loss.
 
 Owns: pure functions on tensors. Per-token tensors are `[N, L]` (N responses, right-padded to L)
 with `mask [N, L]` (bool or 0/1 float) marking real response tokens.
@@ -13,6 +13,13 @@ Invariant (gradient accumulation): T and S default to the counts of the tensors 
 counts of the WHOLE batch (`total_tokens`, `total_sequences`, see `aggregation_normalisers`) and
 the sum over micro-batches of the aggregated losses equals the loss of the whole batch, for every
 mode. With zero valid tokens the loss is 0 (and still connected to the graph), never NaN.
+
+Policy losses (`POLICY_LOSSES`, one per-token loss each, then `aggregate`): "ppo" (`policy_loss`) clips the
+token ratio pi/pi_old, "gspo" (`gspo_loss`) the sequence ratio (the geometric mean of its tokens' ratios),
+"cispo" (`cispo_loss`) clips the token ratio as a stop-gradient weight on log pi and drops no token. A row's
+loss depends on that row alone, so splitting a batch by rows keeps the invariant above. When pi_old = pi (one
+update per step, on-policy) every ratio is 1 and the three have the same gradient, -A_t * grad log pi_t per
+token: they differ once rows are stale or updated more than once.
 """
 
 from __future__ import annotations
@@ -88,6 +95,51 @@ def _normaliser(name: str, given: int | float | None, local: torch.Tensor) -> to
     return float(given)
 
 
+def _checked_log_ratio(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+    importance_weights: torch.Tensor | None, clip_low: float, clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A policy loss's input checks; -> (log pi/pi_old [N, L] clamped to +-20, with grad; advantages detached)."""
+    check_ndim("logprobs", logprobs, 2)
+    check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask,
+                     importance_weights=importance_weights)
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError(f"clip_low and clip_high must be >= 0, got {clip_low}, {clip_high}")
+    log_ratio = (logprobs - old_logprobs.detach().to(logprobs.dtype)).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    return log_ratio, advantages.detach().to(logprobs.dtype)
+
+
+def _weighted_aggregate(
+    per_token: torch.Tensor, mask: torch.Tensor, importance_weights: torch.Tensor | None, aggregation: str,
+    total_tokens: int | float | None, total_sequences: int | float | None,
+) -> torch.Tensor:
+    if importance_weights is not None:
+        per_token = per_token * importance_weights.detach().to(per_token.dtype)
+    return aggregate(per_token, mask, aggregation, total_tokens, total_sequences)
+
+
+def _clipped_surrogate(
+    ratio: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)) [N, L], and where the clipped term wins."""
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+@torch.no_grad()
+def _ratio_stats(
+    clipped: torch.Tensor, ratio: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """clip_fraction (of valid tokens where `clipped`), approx_kl (k3 estimate of KL(old || new) from the token
+    log-ratios) and ratio_mean (of the ratio the loss clips)."""
+    return {
+        "clip_fraction": masked_mean(clipped.float(), mask).item(),
+        "approx_kl": masked_mean(torch.exp(log_ratio) - 1.0 - log_ratio, mask).item(),
+        "ratio_mean": masked_mean(ratio, mask).item(),
+    }
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -113,34 +165,90 @@ def policy_loss(
     clip_fraction (tokens where the clipped term is active), approx_kl (k3 estimate of
     KL(old || new)), ratio_mean, and dual_clip_fraction when dual_clip is set.
     """
-    check_ndim("logprobs", logprobs, 2)
-    check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask,
-                     importance_weights=importance_weights)
-    if clip_low < 0 or clip_high < 0:
-        raise ValueError(f"clip_low and clip_high must be >= 0, got {clip_low}, {clip_high}")
+    log_ratio, adv = _checked_log_ratio(logprobs, old_logprobs, advantages, mask, importance_weights,
+                                        clip_low, clip_high)
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
-    old = old_logprobs.detach().to(logprobs.dtype)
-    adv = advantages.detach().to(logprobs.dtype)
-    log_ratio = (logprobs - old).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    per_token = torch.maximum(unclipped, clipped)
+    per_token, clip_active = _clipped_surrogate(ratio, adv, clip_low, clip_high)
     stats: dict[str, float] = {}
     if dual_clip is not None:
         lower_bound = -adv * dual_clip
         dual_active = (adv < 0) & (per_token > lower_bound)
         per_token = torch.where(adv < 0, torch.minimum(per_token, lower_bound), per_token)
         stats["dual_clip_fraction"] = masked_mean(dual_active.float(), mask).item()
-    if importance_weights is not None:
-        per_token = per_token * importance_weights.detach().to(per_token.dtype)
-    loss = aggregate(per_token, mask, aggregation, total_tokens, total_sequences)
-    with torch.no_grad():
-        stats["clip_fraction"] = masked_mean((clipped > unclipped).float(), mask).item()
-        stats["approx_kl"] = masked_mean(ratio - 1.0 - log_ratio, mask).item()
-        stats["ratio_mean"] = masked_mean(ratio, mask).item()
+    loss = _weighted_aggregate(per_token, mask, importance_weights, aggregation, total_tokens, total_sequences)
+    stats.update(_ratio_stats(clip_active, ratio, log_ratio, mask))
     return loss, stats
+
+
+def gspo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    aggregation: str = "token_mean",
+    importance_weights: torch.Tensor | None = None,
+    total_tokens: int | float | None = None,
+    total_sequences: int | float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO (Zheng et al. 2025): PPO's clipped surrogate on the sequence-level, length-normalised ratio.
+
+    logprobs [N, L] (with grad), old_logprobs [N, L], advantages [N, L], mask [N, L]; in GSPO-token form:
+        s_i   = exp(sum_t m_it (logp_it - old_logp_it) / n_i)     (n_i valid tokens of row i; token log-ratios
+                                                                    clamped to +-20)
+        s_it  = sg[s_i] * pi_it / sg[pi_it]                       (value s_i, gradient s_i * grad logp_it)
+        l_it  = max(-A_it * s_it, -A_it * clip(s_it, 1 - clip_low, 1 + clip_high))
+        l_it *= importance_weights_it                             (treated as constants)
+    then `aggregate(l, mask, aggregation, total_tokens, total_sequences)`. With advantages constant along a row
+    and `seq_mean_token_mean` this is the paper's sequence-level objective (and its gradient); the defaults are
+    its clip range. A row's clip is all or nothing: all its tokens keep their gradient or none does.
+    Returns (loss, stats) as `policy_loss` (clip_fraction: the valid tokens of clipped rows; ratio_mean: s_i).
+    """
+    log_ratio, adv = _checked_log_ratio(logprobs, old_logprobs, advantages, mask, importance_weights,
+                                        clip_low, clip_high)
+    sequence_log_ratio = masked_mean(log_ratio.detach(), mask, dim=1)  # [N]
+    ratio = torch.exp(sequence_log_ratio[:, None] + log_ratio - log_ratio.detach())
+    per_token, clip_active = _clipped_surrogate(ratio, adv, clip_low, clip_high)
+    loss = _weighted_aggregate(per_token, mask, importance_weights, aggregation, total_tokens, total_sequences)
+    return loss, _ratio_stats(clip_active, ratio, log_ratio, mask)
+
+
+def cispo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 1.0,
+    clip_high: float = 3.0,
+    aggregation: str = "token_mean",
+    importance_weights: torch.Tensor | None = None,
+    total_tokens: int | float | None = None,
+    total_sequences: int | float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1, 2025): REINFORCE weighted by the clipped, stop-gradient token ratio; no token dropped.
+
+    logprobs [N, L] (with grad), old_logprobs [N, L], advantages [N, L], mask [N, L].
+        r_t   = exp(logp_t - old_logp_t)                          (log-ratio clamped to +-20)
+        l_t   = -sg[clip(r_t, 1 - clip_low, 1 + clip_high)] * A_t * logp_t
+        l_t  *= importance_weights_t                              (treated as constants)
+    then `aggregate(l, mask, aggregation, total_tokens, total_sequences)` (the paper's is `token_mean`).
+    clip_low = 1 (the default) sets no lower bound, as MiniMax-M1 did. Every valid token keeps a gradient,
+    -w_t * A_t * grad logp_t with 0 <= w_t <= 1 + clip_high.
+    Returns (loss, stats) as `policy_loss` (clip_fraction: tokens whose weight was clipped; ratio_mean: r_t).
+    """
+    log_ratio, adv = _checked_log_ratio(logprobs, old_logprobs, advantages, mask, importance_weights,
+                                        clip_low, clip_high)
+    ratio = torch.exp(log_ratio.detach())
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = -weight * adv * logprobs
+    loss = _weighted_aggregate(per_token, mask, importance_weights, aggregation, total_tokens, total_sequences)
+    return loss, _ratio_stats(weight != ratio, ratio, log_ratio, mask)
+
+
+POLICY_LOSSES = {"ppo": policy_loss, "gspo": gspo_loss, "cispo": cispo_loss}
 
 
 def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, total_tokens: int | float | None = None) -> torch.Tensor:
@@ -222,6 +330,7 @@ def rl_objective(
     entropy: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     stale: torch.Tensor | None = None,
+    loss: str = "ppo",
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     aggregation: str = "token_mean",
@@ -238,25 +347,28 @@ def rl_objective(
     per step, ratio 1), rollout_logprobs [N, L] (each token's sampling log-prob), advantages [N, L],
     entropy [N, L] (policy entropy, with grad) or None, ref_logprobs [N, L] or None, stale [N] (rows) or
     [N, L] (tokens) bool or None: sampled by an older policy than `old_logprobs` (partial rollouts span versions).
+    `loss` names the policy loss (`POLICY_LOSSES`: ppo, gspo, cispo) and clip_low / clip_high its clip range.
 
         old_t   = rollout_logprobs_t for stale tokens (the behaviour policy that sampled them), else old_logprobs_t
         w_t     = correction_weights(correction, old, rollout_logprobs, correction_threshold)  ("off": none)
-        loss    = policy_loss(logprobs, old, advantages, w)                         (clipped surrogate)
+        obj     = POLICY_LOSSES[loss](logprobs, old, advantages, w)                 (e.g. the clipped surrogate)
                 + kl_coef * agg(kl_penalty(logprobs, ref_logprobs))                 (ref_logprobs given)
                 - entropy_coef * agg(entropy)
     with every term aggregated by `aggregation` as a sum (normalisers 1).
 
     Returns (loss, stats) with stats as sums over valid tokens (divide by the batch's tokens for means):
-    the `policy_loss` stats, `entropy`, `logprob_gap` (|old - rollout_logprobs|), `kl` when ref given, and
+    the policy loss's stats, `entropy`, `logprob_gap` (|old - rollout_logprobs|), `kl` when ref given, and
     the correction's counts `mismatch/truncated_tokens_fraction`, `mismatch/masked_tokens_fraction` and
     `mismatch/masked_sequences_fraction` (a count of rows: divide it by the batch's sequences).
     """
+    if loss not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {loss!r}; expected one of {tuple(POLICY_LOSSES)}")
     as_sum = {"total_tokens": 1.0, "total_sequences": 1.0}
     old = logprobs.detach() if old_logprobs is None else old_logprobs
     if stale is not None:
         old = torch.where(stale if stale.ndim == 2 else stale[:, None], rollout_logprobs, old)
     weights, counts = correction_weights(correction, old, rollout_logprobs, mask, correction_threshold)
-    loss, stats = policy_loss(
+    objective, stats = POLICY_LOSSES[loss](
         logprobs, old, advantages, mask, clip_low=clip_low, clip_high=clip_high, aggregation=aggregation,
         importance_weights=weights, **as_sum,
     )
@@ -268,10 +380,10 @@ def rl_objective(
     if entropy is not None:
         stats["entropy"] = float((entropy.detach() * maskf).sum())
         if entropy_coef > 0:
-            loss = loss - entropy_coef * aggregate(entropy, mask, aggregation, **as_sum)
+            objective = objective - entropy_coef * aggregate(entropy, mask, aggregation, **as_sum)
     if ref_logprobs is not None:
         kl = kl_penalty(logprobs, ref_logprobs, kl_estimator)
         stats["kl"] = float((kl.detach() * maskf).sum())
         if kl_coef > 0:
-            loss = loss + kl_coef * aggregate(kl, mask, aggregation, **as_sum)
-    return loss, stats
+            objective = objective + kl_coef * aggregate(kl, mask, aggregation, **as_sum)
+    return objective, stats

@@ -1,7 +1,7 @@
 """Trainer worker: advantages for complete groups, and the policy update by gradient accumulation.
 
 Owns: turning scored groups into per-token advantages (the configured estimator, DAPO dynamic
-sampling and overlong filtering) and accumulating the clipped policy loss (+ KL to the
+sampling and overlong filtering) and accumulating the policy loss (`algo.loss`; + KL to the
 reference, entropy bonus, optional train/inference mismatch correction) micro-batch by micro-batch,
 with the staleness and mismatch metrics of each step.
 
@@ -105,6 +105,7 @@ class PolicyLoss:
     def __call__(self, out: TriLogProbs) -> tuple[torch.Tensor, dict[str, float]]:
         algo, device = self.algo, out.policy.logprobs.device
         rollout_logprobs = self.rollout_logprobs.to(device)
+        clip_low, clip_high = algo.clip_range()
         loss, stats = rl_objective(
             out.policy.logprobs,
             out.policy.mask,
@@ -114,8 +115,9 @@ class PolicyLoss:
             entropy=out.policy.entropy,
             ref_logprobs=out.ref,
             stale=None if self.stale is None else self.stale.to(device),
-            clip_low=algo.clip_low,
-            clip_high=algo.clip_high,
+            loss=algo.loss,
+            clip_low=clip_low,
+            clip_high=clip_high,
             aggregation=algo.loss_agg,
             kl_coef=algo.kl_coef,
             kl_estimator=algo.kl_estimator,
