@@ -516,6 +516,10 @@ class SFTConfig(Section):
 
 
 class EvalConfig(Section):
+    """Held-out accuracy of the policy. `sync` generates it on the idle rollout engine; the other modes with the
+    trainer's own policy module through the torch engine (whatever `rollout.engine` is: no second copy of the
+    weights, no second vLLM), and an FSDP2 trainer on an engine of its own loaded with the weights."""
+
     every: int = Field(10, ge=0)
     """Evaluate on the held-out split every N steps (0 = only at the end)."""
     temperature: float = Field(0.0, ge=0)

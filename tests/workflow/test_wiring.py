@@ -11,6 +11,7 @@ import inspect
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,8 @@ import asyncflow.workflow.pipeline as pipeline
 from asyncflow.cli import main
 from asyncflow.config import build_config
 from asyncflow.engines.torch_inference import make_torch_inference_engine
-from asyncflow.runtime.base import Runtime
+from asyncflow.runtime.base import Runtime, build_rollout_worker
+from asyncflow.workers.rollout import RolloutWorker
 from asyncflow.workflow import run as run_module
 from asyncflow.workflow.run import RLRun, RunState
 
@@ -103,15 +105,44 @@ def test_async_on_ray_builds_one_engine_per_replica_and_none_in_the_driver(tmp_p
 
 
 @pytest.mark.slow
-def test_evaluation_engine_is_built_only_when_evaluation_needs_one(tmp_path, ray_cluster, one_torch_thread):
+def test_evaluation_on_ray_builds_no_engine_in_the_driver(tmp_path, ray_cluster, one_torch_thread):
     count_file = tmp_path / "engines.txt"
     config = wiring_config(
         tmp_path, "workflow.mode=stream", "runtime.kind=ray", "runtime.rollout_cpus=0.5",
         "rollout.engine=test_wiring:counting_engine", f"rollout.engine_options={{count_file: {count_file}}}",
     )
-    RLRun(config).train()
-    in_driver = [pid for pid in builders(count_file) if pid == os.getpid()]
-    assert len(in_driver) == 1, "the driver builds one engine, for evaluation, once"
+    history = RLRun(config).train()
+    assert [h["step"] for h in history if "eval/accuracy" in h] == [0, 1, 2]
+    assert os.getpid() not in builders(count_file), "evaluation generates with the trainer's own policy module"
+
+
+def test_evaluation_generates_with_the_trainers_policy_not_a_copy(tmp_path, one_torch_thread):
+    """Outside `sync`, evaluation borrows the trainer's module: the greedy tokens of an engine loaded with a copy
+    of its weights, and the module trains on afterwards."""
+    run = RLRun(wiring_config(tmp_path, "workflow.mode=async"))
+    try:
+        policy = run.train_engine.policy_module()
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn_like(p) * 0.05)  # weights no engine was loaded with
+        assert "eval/accuracy" in run.evaluate()
+        assert run.eval_worker.engine.model is policy and policy.training
+        copy = build_rollout_worker(replace(run.spec, params=run.eval_params, group_size=1, agent=None), None)
+        copy.engine.update_weights(run.train_engine.state_dict(), 1)
+        prompts = [run.eval_encoder.encode(example, i) for i, example in enumerate(run.test_set)]
+
+        def greedy(engine):
+            rollouts = RolloutWorker(engine, run.eval_params, group_size=1).generate(prompts)
+            return [(r.response_ids, r.rollout_logprobs) for r in rollouts]
+
+        borrowed, copied = greedy(run.eval_worker.engine), greedy(copy.engine)
+        assert [ids for ids, _ in borrowed] == [ids for ids, _ in copied]
+        assert torch.allclose(torch.tensor(sum((lp for _, lp in borrowed), [])),
+                              torch.tensor(sum((lp for _, lp in copied), [])), atol=1e-5)
+        history = run.train()
+        assert [h["step"] for h in history if "eval/accuracy" in h] == [0, 1, 2]
+    finally:
+        run.close()
 
 
 def test_sync_evaluates_on_its_idle_rollout_engine(tmp_path, one_torch_thread):

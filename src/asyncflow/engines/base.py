@@ -200,12 +200,21 @@ class TrainEngine(Protocol):
         """Stop what the engine started (a multi-rank engine's ranks)."""
         ...
 
+    def policy_module(self) -> torch.nn.Module | None:
+        """The live policy as a module of this process (evaluation generates with it, without a copy of the
+        weights), or None when the weights live elsewhere (a multi-rank engine's ranks)."""
+        ...
+
 
 class TrainEngineBase:
     """The defaults of `TrainEngine`'s optional parts."""
 
     def close(self) -> None:
         """Nothing to stop by default."""
+
+    def policy_module(self) -> torch.nn.Module | None:
+        """No module in this process by default."""
+        return None
 
 
 @runtime_checkable

@@ -200,6 +200,9 @@ class TorchTrainEngine(TrainEngineBase):
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def policy_module(self) -> torch.nn.Module:
+        return self.model  # under LoRA the adapted model: its forward is the merged policy
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's weights under the base model's names (merged with the adapter under LoRA)."""
         if self.adapted is not None:

@@ -63,12 +63,19 @@ class RolloutSpec:
         return self.agent is not None
 
 
-def build_rollout_worker(spec: RolloutSpec, scorer: RewardWorker | None) -> RolloutRole:
-    """The replica's inference engine and rollout worker (single-turn, multi-turn or agent)."""
-    engine = make_inference_engine(
-        spec.engine, model_path=spec.model_path, dtype=spec.dtype, device=spec.device,
-        max_batch_size=spec.max_batch_size, seed=spec.seed, **spec.engine_options,
-    )
+def build_rollout_worker(spec: RolloutSpec, scorer: RewardWorker | None, *, policy=None) -> RolloutRole:
+    """The replica's inference engine and rollout worker (single-turn, multi-turn or agent). With `policy` (a
+    live `torch.nn.Module`), a torch engine that generates with that module itself: no copy of its weights,
+    always current (held-out evaluation borrows the trainer's policy so)."""
+    if policy is not None:
+        from asyncflow.engines.torch_inference import TorchInferenceEngine
+
+        engine = TorchInferenceEngine(policy, max_batch_size=spec.max_batch_size, device=spec.device, seed=spec.seed)
+    else:
+        engine = make_inference_engine(
+            spec.engine, model_path=spec.model_path, dtype=spec.dtype, device=spec.device,
+            max_batch_size=spec.max_batch_size, seed=spec.seed, **spec.engine_options,
+        )
     tokenizer = load_tokenizer(spec.model_path) if spec.scores_rows else None
     if spec.agent is not None:
         from asyncflow.workers.agent import AgentRolloutWorker

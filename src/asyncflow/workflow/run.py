@@ -13,8 +13,10 @@ Invariants:
 - Only the step loop changes `RunState`: a workflow gets the step and version and returns the version it
   published; no object below the loop is handed the run.
 - A step is one optimizer update and bumps the policy's weight version by one.
-- Pieces are built where the runtime places them: the driver holds the policy being trained and, only when
-  no local engine is idle to evaluate on, an evaluation engine built at the first evaluation.
+- Pieces are built where the runtime places them: the driver holds the policy being trained and builds no
+  inference engine of its own: `sync` evaluates on its idle rollout engine, the other modes generate with the
+  trainer's policy module (no weight copy); only a trainer whose weights live on other ranks (FSDP2) gets an
+  evaluation engine, built at the first evaluation.
 - Data position, RNG states, optimizer and weights are checkpointed together, with what the workflow
   had handed out ahead of training (`PipelineWorkflow.checkpoint_state`); `--resume` trains every prompt
   exactly once, with the prompts and samples the uninterrupted run would have used (bit-exact where
@@ -124,7 +126,7 @@ class RLRun:
         self.tokenizer = load_tokenizer(model_path)
         policy = load_model(model_path, dtype=config.model.dtype, device=config.model.device)
         self.train_engine = make_train_engine(config.train.engine, **train_engine_options(config, policy, model_path))
-        self.runtime = self.workflow = self.eval_worker = None  # the evaluation engine: see `evaluate`
+        self.runtime = self.workflow = self.eval_worker = None  # what evaluation generates with: see `evaluate`
         self.closed = False
         timeline_file = self.run_dir / TIMELINE_FILE
         resuming = plan.checkpoint is not None and timeline_file.is_file()
@@ -221,24 +223,36 @@ class RLRun:
     # ---------------------------------------------------------------- evaluation
     def evaluate(self) -> dict[str, float]:
         """Greedy held-out accuracy of the current policy: on the `sync` rollout worker (idle between steps, its
-        weights current), otherwise on an engine of its own (the rollout engine is busy elsewhere)."""
+        weights current); otherwise with the trainer's own policy module (no copy of the weights), or, when the
+        weights live on ranks elsewhere (FSDP2), on an engine of its own loaded with them."""
         if not self.test_set:
             return {}
         local = self.runtime.local_rollout
+        borrowed = None
         if self.config.workflow.mode == "sync" and local is not None:
             engine, episodes = local.engine, None
             if self.spec.multiturn is not None:
                 episodes = self.eval_worker = self.eval_worker or make_rollout_worker(
                     engine, self.eval_params, 1, multiturn=self.spec.multiturn, tokenizer=self.tokenizer)
         else:
+            borrowed = self.train_engine.policy_module()
             if self.eval_worker is None:
                 self.eval_worker = build_rollout_worker(
-                    replace(self.spec, params=self.eval_params, group_size=1, agent=None), scorer=None)
+                    replace(self.spec, params=self.eval_params, group_size=1, agent=None), scorer=None,
+                    policy=borrowed)
             engine = self.eval_worker.engine
-            engine.update_weights(self.train_engine.state_dict(), self.state.version)
+            if borrowed is None:
+                engine.update_weights(self.train_engine.state_dict(), self.state.version)
+            else:
+                borrowed.eval()  # the trainer's module: back to training mode below
             episodes = self.eval_worker if self.spec.multiturn is not None else None
         t0 = time.time()
-        result = evaluate(engine, self.rewards, self.eval_encoder, self.test_set, self.eval_params, episodes=episodes)
+        try:
+            result = evaluate(engine, self.rewards, self.eval_encoder, self.test_set, self.eval_params,
+                              episodes=episodes)
+        finally:
+            if borrowed is not None:
+                borrowed.train()
         self.timeline.add_span("trainer", "evaluate", t0, time.time(), step=self.state.step)
         return result
 
