@@ -1,5 +1,6 @@
-"""The built-in multi-turn task over several seeds: SFT on tool-use demonstrations, then GRPO, each seed a whole
-`asyncflow train examples/tool_calculator_grpo.yaml` run (as a user runs it).
+"""An example over several seeds: SFT, then GRPO, each seed a whole `asyncflow train EXAMPLE` run (as a user runs
+it); by default the built-in multi-turn task (`examples/tool_calculator_grpo.yaml`: SFT on tool-use
+demonstrations), or any example with `--example` (`examples/reasoning_gym_grpo.yaml`).
 
 Owns nothing the library uses. Prints per seed where SFT stopped, the held-out accuracy before and after GRPO
 (greedy, the test split), the gain, and wall and CPU time of the whole run; writes one PNG with every seed's
@@ -8,7 +9,8 @@ held-out accuracy and sampled reward against the RL step (the figure in docs/mul
 `--parallel 2` runs two seeds at once with one torch thread each (two cores busy, as a 2-core laptop would be
 with one run using both); `--parallel 1` runs them one after another with `--threads` threads.
 
-Run: .venv/bin/python benchmarks/tool_calculator_seeds.py [--seeds 0 1 2] [--parallel 2] [--out runs/tool_seeds]
+Run: .venv/bin/python benchmarks/example_seeds.py [--seeds 0 1 2] [--parallel 2] [--out runs/tool_seeds]
+        [--example examples/tool_calculator_grpo.yaml]
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = "examples/tool_calculator_grpo.yaml"
 
 
-def train(seed: int, out: Path, threads: int, overrides: list[str]) -> dict:
+def train(example: str, seed: int, out: Path, threads: int, overrides: list[str]) -> dict:
     """One whole run (SFT + GRPO) of the example for `seed`; returns its run folder and wall time."""
     run_dir = out / f"seed_{seed}"
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "asyncflow.cli", "train", EXAMPLE, f"run.seed={seed}", "run.progress=false",
+    cmd = [sys.executable, "-m", "asyncflow.cli", "train", example, f"run.seed={seed}", "run.progress=false",
            "--threads", str(threads), "--output", str(run_dir), "--overwrite", *overrides]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=3600)
@@ -60,7 +62,7 @@ def summarize(result: dict) -> dict:
             "evals": evals, "rewards": rewards}
 
 
-def plot(results: list[dict], path: Path) -> None:
+def plot(results: list[dict], path: Path, example: str) -> None:
     fig, (ax_acc, ax_rew) = plt.subplots(1, 2, figsize=(11, 4))
     for r in results:
         steps, acc = zip(*r["evals"])
@@ -76,7 +78,7 @@ def plot(results: list[dict], path: Path) -> None:
     for ax in (ax_acc, ax_rew):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("tool_calculator_grpo.yaml: calculator tool, multi-turn GRPO on a tiny Llama")
+    fig.suptitle(f"{Path(example).name}: SFT, then GRPO, per seed")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -87,6 +89,7 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=2, help="seeds run at once (each with one torch thread)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per run with --parallel 1 (0: all)")
     parser.add_argument("--out", default="runs/tool_seeds")
+    parser.add_argument("--example", default=EXAMPLE)
     parser.add_argument("overrides", nargs="*", help="dotted config overrides for every run")
     args = parser.parse_args()
     out = (ROOT / args.out).resolve()
@@ -94,7 +97,7 @@ def main() -> None:
     threads = 1 if args.parallel > 1 else args.threads
     start = time.perf_counter()
     with ThreadPoolExecutor(args.parallel) as pool:
-        results = list(pool.map(lambda s: train(s, out, threads, args.overrides), args.seeds))
+        results = list(pool.map(lambda s: train(args.example, s, out, threads, args.overrides), args.seeds))
     total_wall = time.perf_counter() - start
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     results = [summarize(r) for r in results]
@@ -108,8 +111,9 @@ def main() -> None:
     print(f"gain (points): min {gains[0]:+.1f}, median {gains[len(gains) // 2]:+.1f}, max {gains[-1]:+.1f}; "
           f"{len(results)} runs, {args.parallel} at a time, {total_wall / 60:.1f} min wall in all, "
           f"{(usage.ru_utime + usage.ru_stime) / 60:.1f} CPU-min in all (load average now {os.getloadavg()[0]:.1f})")
-    plot(results, out / "tool_calculator_seeds.png")
-    print(f"plot: {out / 'tool_calculator_seeds.png'}")
+    png = out / f"{Path(args.example).stem}_seeds.png"
+    plot(results, png, args.example)
+    print(f"plot: {png}")
 
 
 if __name__ == "__main__":
