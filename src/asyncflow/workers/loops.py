@@ -25,6 +25,12 @@ def partition_name(step: int) -> str:
     return f"step_{step}"
 
 
+def oldest_admissible_version(step: int, max_staleness: int) -> int:
+    """Admission control: the oldest weight version partition `step` may start generating with (`async` k:
+    `step - k`; `stream`: `step`). The rollout loop waits for it; `asyncflow.plan` simulates the same rule."""
+    return step - max_staleness
+
+
 class SamplerHistory:
     """The sampling generator's state of an engine after each of its last `keep` partitions (thread-safe).
     Engines whose `generator` is None record None."""
@@ -149,10 +155,11 @@ def _rollout_loop(worker, queue, receiver, steps, *, max_staleness, batch_size, 
     for step in steps:
         t0 = time.time()
         newest = receiver.poll(engine.weight_version)
-        if engine.weight_version < step - max_staleness:
+        needed = oldest_admissible_version(step, max_staleness)
+        if engine.weight_version < needed:
             if cores is not None:
                 cores.idle()
-            newest = receiver.wait_for(step - max_staleness, timeout)
+            newest = receiver.wait_for(needed, timeout)
         if cores is not None:
             cores.busy()
         t1 = time.time()

@@ -1,0 +1,100 @@
+"""The simulator's pieces: its group choice equals `GroupSampler`'s, its two continuous-batching paths agree,
+the staleness bound holds, sync / stream / async order as they must, and the shipped profiles load."""
+
+import numpy as np
+import pytest
+
+from asyncflow.plan.costs import Costs, ModelShape, Profile, qwen_like
+from asyncflow.plan.sim import SimSpec, _queued_offsets, generation_offsets, simulate, take_groups
+from asyncflow.plan.workload import Lengths, Workload
+from asyncflow.transfer.samplers import Candidate, GroupSampler
+
+COSTS = Costs(decode_step_s=0.01, decode_row_s=0.001, decode_row_token_s=1e-6, prefill_token_s=1e-4,
+              train_micro_batch_s=0.01, train_token_s=1e-4, optimizer_step_s=0.05, publish_s=0.02, swap_s=0.01)
+
+
+def group_sampler_reads(done: np.ndarray, now: float, want: int, G: int, trainer_s: float) -> list[list[int]]:
+    """What the real `GroupSampler` hands a trainer that asks at `now`, then every `trainer_s` after each read,
+    given when each group's rows become ready: the queue's candidates at the time the read is served."""
+    unread = set(range(len(done)))
+    reads = []
+    while unread:
+        # served at the first time the sampler returns something (draining once every group is complete)
+        for t in sorted({now, *[float(d) for d in done if d > now]}):
+            cands = [Candidate(g * G + i, g, 0, 0) for g in sorted(unread) if done[g] <= t for i in range(G)]
+            drain = all(done[g] <= t for g in unread)
+            parts = GroupSampler().select(cands, want * G, drain, G)
+            if parts:
+                break
+        groups = sorted({i // G for i in parts[0]})
+        reads.append(groups)
+        unread -= set(groups)
+        now = t + trainer_s
+    return reads
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_take_groups_equals_group_sampler(seed):
+    rng = np.random.default_rng(seed)
+    n, G, want = int(rng.integers(1, 12)), 4, int(rng.integers(1, 4))
+    done = np.round(rng.uniform(0, 5, n), 1)
+    now, trainer_s = float(rng.uniform(0, 3)), float(rng.uniform(0, 1.5))
+    unread, reads, t = np.ones(n, dtype=bool), [], now
+    while unread.any():
+        taken, t = take_groups(done, unread, t, want)
+        reads.append(sorted(taken.tolist()))
+        t += trainer_s
+    assert reads == group_sampler_reads(done, now, want, G, trainer_s)
+
+
+def test_vectorised_and_queued_generation_agree():
+    rng = np.random.default_rng(0)
+    P = rng.integers(4, 40, (3, 10))
+    L = rng.integers(1, 50, (3, 10))
+    fast = generation_offsets(P, L, 16, COSTS)  # every row has a slot: the vectorised path
+    context = float(P.mean() + L.mean() / 2)
+    slow = np.stack([_queued_offsets(P[r], L[r], 16, COSTS, context) for r in range(3)])
+    np.testing.assert_allclose(fast, slow, rtol=1e-12)
+
+
+@pytest.mark.parametrize("mode, k", [("sync", 0), ("stream", 0), ("async", 1), ("async", 3)])
+def test_staleness_bound_and_every_row_trained(mode, k):
+    w = Workload(prompts_per_step=8, group_size=4, prompt=Lengths(mean=16),
+                 response=Lengths(kind="lognormal", mean=40, max=400))
+    P, L = w.sample(30, seed=1)
+    spec = SimSpec(mode=mode, prompt_lengths=P, response_lengths=L, group_size=4, costs=COSTS, max_staleness=k,
+                   replicas=2, slots=8, micro_batch_groups=2)
+    r = simulate(spec)
+    assert (r.staleness >= 0).all() and (r.staleness <= k).all()
+    assert np.all(np.diff(r.step_end_s) > 0)
+    if mode != "sync":
+        assert all(sorted(o) == list(range(8)) for o in r.trained_order)
+
+
+def test_async_beats_sync_on_a_long_tail_and_stream_sits_between():
+    hw = Profile.load("h100")
+    model = qwen_like("7B")
+    w = Workload(prompts_per_step=64, group_size=8, prompt=Lengths(mean=512),
+                 response=Lengths(kind="lognormal", mean=2000, sigma=1.0, max=16384))
+    P, L = w.sample(12)
+    sep = Costs.from_profile(hw, model, train_devices=32)
+    colo = Costs.from_profile(hw, model, train_devices=64)
+    times = {}
+    for mode, k in [("sync", 0), ("stream", 0), ("async", 1), ("async", 2)]:
+        spec = SimSpec(mode=mode, prompt_lengths=P, response_lengths=L, group_size=8, costs=sep, sync_costs=colo,
+                       max_staleness=k, replicas=32, sync_replicas=64, micro_batch_groups=8)
+        times[mode, k] = simulate(spec).step_time()
+    assert times["async", 2] <= times["async", 1] < times["stream", 0]
+    assert times["async", 1] < times["sync", 0]
+
+
+def test_shipped_profiles_are_spec_derived_and_shapes_load(tmp_path):
+    for name in ("h100", "a100", "910b"):
+        p = Profile.load(name)
+        assert p.kind == "spec" and p.hardware.peak_flops > 1e14
+    shape = ModelShape.from_hf_config({"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+                                       "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064})
+    assert 7.0e9 < shape.params < 8.0e9  # Qwen2.5-7B: 7.6B
+    p = Profile(kind="measured", name="x", decode_step_s=0.01)
+    assert Profile.load(p.save(tmp_path / "p.yaml")) == p
+    assert Profile.load(p.save(tmp_path / "p.json")) == p
