@@ -1,4 +1,4 @@
-"""Command line: `asyncflow train | sft | eval | export | bench | serve`.
+"""Command line: `asyncflow train | sft | eval | export | bench | serve | profile | plan`.
 
 Owns: argument parsing, logging set-up, the order of a command's work, and turning errors into
 one line and an exit code.
@@ -219,6 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument(f"--{key.replace('_', '-')}", dest=key, type=field.annotation, default=None,
                            help=f"{field.description} (default {field.default})")
     serve.set_defaults(func=cmd_serve)
+
+    from asyncflow.plan.commands import add_commands  # `profile` and `plan` (docs/planning.md)
+
+    add_commands(sub, _add_common, _config)
     return parser
 
 

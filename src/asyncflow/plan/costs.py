@@ -142,6 +142,8 @@ class Profile(BaseModel):
     """measured: fixed seconds of one weight publish."""
     publish_byte_s: float = 0.0
     """measured: seconds per byte published (and swapped into an engine)."""
+    weight_bytes: float = 0.0
+    """measured: bytes of the profiled model's weights (one version)."""
     reward_row_s: float = 0.0
     """measured: seconds to score one row."""
     queue_call_s: float = 0.0
@@ -199,8 +201,9 @@ class Costs:
             decode_step_s=profile.decode_step_s, decode_row_s=profile.decode_row_s,
             decode_row_token_s=profile.decode_row_token_s, prefill_token_s=profile.prefill_token_s,
             train_micro_batch_s=profile.train_micro_batch_s, train_token_s=profile.train_token_s,
-            optimizer_step_s=profile.optimizer_step_s, publish_s=profile.publish_s,
-            swap_s=0.0, reward_row_s=profile.reward_row_s, queue_call_s=profile.queue_call_s,
+            optimizer_step_s=profile.optimizer_step_s,
+            publish_s=profile.publish_s + profile.publish_byte_s * profile.weight_bytes,
+            swap_s=profile.publish_byte_s * profile.weight_bytes, reward_row_s=profile.reward_row_s, queue_call_s=profile.queue_call_s,
         )  # fmt: skip
 
     @classmethod

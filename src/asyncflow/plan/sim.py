@@ -18,8 +18,8 @@ The scheduling decisions are the real ones:
 Placement: `sync` is colocated (`sync_replicas` replicas on all devices generate, then the reward stage scores,
 then the trainer trains on all devices, then the new weights are loaded into the engines); `stream` and `async`
 are separated (`replicas` rollout replicas, each scoring its own rows, and a trainer on the other devices).
-A partition's rows are split into equal contiguous shares, one per replica (groups stay whole when the share
-is a multiple of the group size). Within a share, continuous batching with `slots` sequences: a decode step
+A partition's rows are split into equal contiguous shares, one per replica (the last ones padded with empty
+rows; groups stay whole when the share is a multiple of the group size). Within a share, continuous batching with `slots` sequences: a decode step
 costs `Costs.decode_step(active rows, mean context)`, every sequence gains one token per step, a finished one
 frees its slot for the next row (whose prompt prefill pauses the replica).
 
@@ -206,10 +206,18 @@ def simulate(spec: SimSpec) -> SimResult:
 
 
 def _shares(spec: SimSpec, step: int, R: int) -> tuple[np.ndarray, np.ndarray]:
-    n = spec.rows // R
-    if n * R != spec.rows:
-        raise ValueError(f"{spec.rows} rows per step do not split evenly over {R} replicas")
-    return spec.prompt_lengths[step].reshape(R, n), spec.response_lengths[step].reshape(R, n)
+    """`[R, n]` contiguous shares of a step's rows; the last shares padded with empty rows (no prompt, no
+    tokens: they take no decode step and are dropped again by `_rows`)."""
+    n = -(-spec.rows // R)
+    pad = n * R - spec.rows
+    P, L = spec.prompt_lengths[step], spec.response_lengths[step]
+    if pad:
+        P, L = np.concatenate([P, np.zeros(pad, P.dtype)]), np.concatenate([L, np.zeros(pad, L.dtype)])
+    return P.reshape(R, n), L.reshape(R, n)
+
+
+def _rows(per_share: np.ndarray, rows: int) -> np.ndarray:
+    return per_share.reshape(-1)[:rows]
 
 
 def _simulate_sync(spec: SimSpec) -> SimResult:
@@ -260,7 +268,7 @@ def _simulate_overlapped(spec: SimSpec) -> SimResult:
     keep_order = spec.steps * spec.rows <= 1_000_000
     orders = []
     groups = spec.rows // G
-    n = spec.rows // R
+    n = -(-spec.rows // R)
     writes = -(-n // spec.write_rows) * c.queue_call_s + n * c.reward_row_s
     for s in range(spec.steps):
         # admission control: the real rule, then the newest version published when the replica starts
@@ -286,8 +294,7 @@ def _simulate_overlapped(spec: SimSpec) -> SimResult:
         free, engine_version = done, np.maximum(engine_version, newest)
         generated_by[s] = newest
         # group-complete sampling by the trainer, micro-batch by micro-batch
-        group_done = finish.reshape(-1, G).max(axis=1) + c.queue_call_s if n % G == 0 else \
-            np.repeat(done, n)[: spec.rows].reshape(-1, G).max(axis=1)
+        group_done = _rows(finish, spec.rows).reshape(groups, G).max(axis=1) + c.queue_call_s
         tokens = (spec.prompt_lengths[s] + spec.response_lengths[s]).reshape(groups, G).sum(axis=1)
         unread = np.ones(groups, dtype=bool)
         order = []
