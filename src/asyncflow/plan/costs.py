@@ -203,7 +203,8 @@ class Costs:
             train_micro_batch_s=profile.train_micro_batch_s, train_token_s=profile.train_token_s,
             optimizer_step_s=profile.optimizer_step_s,
             publish_s=profile.publish_s + profile.publish_byte_s * profile.weight_bytes,
-            swap_s=profile.publish_byte_s * profile.weight_bytes, reward_row_s=profile.reward_row_s, queue_call_s=profile.queue_call_s,
+            swap_s=profile.publish_byte_s * profile.weight_bytes, reward_row_s=profile.reward_row_s,
+            queue_call_s=profile.queue_call_s,
         )  # fmt: skip
 
     @classmethod

@@ -111,14 +111,14 @@ def measure_profile(config: Config, *, repeats: int = 3, name: str = "") -> Prof
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     versions = iter(range(1, 10_000))
     swap = _median_time(lambda: inference.update_weights(trainer.state_dict(), next(versions)), repeats)
-    queue = TransferQueue(tasks=["rollout"])
+    queue = TransferQueue.local(tasks=["rollout"])
     queue.create_partition("p", num_rows=WRITE_ROWS * repeats, group_size=1)
-    queue.append("p", {"prompt_ids": [torch.zeros(prompt, dtype=torch.int64)] * (WRITE_ROWS * repeats)})
+    indices = queue.append("p", {"prompt_ids": [torch.zeros(prompt, dtype=torch.int64)] * (WRITE_ROWS * repeats)})
     batches_written = iter(range(repeats))
 
     def write():
         start = next(batches_written) * WRITE_ROWS
-        queue.write("p", list(range(start, start + WRITE_ROWS)),
+        queue.write("p", indices[start : start + WRITE_ROWS],
                     {"response_ids": [torch.zeros(16, dtype=torch.int64)] * WRITE_ROWS}, weight_version=0)
 
     queue_call = _median_time(write, repeats)

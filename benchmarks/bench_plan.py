@@ -1,0 +1,102 @@
+"""Predicted (asyncflow.plan) vs measured step time of sync, stream and async k=1, side by side in one run.
+
+    PYTHONPATH=src flock /tmp/asyncflow-bench.lock .venv/bin/python benchmarks/bench_plan.py --steps 12
+
+1. `asyncflow profile` in a process of its own measures this machine's costs for the tiny Llama (one thread).
+2. For each workload (the main job `examples/arithmetic_grpo.yaml` without its SFT warm-up, at most 8 new
+   tokens; and a long-tailed one: 64 new tokens, ~7% stop chance per token), each mode trains `--steps` steps in
+   a process of its own, inline runtime, one torch thread (`sync`: the stages one after another on one core;
+   `stream` / `async`: the rollout loop and the trainer on threads of one process, one core each).
+3. The simulator predicts each mode's step time from the profile and the workload's length statistics only (the
+   measured run's mean response length per step, geometric, capped at max_new_tokens): no measured timing of
+   the run enters the prediction.
+
+Step time: mean wall seconds per step over steps `warmup+1 .. steps-1-k` (async's last k steps, where rollout has
+finished, left out), for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from asyncflow.plan.costs import Costs, Profile
+from asyncflow.plan.sim import SimSpec, simulate
+from asyncflow.plan.workload import Lengths, Workload
+from asyncflow.workflow.compare import train_run
+
+ROOT = Path(__file__).resolve().parents[1]
+STOP_IDS = [36, 37, 38, 39, 40, 41]  # 'A'..'F' of the built-in character tokenizer
+COMMON = ["sft.before_rl=false", "eval.every=0", "checkpoint.every=0", "run.progress=false", "export.at_end=false",
+          "runtime.kind=inline", "runtime.call_timeout_s=300", "data.test_size=8"]  # fmt: skip
+WORKLOADS = {
+    "main job (<= 8 tokens)": ["rollout.max_batch_size=128"],
+    "long tail (<= 64 tokens)": ["rollout.max_new_tokens=64", f"rollout.stop_token_ids={STOP_IDS}",
+                                 "rollout.max_batch_size=128", "train.micro_batch_size=64"],
+}
+MODES = {"sync": (["workflow.mode=sync"], 0), "stream": (["workflow.mode=stream"], 0),
+         "async k=1": (["workflow.mode=async", "workflow.max_staleness=1"], 1)}
+PROMPT_TOKENS = 7  # "37+58=" and the BOS of the character tokenizer
+
+
+def window_step_s(ends: list[float], warmup: int, k: int) -> float:
+    last = len(ends) - 1 - k
+    return (ends[last] - ends[warmup - 1]) / (last - warmup + 1)
+
+
+def predict(profile: Profile, rows: list[dict], mode: str, k: int, *, steps: int, warmup: int, group_size: int,
+            prompts: int, max_new: int, slots: int, micro_batch: int) -> float:
+    mean = float(np.mean([r["response_length/mean"] for r in rows]))
+    workload = Workload(prompts_per_step=prompts, group_size=group_size, prompt=Lengths(mean=PROMPT_TOKENS),
+                        response=Lengths(kind="geometric", mean=mean, max=max_new))
+    P, L = workload.sample(steps)
+    costs = Costs.from_profile(profile)
+    spec = SimSpec(mode=mode.split()[0], prompt_lengths=P, response_lengths=L, group_size=group_size, costs=costs,
+                   max_staleness=max(k, 1), replicas=1, slots=slots, micro_batch_groups=micro_batch // group_size,
+                   sync_micro_batch_rows=micro_batch)  # fmt: skip
+    return window_step_s(simulate(spec).step_end_s.tolist(), warmup, k)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--config", default=str(ROOT / "examples" / "arithmetic_grpo.yaml"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        profile_path = Path(tmp) / "profile.yaml"
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        subprocess.run([sys.executable, "-m", "asyncflow.cli", "profile", args.config, "--threads", "1",
+                        "--out", str(profile_path)], check=True, env=env, capture_output=True)
+        profile = Profile.load(profile_path)
+        print("profile:", json.dumps(profile.model_dump(exclude={"notes", "hardware"})))
+        print("| workload | mode | predicted s/step | measured s/step | error | predicted vs sync | measured vs sync |")
+        print("|---|---|---:|---:|---:|---:|---:|")
+        for name, overrides in WORKLOADS.items():
+            results = {}
+            for mode, (mode_overrides, k) in MODES.items():
+                out = Path(tmp) / f"{len(results)}_{name[:4]}"
+                run_args = [args.config, *COMMON, *overrides, *mode_overrides, f"train.steps={args.steps}"]
+                rows = train_run(run_args, out, threads=1, timeout_s=1800)
+                measured = window_step_s([r["wall_s"] for r in rows], args.warmup, k)
+                config = json.loads(json.dumps(__import__("yaml").safe_load((out / "config.yaml").read_text())))
+                ro, tr = config["rollout"], config["train"]
+                predicted = predict(profile, rows, mode, k, steps=args.steps, warmup=args.warmup,
+                                    group_size=ro["group_size"], prompts=ro["prompts_per_step"],
+                                    max_new=ro["max_new_tokens"], slots=ro["max_batch_size"],
+                                    micro_batch=tr["micro_batch_size"])
+                results[mode] = (predicted, measured)
+                ps, ms = results["sync"]
+                print(f"| {name} | {mode} | {predicted:.3f} | {measured:.3f} | {100 * (predicted / measured - 1):+.0f}% "
+                      f"| {ps / predicted:.2f}x | {ms / measured:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
