@@ -94,7 +94,8 @@ def main() -> None:
                                     micro_batch=tr["micro_batch_size"])
                 results[mode] = (predicted, measured)
                 ps, ms = results["sync"]
-                print(f"| {name} | {mode} | {predicted:.3f} | {measured:.3f} | {100 * (predicted / measured - 1):+.0f}% "
+                error = 100 * (predicted / measured - 1)
+                print(f"| {name} | {mode} | {predicted:.3f} | {measured:.3f} | {error:+.0f}% "
                       f"| {ps / predicted:.2f}x | {ms / measured:.2f}x |", flush=True)
 
 

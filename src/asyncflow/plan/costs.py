@@ -107,6 +107,9 @@ class Hardware(BaseModel):
     devices_per_node: int = 8
     mfu_train: float = 0.40
     """Assumed fraction of peak FLOP/s training reaches (FSDP, bf16)."""
+    train_flops_per_param_token: float = 8.0
+    """FLOPs per parameter per trained token: policy forward + backward (6) and the reference forward (2) of
+    the tri-model pass."""
     mfu_prefill: float = 0.50
     bw_efficiency: float = 0.70
     """Assumed fraction of memory bandwidth a decode step reaches."""
@@ -182,6 +185,9 @@ class Costs:
     swap_s: float
     reward_row_s: float = 0.0
     queue_call_s: float = 0.0
+    switch_s: float = 0.0
+    """Colocated `sync` only: seconds per step to switch the devices between inference and training (offload /
+    onload of weights and KV cache, resharding), twice per step in total."""
 
     def decode_step(self, active: float, context: float) -> float:
         return self.decode_step_s + active * (self.decode_row_s + context * self.decode_row_token_s)
@@ -210,8 +216,9 @@ class Costs:
     @classmethod
     def from_spec(cls, hw: Hardware, model: ModelShape, *, rollout_devices: int = 1, train_devices: int = 1) -> Costs:
         """Roofline estimates. Decode step: read the weights once (split over the replica's devices) plus each
-        active row's KV cache; prefill: 2 FLOPs per parameter per token; training: 6 per token (forward +
-        backward) over `train_devices`; optimizer: read + write fp32 master weights and two moments (16 bytes
+        active row's KV cache; prefill: 2 FLOPs per parameter per token; training:
+        `train_flops_per_param_token` (forward + backward 6, the reference forward 2) over `train_devices`;
+        optimizer: read + write fp32 master weights and two moments (16 bytes
         per parameter) over the training devices; publish: the bf16 weights over the network (one device's
         link when across nodes) and the swap the same bytes over the interconnect into each replica."""
         tp, bw = rollout_devices, hw.memory_bw * hw.bw_efficiency
@@ -223,7 +230,8 @@ class Costs:
             decode_row_token_s=model.kv_bytes_per_token / (tp * bw),
             prefill_token_s=2 * model.params / (tp * hw.peak_flops * hw.mfu_prefill),
             train_micro_batch_s=0.01,
-            train_token_s=6 * model.params / (train_devices * hw.peak_flops * hw.mfu_train),
+            train_token_s=hw.train_flops_per_param_token * model.params
+            / (train_devices * hw.peak_flops * hw.mfu_train),
             optimizer_step_s=16 * model.params / (train_devices * hw.memory_bw * hw.bw_efficiency) + 0.05,
             publish_s=0.1 + model.weight_bytes / link,
             swap_s=model.weight_bytes / (tp * hw.interconnect_bw),

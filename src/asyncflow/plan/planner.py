@@ -45,6 +45,9 @@ class PlanSpec(BaseModel):
     """Groups per trainer read in `stream` / `async`."""
     sync_micro_batch_rows: int = Field(64, ge=1)
     staleness: list[int] = [1, 2]
+    sync_switch_s: float = Field(0.0, ge=0)
+    """Colocated `sync`: seconds per step its devices spend switching between inference and training (verl-style
+    offload / onload and resharding; 0 = free)."""
     steps: int = Field(20, ge=2)
     splits: int = Field(9, ge=1)
     """How many rollout/trainer splits to try between 10% and 90% of the devices for rollout."""
@@ -67,8 +70,10 @@ class Prediction:
         return self.mode
 
 
-def _costs(profile: Profile, model: ModelShape, tp: int, train: int) -> Costs:
-    return Costs.from_profile(profile, model, rollout_devices=tp, train_devices=train)
+def _costs(profile: Profile, model: ModelShape, tp: int, train: int, switch_s: float = 0.0) -> Costs:
+    from dataclasses import replace
+
+    return replace(Costs.from_profile(profile, model, rollout_devices=tp, train_devices=train), switch_s=switch_s)
 
 
 def plan(spec: PlanSpec) -> list[Prediction]:
@@ -83,7 +88,8 @@ def plan(spec: PlanSpec) -> list[Prediction]:
         train = spec.devices - roll if mode != "sync" else spec.devices
         replicas = max(1, roll // tp) if mode != "sync" else max(1, spec.devices // tp)
         sim = SimSpec(
-            mode=mode, prompt_lengths=P, response_lengths=L, group_size=G, costs=_costs(profile, model, tp, train),
+            mode=mode, prompt_lengths=P, response_lengths=L, group_size=G,
+            costs=_costs(profile, model, tp, train, spec.sync_switch_s if mode == "sync" else 0.0),
             max_staleness=max(k, 1), replicas=replicas, sync_replicas=replicas, slots=spec.slots,
             micro_batch_groups=spec.micro_batch_groups, sync_micro_batch_rows=spec.sync_micro_batch_rows,
             on_weight_update="resume" if resume else "finish",
