@@ -5,8 +5,10 @@
 1. `asyncflow profile` in a process of its own measures this machine's costs for the tiny Llama (one thread).
 2. For each workload (the main job `examples/arithmetic_grpo.yaml` without its SFT warm-up, at most 8 new
    tokens; and a long-tailed one: 64 new tokens, ~7% stop chance per token), each mode trains `--steps` steps in
-   a process of its own, inline runtime, one torch thread (`sync`: the stages one after another on one core;
-   `stream` / `async`: the rollout loop and the trainer on threads of one process, one core each).
+   a process of its own with one torch thread: `sync` inline (the stages one after another on one core),
+   `stream` / `async` separated as `benchmarks/bench_workflows.py` runs them (a Ray rollout replica on one core,
+   the trainer on the other; on threads of one process instead, the GIL made async k=1 on the long tail 2x
+   slower than sync in a first invocation, which the simulator does not model).
 3. The simulator predicts each mode's step time from the profile and the workload's length statistics only (the
    measured run's mean response length per step, geometric, capped at max_new_tokens): no measured timing of
    the run enters the prediction.
@@ -35,14 +37,16 @@ from asyncflow.workflow.compare import train_run
 ROOT = Path(__file__).resolve().parents[1]
 STOP_IDS = [36, 37, 38, 39, 40, 41]  # 'A'..'F' of the built-in character tokenizer
 COMMON = ["sft.before_rl=false", "eval.every=0", "checkpoint.every=0", "run.progress=false", "export.at_end=false",
-          "runtime.kind=inline", "runtime.call_timeout_s=300", "data.test_size=8"]  # fmt: skip
+          "runtime.call_timeout_s=300", "data.test_size=8"]  # fmt: skip
+SEPARATED = ["runtime.kind=ray", "runtime.num_cpus=2", "runtime.rollout_cpus=1", "runtime.trainer_cpus=1"]
 WORKLOADS = {
     "main job (<= 8 tokens)": ["rollout.max_batch_size=128"],
     "long tail (<= 64 tokens)": ["rollout.max_new_tokens=64", f"rollout.stop_token_ids={STOP_IDS}",
                                  "rollout.max_batch_size=128", "train.micro_batch_size=64"],
 }
-MODES = {"sync": (["workflow.mode=sync"], 0), "stream": (["workflow.mode=stream"], 0),
-         "async k=1": (["workflow.mode=async", "workflow.max_staleness=1"], 1)}
+MODES = {"sync": (["workflow.mode=sync", "runtime.kind=inline"], 0),
+         "stream": (["workflow.mode=stream", *SEPARATED], 0),
+         "async k=1": (["workflow.mode=async", "workflow.max_staleness=1", *SEPARATED], 1)}
 PROMPT_TOKENS = 7  # "37+58=" and the BOS of the character tokenizer
 
 

@@ -6,7 +6,8 @@ small grid (median of `repeats`):
   tokens: total = prefill_token_s * prompt tokens + T * (decode_step_s + B * (decode_row_s + context *
   decode_row_token_s)), over batch sizes B up to `rollout.max_batch_size` and two lengths;
 - a training micro-batch (the configured training engine's `backward_micro_batch`, the tri-model forward
-  included) against its tokens, and one optimizer step;
+  included) against its tokens (rows x (prompt + response), equal lengths, so no padding), at a quarter of and
+  at `train.micro_batch_size` rows, after a warm-up call; and one optimizer step;
 - a weight version: the trainer's `state_dict` loaded into the inference engine (`update_weights`), per byte;
 - one TransferQueue write of `WRITE_ROWS` rows (in-process queue).
 Scoring is not timed (`reward_row_s` = 0): the built-in verifiers cost microseconds a row.
@@ -75,15 +76,20 @@ def measure_training(config: Config, policy, model_path, *, prompt: int, lengths
     def loss_fn(out):
         return -(out.policy.logprobs * out.policy.mask).sum(), {}
 
+    def batch(n: int, R: int) -> list[TrainSample]:
+        return [TrainSample(rng.integers(3, vocab, prompt).tolist(), rng.integers(3, vocab, R).tolist(), i // G)
+                for i in range(n)]
+
+    engine.backward_micro_batch(batch(rows, lengths[0]), loss_fn)  # warm-up (allocator, lazy initialisation)
     features, seconds, points = [], [], []
-    for R in lengths:
-        samples = [TrainSample(rng.integers(3, vocab, prompt).tolist(), rng.integers(3, vocab, R).tolist(), i // G)
-                   for i in range(rows)]
-        s = _median_time(lambda: engine.backward_micro_batch(samples, loss_fn), repeats)
-        tokens = rows * (prompt + R)
-        features.append([1.0, tokens])
-        seconds.append(s)
-        points.append({"rows": rows, "tokens": tokens, "seconds": s})
+    for n in sorted({max(G, rows // 4), rows}):
+        for R in lengths:
+            samples = batch(n, R)
+            s = _median_time(lambda: engine.backward_micro_batch(samples, loss_fn), repeats)
+            tokens = n * (prompt + R)
+            features.append([1.0, tokens])
+            seconds.append(s)
+            points.append({"rows": n, "tokens": tokens, "seconds": s})
     fixed, per_token = _fit(features, seconds)
     optimizer = _median_time(lambda: engine.optimizer_step(), repeats)
     return float(fixed), float(per_token), optimizer, points, engine
@@ -104,7 +110,7 @@ def measure_profile(config: Config, *, repeats: int = 3, name: str = "") -> Prof
     gen, gen_points = measure_generation(inference, prompt=prompt, batches=batches, lengths=lengths,
                                          repeats=repeats, vocab=vocab)
     fixed, per_token, optimizer, train_points, trainer = measure_training(
-        config, model, path, prompt=prompt, lengths=[4, max(8, config.rollout.max_new_tokens)], repeats=repeats,
+        config, model, path, prompt=prompt, lengths=sorted({4, max(8, config.rollout.max_new_tokens)}), repeats=repeats,
         vocab=vocab,
     )
     state = trainer.state_dict()

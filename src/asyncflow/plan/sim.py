@@ -220,6 +220,13 @@ def _rows(per_share: np.ndarray, rows: int) -> np.ndarray:
     return per_share.reshape(-1)[:rows]
 
 
+def padded_tokens(spec: SimSpec, step: int, rows) -> float:
+    """Tokens a micro-batch of `rows` runs: each row padded to the micro-batch's longest prompt + response, as the
+    training engine pads an unpacked micro-batch."""
+    lengths = spec.prompt_lengths[step][rows] + spec.response_lengths[step][rows]
+    return float(len(lengths) * lengths.max()) if len(lengths) else 0.0
+
+
 def _simulate_sync(spec: SimSpec) -> SimResult:
     c = spec.sync_costs or spec.costs
     R = spec.sync_replicas or spec.replicas
@@ -237,10 +244,9 @@ def _simulate_sync(spec: SimSpec) -> SimResult:
         score = spec.rows * c.reward_row_s
         trace.span("reward", "score", t, t + score, step=s)
         t += score
-        tokens = spec.prompt_lengths[s] + spec.response_lengths[s]
         t0 = t
         for start in range(0, spec.rows, mb):
-            dt = c.train(float(tokens[start : start + mb].sum()))
+            dt = c.train(padded_tokens(spec, s, slice(start, start + mb)))
             trace.span("trainer", "train_micro_batch", t, t + dt, rows=min(mb, spec.rows - start))
             t += dt
         trace.span("trainer", "optimizer_step", t, t + c.optimizer_step_s, step=s)
@@ -295,14 +301,14 @@ def _simulate_overlapped(spec: SimSpec) -> SimResult:
         generated_by[s] = newest
         # group-complete sampling by the trainer, micro-batch by micro-batch
         group_done = _rows(finish, spec.rows).reshape(groups, G).max(axis=1) + c.queue_call_s
-        tokens = (spec.prompt_lengths[s] + spec.response_lengths[s]).reshape(groups, G).sum(axis=1)
+        rows_of = np.arange(spec.rows).reshape(groups, G)
         unread = np.ones(groups, dtype=bool)
         order = []
         while unread.any():
             asked = trainer_t
             taken, trainer_t = take_groups(group_done, unread, trainer_t, spec.micro_batch_groups)
             trace.span("trainer", "wait_rows", asked, trainer_t, partition=f"step_{s}")
-            dt = c.queue_call_s + c.train(float(tokens[taken].sum()))
+            dt = c.queue_call_s + c.train(padded_tokens(spec, s, rows_of[taken].reshape(-1)))
             trace.span("trainer", "train_micro_batch", trainer_t, trainer_t + dt, rows=len(taken) * G)
             trainer_t += dt
             busy_train += dt
