@@ -65,6 +65,10 @@ class SimSpec:
     """Rows per queue write of a rollout replica (one `queue_call_s` each)."""
     timeline_replicas: int = 0
     """Replicas whose spans go into the timeline (0: no timeline)."""
+    lockstep: bool = False
+    """All replicas start each partition together, after the slowest finished the last one (a global weight-update
+    barrier). False: each replica swaps weights between its own partitions, one after another as each finishes
+    (rolling updates), as the rollout loops of the real runtimes do."""
     trainer_start_s: float = 0.0
     """When the trainer asks for its first rows (after what it does before step 0: an evaluation ...)."""
 
@@ -281,6 +285,8 @@ def _simulate_overlapped(spec: SimSpec) -> SimResult:
         need = oldest_admissible_version(s, k)
         avail_arr = np.asarray(avail)
         start = np.maximum(free, avail_arr[max(need, 0)])
+        if spec.lockstep:
+            start = np.full(R, start.max())
         newest = np.searchsorted(avail_arr, start, side="right") - 1
         swap = np.where(newest > engine_version, c.swap_s, 0.0)
         if spec.on_weight_update == "resume":  # taken in flight during the last partition: paid there
