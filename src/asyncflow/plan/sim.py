@@ -225,10 +225,18 @@ def _rows(per_share: np.ndarray, rows: int) -> np.ndarray:
 
 
 def padded_tokens(spec: SimSpec, step: int, rows) -> float:
-    """Tokens a micro-batch of `rows` runs: each row padded to the micro-batch's longest prompt + response, as the
-    training engine pads an unpacked micro-batch."""
-    lengths = spec.prompt_lengths[step][rows] + spec.response_lengths[step][rows]
-    return float(len(lengths) * lengths.max()) if len(lengths) else 0.0
+    """Tokens a micro-batch of `rows` (whole groups, in order) runs in the training engine with `packing: auto`:
+    unpacked, each row padded to the longest prompt + response; shared-prompt packed, each group its prompt once
+    and its responses, padded to the longest group; packed when that saves at least 10% (`should_pack`)."""
+    P, L = spec.prompt_lengths[step][rows], spec.response_lengths[step][rows]
+    if len(L) == 0:
+        return 0.0
+    unpacked = float(len(L) * (P + L).max())
+    G = spec.group_size
+    if len(L) % G:
+        return unpacked
+    packed = float(len(L) // G * (P[::G] + L.reshape(-1, G).sum(axis=1)).max())
+    return packed if packed <= 0.9 * unpacked else unpacked
 
 
 def _simulate_sync(spec: SimSpec) -> SimResult:
