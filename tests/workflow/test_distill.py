@@ -1,5 +1,5 @@
 """On-policy distillation end to end (`algo.teacher`): a tiny student trained on a teacher's log-probs alone moves
-toward it (the reverse KL on its own samples falls) in sync and async mode, and the teacher is loaded through the
+toward it (the reverse KL on its own samples falls) in sync, stream and async mode, and the teacher is loaded through the
 normal model-loading path (a run's checkpoint folder included)."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def distill_config(tmp_path, teacher: str, *overrides: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "stream", "async"])
 def test_student_moves_toward_the_teacher(tmp_path, mode):
     teacher = sft_teacher(tmp_path / "teacher_model")
     config = distill_config(tmp_path / "run", teacher, "train.steps=15", f"workflow.mode={mode}",
