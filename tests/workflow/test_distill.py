@@ -1,6 +1,6 @@
 """On-policy distillation end to end (`algo.teacher`): a tiny student trained on a teacher's log-probs alone moves
-toward it (the reverse KL on its own samples falls) in sync, stream and async mode, and the teacher is loaded through the
-normal model-loading path (a run's checkpoint folder included)."""
+toward it (the reverse KL on its own samples falls) in sync, stream and async mode, and the teacher is loaded
+through the normal model-loading path (a run's checkpoint folder included)."""
 
 from __future__ import annotations
 
