@@ -334,6 +334,19 @@ class AlgoConfig(Section):
     log-probs its generating policy recorded (ratio and clip against the behaviour policy, which corrects
     for staleness), or `policy`, the current policy (ratio 1: trained as if on-policy). Rows of the
     current version always use the current policy."""
+    teacher: str | None = None
+    """On-policy distillation (`asyncflow.algos.distill`): the teacher model, a Hugging Face folder, `preset:NAME`, a
+    run folder (its latest checkpoint) or a checkpoint folder `RUN_DIR/checkpoints/step_N`, with the policy's
+    tokenizer. It takes the reference model's place in the tri-model forward (frozen, never saved in checkpoints) and
+    each sampled token's advantage becomes `teacher_coef * -(log pi_student - log pi_teacher)` (the reverse-KL
+    estimator), plus the reward's advantage when `teacher_with_reward`. Refused with `kl_coef > 0`: the one frozen
+    model slot holds either the reference or the teacher (the reverse KL to the teacher already keeps the policy
+    near a fixed model)."""
+    teacher_coef: float = Field(1.0, gt=0)
+    """Weight of the distillation advantage (`teacher` only)."""
+    teacher_with_reward: bool = False
+    """`teacher` only: add the reward's advantage (`advantage` estimator) to the distillation advantage; `false`
+    trains on distillation alone (rewards are still scored and logged as `reward/*`, but not trained on)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -361,6 +374,16 @@ class AlgoConfig(Section):
             if loss != self.loss and changed:
                 raise ValueError(f"algo.{changed[0]}={getattr(self, changed[0])} applies to algo.loss={loss} only, "
                                  f"but algo.loss is {self.loss}")
+        return self
+
+    @model_validator(mode="after")
+    def _teacher_or_reference(self) -> AlgoConfig:
+        if self.teacher is not None and self.kl_coef > 0:
+            raise ValueError(
+                f"algo.teacher with algo.kl_coef={self.kl_coef}: the teacher takes the reference model's place in the "
+                "tri-model forward, so a KL penalty to the initial policy and distillation cannot run together; set "
+                "algo.kl_coef=0 (the reverse KL to the teacher is the regulariser) or drop algo.teacher"
+            )
         return self
 
     def clip_range(self) -> tuple[float, float]:

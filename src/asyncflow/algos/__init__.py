@@ -1,4 +1,5 @@
-"""Core RL math for asyncflow: advantage estimators, losses, train/inference mismatch correction, DAPO filtering.
+"""Core RL math for asyncflow: advantage estimators, losses, train/inference mismatch correction, DAPO filtering,
+on-policy distillation.
 
 Owns: pure functions on torch tensors only (no asyncflow imports beyond this package, no I/O).
 Shapes: per-token `[N, L]` right-padded with a `mask [N, L]`; per-response `[N]`; groups by
@@ -25,6 +26,7 @@ from asyncflow.algos.correction import (
     mismatch_sums,
     truncated_importance_weights,
 )
+from asyncflow.algos.distill import combine_with_reward, distill_advantages, reverse_kl_sums
 from asyncflow.algos.filtering import keep_groups_with_variance, overlong_mask, overlong_penalty
 from asyncflow.algos.losses import (
     AGGREGATION_MODES,
@@ -43,7 +45,8 @@ from asyncflow.algos.losses import (
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGGREGATION_MODES", "KL_ESTIMATORS", "MISMATCH_CORRECTIONS", "POLICY_LOSSES",
-    "aggregate", "aggregation_normalisers", "broadcast_to_tokens", "cispo_loss", "compute_advantages",
+    "aggregate", "aggregation_normalisers", "broadcast_to_tokens", "cispo_loss", "combine_with_reward",
+    "compute_advantages", "distill_advantages", "reverse_kl_sums",
     "correction_weights", "discounted_returns", "dr_grpo_advantages", "entropy_from_logits", "gae",
     "geometric_masked_weights", "grpo_advantages", "gspo_loss", "keep_groups_with_variance", "kl_penalty",
     "masked_mean", "mismatch_sums", "outcome_rewards_to_tokens", "overlong_mask", "overlong_penalty", "policy_loss",

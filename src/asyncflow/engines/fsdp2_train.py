@@ -118,6 +118,7 @@ class RankSpec:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     precision: str = "fp32"  # "fp32" or "bf16" (mixed: bf16 compute, fp32 reduce and master weights)
     activation_checkpointing: bool = False
+    teacher_path: str | None = None  # on-policy distillation: the frozen teacher, in the reference's place
 
 
 def mixed_precision_options(precision: str) -> dict:
@@ -173,6 +174,8 @@ class RankTrainer:
         policy = load_model(spec.model_path, dtype=spec.dtype, device="cpu")
         check_precision(spec.precision, policy)
         reference = make_reference(policy) if spec.use_reference else None
+        if spec.teacher_path is not None:  # on-policy distillation: the teacher takes the reference's place
+            reference = load_model(spec.teacher_path, dtype=spec.dtype, device="cpu").eval().requires_grad_(False)
         if spec.activation_checkpointing:  # before sharding
             enable_activation_checkpointing(policy, spec.packing)
         precision = mixed_precision_options(spec.precision)
@@ -367,6 +370,7 @@ class FSDP2TrainEngine(TrainEngineBase):
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     precision: str = "fp32"
     activation_checkpointing: bool = False
+    teacher_path: str | None = None  # a model folder each rank loads as the frozen teacher (`algo.teacher`)
     ranks: RankGroup = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -389,7 +393,7 @@ class FSDP2TrainEngine(TrainEngineBase):
             lr_schedule=self.lr_schedule, warmup_steps=self.warmup_steps, total_steps=self.total_steps,
             use_reference=self.use_reference, packing=self.packing, threads=threads, timeout_s=self.timeout_s,
             bucket_bytes=self.bucket_bytes, precision=self.precision,
-            activation_checkpointing=self.activation_checkpointing,
+            activation_checkpointing=self.activation_checkpointing, teacher_path=self.teacher_path,
         )
         if self.launcher is None:
             raise ValueError("train.engine=fsdp2 needs a launcher for its ranks (a runtime's: "

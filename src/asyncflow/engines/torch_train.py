@@ -120,13 +120,20 @@ class TorchTrainEngine(TrainEngineBase):
         lora: LoRASettings | None = None,
         precision: str = "fp32",
         activation_checkpointing: bool = False,
+        teacher: torch.nn.Module | None = None,
     ):
+        """`teacher`: a model that takes the reference's place (on-policy distillation, `algo.teacher`): frozen
+        here, its log-probs are the tri-model forward's `ref`; not with `use_reference`."""
+        if teacher is not None and use_reference:
+            raise ValueError("a training engine holds a reference model or a teacher, not both")
         self.model = model
         if packing not in ("auto", "on", "off"):
             raise ValueError(f"packing must be 'auto', 'on' or 'off', got {packing!r}")
         check_precision(precision, model)
         self.precision = precision
         self.reference = make_reference(model) if use_reference else None  # the base, before any adapter
+        if teacher is not None:
+            self.reference = teacher.eval().requires_grad_(False)
         if activation_checkpointing:
             enable_activation_checkpointing(model, packing)
         self.adapted = None  # peft's wrapper of `model` under LoRA (the model itself is trained and run)

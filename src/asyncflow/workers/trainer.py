@@ -2,7 +2,8 @@
 
 Owns: turning scored groups into per-token advantages (the configured estimator, DAPO dynamic
 sampling and overlong filtering) and accumulating the policy loss (`algo.loss`; + KL to the
-reference, entropy bonus, optional train/inference mismatch correction) micro-batch by micro-batch,
+reference, entropy bonus, optional train/inference mismatch correction; with `algo.teacher` the reverse KL to
+the teacher as the per-token advantage) micro-batch by micro-batch,
 with the staleness and mismatch metrics of each step.
 
 Staleness is counted per row and per token: a row's staleness (what `max_staleness` bounds, and
@@ -31,6 +32,7 @@ import torch
 
 from asyncflow.algos.advantages import compute_advantages
 from asyncflow.algos.correction import mismatch_sums
+from asyncflow.algos.distill import combine_with_reward, distill_advantages, reverse_kl_sums
 from asyncflow.algos.filtering import keep_groups_with_variance
 from asyncflow.algos.losses import rl_objective
 from asyncflow.config import AlgoConfig
@@ -89,6 +91,23 @@ class StepAccumulator:
             self.stats[k] = self.stats.get(k, 0.0) + v * weight
 
 
+def distilled_advantages(
+    advantages: torch.Tensor, out: TriLogProbs, algo: AlgoConfig
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """With `algo.teacher`, the advantages [N, L] trained on (`combine_with_reward` of the reward's `advantages` and
+    the reverse-KL signal of the teacher, whose log-probs are `out.ref`) and the `distill/reverse_kl` token sum;
+    without, `advantages` unchanged and no stats. The student's log-probs are the policy's at the weights being
+    trained (`out.old`, detached), also for a stale row: the estimate is of the KL the update lowers."""
+    if algo.teacher is None:
+        return advantages, {}
+    if out.ref is None:
+        raise RuntimeError("algo.teacher is set but the training engine computed no teacher log-probs")
+    signal = distill_advantages(out.old, out.ref, out.policy.mask)
+    combined = combine_with_reward(advantages, signal, teacher_coef=algo.teacher_coef,
+                                   with_reward=algo.teacher_with_reward)
+    return combined, {"distill/reverse_kl": reverse_kl_sums(out.old, out.ref, out.policy.mask)}
+
+
 @dataclass
 class PolicyLoss:
     """`rl_objective` of one micro-batch as a picklable `RowLoss` (an engine on several ranks ships each rank
@@ -105,15 +124,16 @@ class PolicyLoss:
     def __call__(self, out: TriLogProbs) -> tuple[torch.Tensor, dict[str, float]]:
         algo, device = self.algo, out.policy.logprobs.device
         rollout_logprobs = self.rollout_logprobs.to(device)
+        advantages, distill_stats = distilled_advantages(self.advantages.to(device), out, algo)
         clip_low, clip_high = algo.clip_range()
         loss, stats = rl_objective(
             out.policy.logprobs,
             out.policy.mask,
             out.old,
             rollout_logprobs,
-            self.advantages.to(device),
+            advantages,
             entropy=out.policy.entropy,
-            ref_logprobs=out.ref,
+            ref_logprobs=None if algo.teacher is not None else out.ref,
             stale=None if self.stale is None else self.stale.to(device),
             loss=algo.loss,
             clip_low=clip_low,
@@ -126,7 +146,7 @@ class PolicyLoss:
             correction_threshold=algo.mismatch_threshold,
         )
         gap = mismatch_sums(out.old, rollout_logprobs, out.policy.mask, same_version=self.current.to(device))
-        return loss, {**stats, **{f"mismatch/{name}": value for name, value in gap.items()}}
+        return loss, {**stats, **distill_stats, **{f"mismatch/{name}": value for name, value in gap.items()}}
 
     def select(self, rows: Sequence[int]) -> PolicyLoss:
         """The loss of `rows` alone, padded to their own longest response."""

@@ -73,6 +73,7 @@ from asyncflow.workflow.setup import (
     sampling_params,
     seed_everything,
     stage_workers,
+    teacher_engine_options,
     train_engine_options,
 )
 from asyncflow.workflow.stopping import RunStopped, StopSignals
@@ -125,7 +126,8 @@ class RLRun:
         model_path = resolve_model_path(config.model.path, seed=config.run.seed)
         self.tokenizer = load_tokenizer(model_path)
         policy = load_model(model_path, dtype=config.model.dtype, device=config.model.device)
-        self.train_engine = make_train_engine(config.train.engine, **train_engine_options(config, policy, model_path))
+        self.train_engine = make_train_engine(config.train.engine, **train_engine_options(config, policy, model_path),
+                                              **teacher_engine_options(config, self.tokenizer))
         self.runtime = self.workflow = self.eval_worker = None  # what evaluation generates with: see `evaluate`
         self.closed = False
         timeline_file = self.run_dir / TIMELINE_FILE

@@ -160,6 +160,31 @@ def train_engine_options(config: Config, policy: torch.nn.Module, model_path) ->
     }
 
 
+def teacher_engine_options(config: Config, tokenizer) -> dict:
+    """The training engine's teacher for on-policy distillation (`algo.teacher`; {} without one): the loaded model
+    (`teacher`) for the torch engine, its folder (`teacher_path`) for FSDP2's ranks. The teacher must share the
+    policy's vocabulary (it scores the student's token ids)."""
+    ref = config.algo.teacher
+    if ref is None:
+        return {}
+    from asyncflow.workflow.serve import load_served
+
+    if config.train.engine != "torch":
+        path = Path(ref).expanduser()
+        if not (ref.startswith("preset:") or (path / "config.json").is_file()):
+            raise ValueError(f"algo.teacher={ref!r} with train.engine={config.train.engine}: its ranks load the "
+                             "teacher from a Hugging Face folder or preset; export the checkpoint first")
+        teacher_path = resolve_model_path(ref, seed=config.run.seed)
+        if load_tokenizer(teacher_path).get_vocab() != tokenizer.get_vocab():
+            raise ValueError(f"algo.teacher={ref!r}: its tokenizer differs from the policy's")
+        return {"teacher_path": str(teacher_path)}
+    served = load_served(ref, dtype=config.model.dtype, device=config.model.device)
+    if served.tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"algo.teacher={ref!r}: its tokenizer differs from the policy's (distillation scores the "
+                         "student's token ids with the teacher)")
+    return {"teacher": served.model}
+
+
 def reward_specs(config: Config) -> list[str | RewardFn]:
     """`reward.fns` as the reward runner takes them: names and specs as written, `auto` as the task's verifier,
     a judge entry as a `JudgeReward` whose calls end within `reward.timeout_s` (JUDGE_SHARE of it)."""

@@ -1,0 +1,62 @@
+"""On-policy distillation against GRPO alone on the main job: held-out accuracy curves side by side.
+
+Owns nothing the library uses. Reads the `metrics.jsonl` of finished (or stopped) runs and writes one PNG:
+held-out accuracy against RL steps for the distilled student(s), GRPO alone from the same SFT model(s), and the
+teacher's accuracy with the 90% bar. The runs themselves are `asyncflow train` commands (docs/distillation.md).
+
+Run: .venv/bin/python benchmarks/distill_curves.py --distill RUN [RUN ...] --grpo RUN [RUN ...]
+     --teacher-accuracy 0.863 --out docs/distillation.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def accuracy_curve(run: Path, max_step: int | None = None) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    points = sorted({r["step"]: r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None}.items())
+    return [(s, a) for s, a in points if max_step is None or s <= max_step]
+
+
+def first_step_at(curve: list[tuple[int, float]], target: float) -> int | None:
+    return next((s for s, a in curve if a >= target), None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--distill", nargs="+", type=Path, required=True)
+    parser.add_argument("--grpo", nargs="+", type=Path, required=True)
+    parser.add_argument("--teacher-accuracy", type=float, required=True)
+    parser.add_argument("--max-step", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=Path("docs/distillation.png"))
+    args = parser.parse_args()
+    bar = 0.9 * args.teacher_accuracy
+    figure, axis = plt.subplots(figsize=(7, 4))
+    summary = {}
+    for label, runs, style in (("distilled", args.distill, "-"), ("GRPO alone", args.grpo, "--")):
+        for run in runs:
+            curve = accuracy_curve(run, args.max_step)
+            axis.plot([s for s, _ in curve], [100 * a for _, a in curve], style, label=f"{label}: {run.name}")
+            summary[str(run)] = {"last": curve[-1], "first_step_at_90pct_of_teacher": first_step_at(curve, bar)}
+    axis.axhline(100 * args.teacher_accuracy, color="black", linewidth=1, label="teacher")
+    axis.axhline(100 * bar, color="gray", linestyle=":", linewidth=1, label="90% of teacher")
+    axis.set_xlabel("RL step (32 prompts x 8 samples)")
+    axis.set_ylabel("held-out accuracy (%)")
+    axis.legend(fontsize=7)
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(args.out, dpi=110)
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
