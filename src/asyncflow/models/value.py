@@ -53,7 +53,7 @@ class ValueHead(torch.nn.Module):
         torch.nn.init.zeros_(self.head.bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
+        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).to(torch.float32, copy=True)  # not a view
 
 
 class ValueModel(torch.nn.Module):
