@@ -273,10 +273,30 @@ _LOSS_CLIP_KEYS = {  # each policy loss's (lower, upper) clip range
 }
 
 
+class CriticConfig(Section):
+    """The value model of PPO with a critic (`algo.advantage: gae`; `asyncflow.models.value`)."""
+
+    kind: Literal["head", "separate"] = "head"
+    """`head`: a linear value head on the policy's last hidden states (one forward gives log-probs and values);
+    `separate`: a model of its own (`path`) with such a head, run in the same (packed) layout as the policy."""
+    path: str | None = None
+    """`separate`: a local Hugging Face model folder, `preset:NAME` or a run's checkpoint folder, loaded like
+    `model.path`; `null` = `model.path` (the critic starts from the policy's weights)."""
+    lr: float | None = Field(None, gt=0)
+    """Learning rate of the critic's parameters (its own AdamW group, on `train.lr_schedule`); `null` =
+    `train.lr`."""
+    train_trunk: bool = True
+    """`head`: the value loss also trains the shared trunk (scaled by `algo.value_coef`); `false` = the head
+    learns on detached hidden states and the policy's gradient is the policy loss's alone."""
+
+
 class AlgoConfig(Section):
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
-    """Advantage estimator. `gae` (PPO with a critic) is rejected until a training engine trains a value
-    model; its math (`asyncflow.algos.gae`, `value_loss`) is in place."""
+    """Advantage estimator. `gae`: PPO with a critic (`algo.critic`): each response's reward on its last trained
+    token, the critic's values (before this step's update) and `gamma` / `lam` give per-token GAE advantages and
+    returns (advantages + values), per row and not whitened; the critic is trained on the returns with the
+    clipped value loss (`value_clip`, `value_coef`) next to the policy. The KL penalty (`kl_coef`) stays in the
+    loss, not in the rewards."""
     clip_low: float = Field(0.2, ge=0)
     """Lower PPO clip range (ratio >= 1 - clip_low)."""
     clip_high: float = Field(0.28, ge=0)
@@ -312,7 +332,7 @@ class AlgoConfig(Section):
     lam: float = Field(0.95, ge=0, le=1)
     """GAE lambda."""
     value_coef: float = Field(0.5, ge=0)
-    """Value loss weight (PPO with a critic)."""
+    """Value loss weight (PPO with a critic): the loss is the policy loss + value_coef * the value loss."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal."""
     overlong_filter: bool = False
@@ -347,6 +367,13 @@ class AlgoConfig(Section):
     teacher_with_reward: bool = False
     """`teacher` only: add the reward's advantage (`advantage` estimator) to the distillation advantage; `false`
     trains on distillation alone (rewards are still scored and logged as `reward/*`, but not trained on)."""
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    """The value model (`advantage: gae` only)."""
+    value_clip: float | None = Field(0.2, gt=0)
+    """Clip of the value loss: each value may move at most this far from its old value (PPO's clipped value
+    loss, 0.5 * max((V - R)^2, (V_clip - R)^2)); `null` = unclipped. The old values are the critic's before
+    this step's update and one update is taken per step, so within a step V = V_old and the clip does not
+    act (`value/clip_fraction` is 0); it is kept for updates that reuse a batch."""
 
     @model_validator(mode="before")
     @classmethod
@@ -391,16 +418,18 @@ class AlgoConfig(Section):
         low, high = _LOSS_CLIP_KEYS[self.loss]
         return getattr(self, low), getattr(self, high)
 
-    @field_validator("advantage")
-    @classmethod
-    def _no_critic_yet(cls, value: str) -> str:
-        if value == "gae":
-            raise ValueError(
-                "gae needs a critic (a value model), which no training engine trains yet (PPO with a critic is "
-                "not supported; only its GAE and value-loss math exists, in asyncflow.algos): use grpo, dr_grpo, "
-                "rloo or reinforce_pp, which need no critic"
-            )
-        return value
+    @model_validator(mode="after")
+    def _critic_keys_need_gae(self) -> AlgoConfig:
+        """A critic key changed while no critic is trained would do nothing: refused."""
+        if self.advantage != "gae":
+            fields = type(self).model_fields
+            changed = [f"critic.{k}" for k, v in self.critic.model_dump().items()
+                       if v != CriticConfig.model_fields[k].default]
+            changed += [k for k in ("value_clip", "value_coef") if getattr(self, k) != fields[k].default]
+            if changed:
+                raise ValueError(f"algo.{changed[0]} applies to algo.advantage=gae (PPO with a critic) only, "
+                                 f"but algo.advantage is {self.advantage}")
+        return self
 
 
 class LoRAConfig(Section):

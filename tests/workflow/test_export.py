@@ -132,3 +132,20 @@ def test_lora_run_resumes_exactly_and_exports_the_adapter_and_the_merged_model(t
     assert adapter_config["base_model_name_or_path"] == str(Path(whole.spec.model_path).resolve())
     adapted = peft.PeftModel.from_pretrained(load_model(whole.spec.model_path), str(out / "adapter"))
     assert torch.equal(logprobs(adapted, samples), trainer)
+
+
+@pytest.mark.parametrize("kind", ["head", "separate"])
+def test_a_ppo_run_exports_a_plain_policy_and_keeps_its_critic_in_the_checkpoint(tmp_path, kind, one_torch_thread):
+    """With a critic (`algo.advantage=gae`) the export is the policy alone (transformers loads it with no unused
+    weight, and it gives the trainer's log-probs); the critic's weights are in `training_state.pt` only."""
+    run = tiny_run(tmp_path / "run", "algo.advantage=gae", f"algo.critic.kind={kind}")
+    out = tmp_path / "run" / "export"
+    exported = load_file(str(out / "model.safetensors"))
+    assert not any("critic" in key for key in exported)
+    model, info = AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"], info
+    samples = probe_samples(AutoTokenizer.from_pretrained(str(out)))
+    assert torch.equal(logprobs(model, samples), logprobs(run.train_engine.model, samples))
+    state = torch.load(tmp_path / "run" / "checkpoints" / "step_2" / "training_state.pt", weights_only=False)
+    critic = run.train_engine.critic.state_dict()
+    assert state["critic"].keys() == critic.keys() and all(torch.equal(state["critic"][k], critic[k]) for k in critic)

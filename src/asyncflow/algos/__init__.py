@@ -14,6 +14,7 @@ from asyncflow.algos.advantages import (
     dr_grpo_advantages,
     gae,
     grpo_advantages,
+    outcome_gae,
     outcome_rewards_to_tokens,
     reinforce_pp_advantages,
     rloo_advantages,
@@ -36,11 +37,13 @@ from asyncflow.algos.losses import (
     aggregation_normalisers,
     cispo_loss,
     entropy_from_logits,
+    explained_variance,
     gspo_loss,
     kl_penalty,
     masked_mean,
     policy_loss,
     value_loss,
+    value_objective,
 )
 
 __all__ = [
@@ -51,4 +54,5 @@ __all__ = [
     "geometric_masked_weights", "grpo_advantages", "gspo_loss", "keep_groups_with_variance", "kl_penalty",
     "masked_mean", "mismatch_sums", "outcome_rewards_to_tokens", "overlong_mask", "overlong_penalty", "policy_loss",
     "reinforce_pp_advantages", "rloo_advantages", "truncated_importance_weights", "value_loss", "whiten",
+    "explained_variance", "outcome_gae", "value_objective",
 ]

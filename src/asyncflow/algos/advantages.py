@@ -1,6 +1,7 @@
 """Advantage estimators for RL post-training: GRPO, Dr.GRPO, RLOO, REINFORCE++ and GAE.
 
-Owns: pure functions on tensors that turn rewards (and, for PPO, critic values) into advantages,
+Owns: pure functions on tensors that turn rewards (and, for PPO, critic values: `gae`, `outcome_gae`) into
+advantages,
 plus the registry `ADVANTAGE_ESTIMATORS` and the dispatcher `compute_advantages`.
 
 Conventions (shared by every function here):
@@ -207,6 +208,26 @@ def gae(
         next_value = torch.where(valid, v[:, t], next_value)
         adv[:, t] = a * m[:, t]
     return adv, (adv + v) * m
+
+
+@torch.no_grad()
+def outcome_gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE of outcome-rewarded responses (PPO with a critic): each response's reward on its last valid token, then
+    `gae`. rewards [N], values [N, L] (the critic's, before the update), mask [N, L] -> (advantages [N, L],
+    returns [N, L] = advantages + values on valid tokens). A row with no valid token gets zeros (nothing of it is
+    trained) instead of an error.
+    """
+    check_ndim("mask", mask, 2)
+    m = float_mask(mask, _as_float(values))
+    nonempty = (m > 0).any(dim=1)
+    adv = torch.zeros_like(m)
+    returns = torch.zeros_like(m)
+    if nonempty.any():
+        token_rewards = outcome_rewards_to_tokens(rewards[nonempty], m[nonempty])
+        adv[nonempty], returns[nonempty] = gae(token_rewards, values[nonempty], m[nonempty], gamma, lam)
+    return adv, returns
 
 
 def broadcast_to_tokens(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Losses for post-training: the policy losses (PPO/GRPO/DAPO's clipped surrogate, GSPO, CISPO), KL
-penalties, entropy, clipped value loss, masked aggregation, the RL objective with its train/inference
-mismatch correction (the weights themselves are `asyncflow.algos.correction`), and the supervised (SFT) loss.
+penalties, entropy, the critic's clipped value loss (`value_loss`, `value_objective`, `explained_variance`), masked
+aggregation, the RL objective with its train/inference mismatch correction (the weights themselves are
+`asyncflow.algos.correction`), and the supervised (SFT) loss.
 
 Owns: pure functions on tensors. Per-token tensors are `[N, L]` (N responses, right-padded to L)
 with `mask [N, L]` (bool or 0/1 float) marking real response tokens.
@@ -318,6 +319,70 @@ def value_loss(
         v_clipped = old + (values - old).clamp(-clip, clip)
         per_token = torch.maximum(per_token, (v_clipped - target) ** 2)
     return aggregate(0.5 * per_token, mask, aggregation, total_tokens, total_sequences)
+
+
+VALUE_SUMS = ("value/_tokens", "value/_returns", "value/_returns_sq", "value/_error", "value/_error_sq")
+
+
+def value_objective(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float | None = 0.2,
+    aggregation: str = "token_mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The critic's part of one micro-batch's objective, as an unnormalised SUM like `rl_objective`.
+
+    values [N, L] (with grad), old_values [N, L], returns [N, L], mask [N, L] -> (`value_loss` aggregated by
+    `aggregation` with normalisers 1, stats). Stats are sums over valid tokens: `value/loss` (the per-token loss
+    0.5 * max((V - R)^2, (V_clip - R)^2)), `value/clip_fraction` (tokens where the clipped term is the larger),
+    and `VALUE_SUMS` (count, sum R, sum R^2, sum (R - V), sum (R - V)^2 with V = old_values), from which
+    `explained_variance_from_sums` gives the batch's explained variance.
+    """
+    loss = value_loss(values, old_values, returns, mask, clip, aggregation, total_tokens=1.0, total_sequences=1.0)
+    with torch.no_grad():
+        m = float_mask(mask, values)
+        v, old, r = values.detach().float(), old_values.float(), returns.float()
+        unclipped = (v - r) ** 2
+        per_token = unclipped
+        clipped_larger = torch.zeros_like(unclipped, dtype=torch.bool)
+        if clip is not None:
+            clipped = (old + (v - old).clamp(-clip, clip) - r) ** 2
+            clipped_larger = clipped > unclipped
+            per_token = torch.maximum(unclipped, clipped)
+        error = (r - old) * m
+        stats = {
+            "value/loss": float((0.5 * per_token * m).sum()),
+            "value/clip_fraction": float((clipped_larger.float() * m).sum()),
+            "value/_tokens": float(m.sum()),
+            "value/_returns": float((r * m).sum()),
+            "value/_returns_sq": float((r * r * m).sum()),
+            "value/_error": float(error.sum()),
+            "value/_error_sq": float((error * error).sum()),
+        }
+    return loss, stats
+
+
+def explained_variance_from_sums(
+    tokens: float, returns: float, returns_sq: float, error: float, error_sq: float
+) -> float:
+    """1 - Var(R - V) / Var(R) over tokens, from the sums of `value_objective`'s `VALUE_SUMS` (population variances);
+    NaN when the returns do not vary (or there is no token)."""
+    if tokens <= 0:
+        return float("nan")
+    var_returns = returns_sq / tokens - (returns / tokens) ** 2
+    var_error = error_sq / tokens - (error / tokens) ** 2
+    return 1.0 - var_error / var_returns if var_returns > 1e-12 else float("nan")
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(R - V) / Var(R) over valid tokens. values, returns, mask [N, L] -> float (NaN if R is constant)."""
+    check_same_shape(values=values, returns=returns, mask=mask)
+    m = float_mask(mask, values.float())
+    r, e = returns.float() * m, (returns.float() - values.float()) * m
+    return explained_variance_from_sums(float(m.sum()), float(r.sum()), float((r * r).sum()), float(e.sum()),
+                                        float((e * e).sum()))
 
 
 def rl_objective(

@@ -27,6 +27,8 @@ Invariants:
   next `optimizer_step` or load); rank 0 packs it into buckets (`asyncflow.weights.buckets`).
 - Sharded checkpoints (`save_sharded` / `load_sharded`) hold every rank's weights and optimizer
   state; DCP reshards them on load, so a checkpoint resumes with another `world_size` too.
+- A critic (`RankSpec.critic`) is attached to every rank's policy before sharding, is an FSDP2 unit of its own,
+  and is trained, clipped and checkpointed (in `sharded/`) with the policy; the full state dict stays the policy's.
 - `precision="bf16"` is FSDP2's `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: each unit's
   all-gathered parameters and its compute are bfloat16, gradients are reduced in float32 into float32
   shards, and AdamW steps float32 master weights; the full state dict is float32.
@@ -49,6 +51,7 @@ import torch
 from asyncflow.engines.base import RowLoss, TrainEngineBase, register_train_engine
 from asyncflow.engines.torch_train import check_precision, enable_activation_checkpointing, lr_lambda
 from asyncflow.models.logprobs import TrainSample
+from asyncflow.models.value import CriticSpec
 from asyncflow.transfer.samplers import karmarkar_karp
 from asyncflow.weights.buckets import (
     DEFAULT_BUCKET_BYTES,
@@ -119,6 +122,7 @@ class RankSpec:
     precision: str = "fp32"  # "fp32" or "bf16" (mixed: bf16 compute, fp32 reduce and master weights)
     activation_checkpointing: bool = False
     teacher_path: str | None = None  # on-policy distillation: the frozen teacher, in the reference's place
+    critic: CriticSpec | None = None  # PPO's value model, attached to the policy (`asyncflow.models.value`)
 
 
 def mixed_precision_options(precision: str) -> dict:
@@ -132,14 +136,19 @@ def mixed_precision_options(precision: str) -> dict:
 
 
 def shard_model(model: torch.nn.Module, mesh, **options) -> torch.nn.Module:
-    """FSDP2: one unit per decoder layer (the classes HF lists in `_no_split_modules`), then the root
-    (embeddings, final norm, head). Returns the same module, now sharded."""
+    """FSDP2: one unit per decoder layer (the classes HF lists in `_no_split_modules`), the critic (when attached:
+    it runs outside the policy's forward), then the root (embeddings, final norm, head). Returns the same module,
+    now sharded."""
     from torch.distributed.fsdp import fully_shard
+
+    from asyncflow.models.value import critic_of
 
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     for module in model.modules():
         if type(module).__name__ in layer_classes:
             fully_shard(module, mesh=mesh, **options)
+    if critic_of(model) is not None:
+        fully_shard(critic_of(model), mesh=mesh, **options)
     fully_shard(model, mesh=mesh, **options)
     return model
 
@@ -153,8 +162,10 @@ class RankTrainer:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule
 
+        from asyncflow.engines.torch_train import optimizer_groups
         from asyncflow.models.loading import load_model
         from asyncflow.models.tri_model import make_reference
+        from asyncflow.models.value import attach_critic, critic_of
 
         self.rank, self.world, self.spec = rank, world, spec
         if spec.device == "cpu":
@@ -178,6 +189,8 @@ class RankTrainer:
             reference = load_model(spec.teacher_path, dtype=spec.dtype, device="cpu").eval().requires_grad_(False)
         if spec.activation_checkpointing:  # before sharding
             enable_activation_checkpointing(policy, spec.packing)
+        if spec.critic is not None:
+            attach_critic(policy, spec.critic)
         precision = mixed_precision_options(spec.precision)
         self.model = shard_model(policy, self.mesh, **precision)
         for module in self.model.modules():  # the ranks' gradient sums add up; the driver normalises them
@@ -187,9 +200,9 @@ class RankTrainer:
         self.model.train()
         self.reference = shard_model(reference, self.mesh, **precision) if reference is not None else None
         # The optimizer is built after sharding: over the DTensor shards (built before, it would not train).
+        self.critic = critic_of(self.model)
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=spec.lr, betas=spec.betas,
-            weight_decay=spec.weight_decay,
+            optimizer_groups(self.model, spec.critic), lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(spec.lr_schedule, spec.warmup_steps, spec.total_steps)
@@ -205,10 +218,11 @@ class RankTrainer:
         rows = samples or [TrainSample([0], [0])]
         out = tri_model_logprobs(
             self.model, rows, reference=self.reference, old_policy=None, packing=self.spec.packing,
-            temperature=temperature, with_entropy=True,
+            temperature=temperature, with_entropy=True, critic=self.critic,
         )
         if not samples:
-            (out.policy.logprobs.sum() * 0.0).backward()
+            dummy = out.policy.logprobs.sum() * 0.0
+            ((dummy + out.values.sum() * 0.0) if out.values is not None else dummy).backward()
             return {}
         loss, stats = loss_fn(out)
         stats = {**stats, "train/packed_fraction": float(out.policy.mask.sum()) if out.packed else 0.0}
@@ -231,21 +245,28 @@ class RankTrainer:
         """Scale the summed gradient shards, clip by the global norm, step (all ranks skip together)."""
         import torch.distributed as dist
 
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        for p in params:
+        from asyncflow.models.value import critic_parameters
+
+        params, critic_params = critic_parameters(self.model)
+        for p in params + critic_params:
             if p.grad is not None:
                 p.grad.mul_(grad_scale)  # a local op on this rank's shard
-        norm = torch.nn.utils.clip_grad_norm_(params, self.spec.grad_clip)
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+        def clip(group: list[torch.nn.Parameter]) -> float:
+            norm = torch.nn.utils.clip_grad_norm_(group, self.spec.grad_clip)
+            return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+        grad_norm = clip(params)
+        extra = {"value/grad_norm": clip(critic_params)} if critic_params else {}  # each clipped on its own
         flag = torch.tensor([1.0 if self.nonfinite else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        skipped = bool(flag.item()) or not math.isfinite(grad_norm)
+        skipped = bool(flag.item()) or not all(map(math.isfinite, [grad_norm, *extra.values()]))
         if not skipped:
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.nonfinite = False
-        return {"grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "skipped": float(skipped)}
+        return {"grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "skipped": float(skipped), **extra}
 
     def full_weights(self, share: bool = False) -> tuple[Manifest, torch.Tensor] | None:
         """Gather the full state dict to rank 0 and pack it into one payload of buckets; -> (manifest, payload)
@@ -253,9 +274,12 @@ class RankTrainer:
         version v without a copy while version v + 1 is written into the other one."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        from asyncflow.models.value import policy_weights
+
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return None
+        full = policy_weights(full)  # the critic stays on the ranks (and in the sharded checkpoint)
         manifest = plan_buckets(full, self.spec.bucket_bytes)
         if not share:
             payload = allocate_payload(manifest)
@@ -285,7 +309,7 @@ class RankTrainer:
 
         set_model_state_dict(
             self.model, dict(state_dict or {}),
-            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=self.critic is None),
         )
 
     def save_sharded(self, folder: str) -> None:
@@ -371,6 +395,7 @@ class FSDP2TrainEngine(TrainEngineBase):
     precision: str = "fp32"
     activation_checkpointing: bool = False
     teacher_path: str | None = None  # a model folder each rank loads as the frozen teacher (`algo.teacher`)
+    critic: CriticSpec | None = None
     ranks: RankGroup = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -394,6 +419,7 @@ class FSDP2TrainEngine(TrainEngineBase):
             use_reference=self.use_reference, packing=self.packing, threads=threads, timeout_s=self.timeout_s,
             bucket_bytes=self.bucket_bytes, precision=self.precision,
             activation_checkpointing=self.activation_checkpointing, teacher_path=self.teacher_path,
+            critic=self.critic,
         )
         if self.launcher is None:
             raise ValueError("train.engine=fsdp2 needs a launcher for its ranks (a runtime's: "

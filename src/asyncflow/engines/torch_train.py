@@ -11,7 +11,10 @@ the base model's names (what rollout engines and checkpoints' `model.safetensors
 `training_state` carries the adapter, so `load_checkpoint` restores it onto the frozen base.
 `precision="bf16"` runs the forward and backward under bfloat16 autocast (`compute_precision`) while the
 parameters, gradients and AdamW state stay float32; `activation_checkpointing` recomputes each decoder
-layer in the backward instead of keeping its activations (`enable_activation_checkpointing`).
+layer in the backward instead of keeping its activations (`enable_activation_checkpointing`). With `critic`
+(`asyncflow.models.value`) the value model is attached to the policy module (after LoRA: it trains fully), runs in
+the tri-model forward, has its own AdamW group (`critic.lr`) and its own gradient clip, and its weights travel in
+`training_state` (`state_dict` stays the plain policy).
 
 Invariants:
 - One `optimizer_step` per call; gradients accumulate across `backward_micro_batch` calls until
@@ -37,6 +40,7 @@ from asyncflow.engines.base import LossFn, TrainEngineBase, register_train_engin
 from asyncflow.models.logprobs import TrainSample
 from asyncflow.models.packing import keep_shared_prompt_attention
 from asyncflow.models.tri_model import make_reference, tri_model_logprobs
+from asyncflow.models.value import CriticSpec, attach_critic, critic_parameters, is_critic_key, policy_weights
 
 if TYPE_CHECKING:
     from asyncflow.engines.peft_lora import LoRASettings
@@ -121,6 +125,7 @@ class TorchTrainEngine(TrainEngineBase):
         precision: str = "fp32",
         activation_checkpointing: bool = False,
         teacher: torch.nn.Module | None = None,
+        critic: CriticSpec | None = None,
     ):
         """`teacher`: a model that takes the reference's place (on-policy distillation, `algo.teacher`): frozen
         here, its log-probs are the tri-model forward's `ref`; not with `use_reference`."""
@@ -141,11 +146,12 @@ class TorchTrainEngine(TrainEngineBase):
             from asyncflow.engines import peft_lora as lora_adapter  # peft is imported only when asked for
 
             self.adapted = lora_adapter.add_adapters(model, lora)
+        self.critic = attach_critic(model, critic) if critic is not None else None  # after LoRA: trained fully
         self.model.train()
         self.packing = packing
         self.grad_clip = grad_clip
         self.optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=lr, betas=betas, weight_decay=weight_decay
+            optimizer_groups(model, critic), lr=lr, betas=betas, weight_decay=weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(lr_schedule, warmup_steps, total_steps)
@@ -168,6 +174,7 @@ class TorchTrainEngine(TrainEngineBase):
                 packing=self.packing,
                 temperature=temperature,
                 with_entropy=True,
+                critic=self.critic,
             )
         loss, stats = loss_fn(out)
         # A token sum like the trainer's other stats: divided by the step's tokens it is the packed fraction.
@@ -189,19 +196,22 @@ class TorchTrainEngine(TrainEngineBase):
     def optimizer_step(self, grad_scale: float = 1.0) -> dict[str, float]:
         """Scale the accumulated gradients by `grad_scale` (the loss normaliser of the whole batch,
         known only once every micro-batch has been seen), clip, step, and zero them."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params, critic_params = critic_parameters(self.model)
         if grad_scale != 1.0:
-            for p in params:
+            for p in params + critic_params:
                 if p.grad is not None:
                     p.grad.mul_(grad_scale)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip))
-        skipped = self._nonfinite_in_step or not math.isfinite(grad_norm)
+        extra = {}
+        if critic_params:  # clipped on its own: the value loss's scale does not shrink the policy's update
+            extra["value/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(critic_params, self.grad_clip))
+        skipped = self._nonfinite_in_step or not all(map(math.isfinite, [grad_norm, *extra.values()]))
         if not skipped:
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._nonfinite_in_step = False
-        return {"grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "skipped": float(skipped)}
+        return {"grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "skipped": float(skipped), **extra}
 
     @property
     def device(self) -> torch.device:
@@ -211,31 +221,38 @@ class TorchTrainEngine(TrainEngineBase):
         return self.model  # under LoRA the adapted model: its forward is the merged policy
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The policy's weights under the base model's names (merged with the adapter under LoRA)."""
+        """The policy's weights under the base model's names (merged with the adapter under LoRA), without the
+        critic's (`training_state` carries those)."""
         if self.adapted is not None:
             from asyncflow.engines.peft_lora import merged_state_dict
 
-            return merged_state_dict(self.model)
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+            return policy_weights(merged_state_dict(self.model))
+        return policy_weights({k: v.detach() for k, v in self.model.state_dict().items()})
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load full policy weights. Under LoRA they become the base and the adapter starts again from B = 0
         (so `state_dict()` returns them unchanged); `load_checkpoint` restores a LoRA run instead."""
         if self.adapted is None:
-            self.model.load_state_dict(state_dict)
+            result = self.model.load_state_dict(state_dict, strict=self.critic is None)
+            missing = [key for key in result.missing_keys if not is_critic_key(key)]
+            if missing or result.unexpected_keys:
+                raise KeyError(f"policy weights do not match: missing {missing[:5]}, "
+                               f"unexpected {list(result.unexpected_keys)[:5]}")
             return
         from asyncflow.engines.peft_lora import reset_adapters
 
         result = self.model.load_state_dict(_adapted_names(self.model, state_dict), strict=False)
-        missing = [key for key in result.missing_keys if ".lora_" not in key]
+        missing = [key for key in result.missing_keys if ".lora_" not in key and not is_critic_key(key)]
         if missing:
             raise KeyError(f"policy weights missing from the state dict: {missing[:5]}")
         reset_adapters(self.model)
 
     def training_state(self) -> dict:
         """Optimizer and schedule state for checkpoints (weights go separately, as safetensors); under LoRA
-        also the adapter (`adapter`, peft's names)."""
+        also the adapter (`adapter`, peft's names); with a critic its weights (`critic`)."""
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        if self.critic is not None:
+            state["critic"] = {k: v.detach().clone() for k, v in self.critic.state_dict().items()}
         if self.adapted is not None:
             from asyncflow.engines.peft_lora import adapter_state_dict
 
@@ -246,6 +263,11 @@ class TorchTrainEngine(TrainEngineBase):
         if (self.adapted is None) != ("adapter" not in state):
             raise ValueError("the checkpoint was written " + ("without" if self.adapted is not None else "with")
                              + " LoRA (train.lora.rank) and cannot resume this run's engine")
+        if (self.critic is None) != ("critic" not in state):
+            raise ValueError("the checkpoint was written " + ("without" if self.critic is not None else "with")
+                             + " a critic (algo.advantage: gae) and cannot resume this run's engine")
+        if self.critic is not None:
+            self.critic.load_state_dict(state["critic"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.adapted is not None:
@@ -269,6 +291,15 @@ class TorchTrainEngine(TrainEngineBase):
                     f"LoRA checkpoint: the base model's {key} plus the saved adapter does not give the checkpoint's "
                     "weights; was model.path changed after the run started?"
                 )
+
+
+def optimizer_groups(model: torch.nn.Module, critic: CriticSpec | None) -> list[dict]:
+    """AdamW parameter groups: the policy's trainable parameters, then the critic's at `critic.lr`."""
+    policy, critic_params = critic_parameters(model)
+    groups = [{"params": policy}]
+    if critic_params:
+        groups.append({"params": critic_params, "lr": critic.lr})
+    return groups
 
 
 def _adapted_names(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

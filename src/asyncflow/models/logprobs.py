@@ -11,6 +11,7 @@ with `mask [N, L]` marking real response tokens.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ class LogProbs:
     logprobs: torch.Tensor  # [N, L] float32
     mask: torch.Tensor  # [N, L] bool
     entropy: torch.Tensor | None = None  # [N, L] float32, when requested
+    hidden: torch.Tensor | None = None  # [N, L, H] the lm_head's input predicting each token, when requested
 
 
 def response_mask(samples: list[TrainSample], device=None) -> torch.Tensor:
@@ -57,16 +59,35 @@ def gather_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperatu
     return token_logprobs, entropy
 
 
+@contextmanager
+def lm_head_input(model: torch.nn.Module, enabled: bool = True):
+    """Yields a dict whose `hidden` is, after a forward of `model`, the input of its output layer (the final
+    hidden states the logits are computed from, already sliced by `logits_to_keep`)."""
+    captured: dict[str, torch.Tensor] = {}
+    if not enabled:
+        yield captured
+        return
+    handle = model.get_output_embeddings().register_forward_pre_hook(
+        lambda module, args: captured.__setitem__("hidden", args[0])
+    )
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
 def response_logprobs(
     model: torch.nn.Module,
     samples: list[TrainSample],
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    with_hidden: bool = False,
 ) -> LogProbs:
     """Log-probs of each response token given its prompt and the preceding response tokens.
 
-    Runs one forward over `[N, T]` right-padded `prompt + response` sequences (T = longest).
+    Runs one forward over `[N, T]` right-padded `prompt + response` sequences (T = longest). `with_hidden`: also
+    the hidden state `[N, L, H]` whose logits predict each response token (for a value head).
     """
     if not samples:
         raise ValueError("response_logprobs needs at least one sample")
@@ -84,11 +105,16 @@ def response_logprobs(
     # Response token j of sample i sits at position P_i + j and is predicted by position P_i + j - 1.
     prompt_lens = torch.tensor([len(s.prompt_ids) for s in samples], device=device)
     positions = (prompt_lens[:, None] - 1 + torch.arange(L, device=device)[None, :]).clamp(max=T - 1)
-    logits = model(input_ids=input_ids, attention_mask=attention).logits  # [N, T, V]
+    with lm_head_input(model, with_hidden) as captured:
+        logits = model(input_ids=input_ids, attention_mask=attention).logits  # [N, T, V]
+    hidden = None
+    if with_hidden:
+        h = captured["hidden"]
+        hidden = h.gather(1, positions.unsqueeze(-1).expand(-1, -1, h.shape[-1]))  # [N, L, H]
     picked = logits.gather(1, positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [N, L, V]
     targets = input_ids.gather(1, (positions + 1).clamp(max=T - 1))
     logprobs, entropy = gather_token_logprobs(picked, targets, temperature, with_entropy)
     logprobs = logprobs.masked_fill(~mask, 0.0)
     if entropy is not None:
         entropy = entropy.masked_fill(~mask, 0.0)
-    return LogProbs(logprobs, mask, entropy)
+    return LogProbs(logprobs, mask, entropy, hidden)

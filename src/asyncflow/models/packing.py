@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from asyncflow.models.logprobs import LogProbs, TrainSample, gather_token_logprobs
+from asyncflow.models.logprobs import LogProbs, TrainSample, gather_token_logprobs, lm_head_input
 from asyncflow.models.logprobs import response_mask as trained_token_mask
 
 try:  # CUDA-only varlen kernel; absent on CPU machines.
@@ -288,11 +288,13 @@ def packed_response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     layout: SharedPromptLayout | None = None,
+    with_hidden: bool = False,
 ) -> LogProbs:
     """`response_logprobs` computed with each group's prompt run once (see the module docstring).
 
     Returns `LogProbs` with `logprobs`/`mask`/`entropy` `[N, L]` in the order of `samples`.
-    `layout` (from `plan_shared_prompt(samples, device)`) lets several models share one plan.
+    `layout` (from `plan_shared_prompt(samples, device)`) lets several models share one plan. `with_hidden`: also
+    the hidden states `[N, L, H]` predicting each token (`LogProbs.hidden`, as `response_logprobs`).
     """
     device = next(model.parameters()).device
     if layout is None:
@@ -300,8 +302,9 @@ def packed_response_logprobs(
     elif layout.input_ids.device != device or layout.targets.shape[0] != len(samples):
         raise ValueError("layout was planned for other samples or another device than the model's")
     n, length = layout.targets.shape
-    with _attention_implementation(model, ATTENTION_NAME):
-        if _accepts_logits_to_keep(model):
+    keep = _accepts_logits_to_keep(model)
+    with _attention_implementation(model, ATTENTION_NAME), lm_head_input(model, with_hidden) as captured:
+        if keep:
             logits = model(
                 input_ids=layout.input_ids,
                 position_ids=layout.position_ids,
@@ -312,8 +315,12 @@ def packed_response_logprobs(
             logits = model(
                 input_ids=layout.input_ids, position_ids=layout.position_ids, shared_prompt_layout=layout
             ).logits[0, layout.predictor_index]
+    hidden = None
+    if with_hidden:
+        h = captured["hidden"]
+        hidden = h.view(n, length, -1) if keep else h[0, layout.predictor_index]  # [N, L, H]
     logprobs, entropy = gather_token_logprobs(logits, layout.targets, temperature, with_entropy)
     logprobs = logprobs.masked_fill(~layout.mask, 0.0)
     if entropy is not None:
         entropy = entropy.masked_fill(~layout.mask, 0.0)
-    return LogProbs(logprobs, layout.mask, entropy)
+    return LogProbs(logprobs, layout.mask, entropy, hidden)

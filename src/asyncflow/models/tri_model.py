@@ -1,7 +1,7 @@
 """Unified tri-model forward: policy, old-policy and reference log-probs of one micro-batch in one call.
 
-Owns: `TriLogProbs`, `tri_model_logprobs`, `TriModel` (the three models held together),
-`make_reference` (frozen copy of the initial policy) and the packing decision `should_pack`.
+Owns: `TriLogProbs` (with the critic's values, when there is one), `tri_model_logprobs`, `TriModel` (the three
+models held together), `make_reference` (frozen copy of the initial policy) and the packing decision `should_pack`.
 
 Invariants: only the policy forward records autograd; old-policy and reference forwards run under
 `torch.no_grad()` and their outputs never require grad. `old_policy=None` means "same weights as
@@ -28,6 +28,7 @@ import torch
 
 from asyncflow.models.logprobs import LogProbs, TrainSample, response_logprobs
 from asyncflow.models.packing import PackingError, group_runs, packed_response_logprobs, plan_shared_prompt
+from asyncflow.models.value import ValueHead, packed_response_values, response_values
 
 Packing = Literal["auto", "on", "off"]
 PACK_MIN_TOKEN_SAVING = 0.10
@@ -39,6 +40,8 @@ class TriLogProbs:
     old: torch.Tensor  # [N, L] no grad (the policy's, detached, when old_policy is None)
     ref: torch.Tensor | None  # [N, L] no grad; None without a reference model
     packed: bool = False  # whether this micro-batch ran shared-prompt packed
+    values: torch.Tensor | None = None  # [N, L] critic values with grad; None without a critic
+    old_values: torch.Tensor | None = None  # [N, L] no grad: the critic's values before this step's update
 
 
 def packing_token_saving(samples: list[TrainSample]) -> float:
@@ -78,8 +81,23 @@ def _logprobs_fn(samples: list[TrainSample], packing: Packing, device: torch.dev
             same_device = next(model.parameters()).device == device
             return packed_response_logprobs(model, samples, layout=layout if same_device else None, **kwargs)
 
+        packed.layout = layout  # a separate critic runs on the same plan
         return packed, True
     return response_logprobs, False
+
+
+def _critic_values(critic: torch.nn.Module, samples: list[TrainSample], current, logprobs_fn) -> torch.Tensor:
+    """Values `[N, L]` of `critic`: a `ValueHead` reads the policy forward's hidden states (`current.hidden`), a
+    `ValueModel` runs its own forward on the same layout (packed or not) as the policy."""
+    if isinstance(critic, ValueHead):
+        hidden = current.hidden if critic.train_trunk else current.hidden.detach()
+        return critic(hidden).masked_fill(~current.mask, 0.0)
+    layout = getattr(logprobs_fn, "layout", None)
+    if layout is not None and next(critic.parameters()).device == layout.input_ids.device:
+        return packed_response_values(critic, layout)
+    if layout is not None:
+        return packed_response_values(critic, plan_shared_prompt(samples, next(critic.parameters()).device))
+    return response_values(critic, samples)
 
 
 def tri_model_logprobs(
@@ -91,10 +109,13 @@ def tri_model_logprobs(
     packing: Packing = "auto",
     temperature: float = 1.0,
     with_entropy: bool = False,
+    critic: torch.nn.Module | None = None,
 ) -> TriLogProbs:
     """Policy log-probs with grad, old-policy and reference log-probs without, for one micro-batch.
 
-    Outputs are `[N, L]` in the order of `samples` (see `response_logprobs`) on the policy's device.
+    Outputs are `[N, L]` in the order of `samples` (see `response_logprobs`) on the policy's device. `critic`
+    (`asyncflow.models.value`: a head on the policy's trunk or a separate model) adds its values with grad and,
+    detached, as the old values (the engines take one update per step: the critic before it is the critic now).
     """
     device = next(policy.parameters()).device
     logprobs_fn, packed = _logprobs_fn(samples, packing, device)
@@ -105,8 +126,11 @@ def tri_model_logprobs(
         old = None
         if old_policy is not None and old_policy is not policy:
             old = logprobs_fn(old_policy, samples, temperature=temperature).logprobs.to(device)
-    current = logprobs_fn(policy, samples, temperature=temperature, with_entropy=with_entropy)
-    return TriLogProbs(policy=current, old=current.logprobs.detach() if old is None else old, ref=ref, packed=packed)
+    with_hidden = isinstance(critic, ValueHead)
+    current = logprobs_fn(policy, samples, temperature=temperature, with_entropy=with_entropy, with_hidden=with_hidden)
+    values = None if critic is None else _critic_values(critic, samples, current, logprobs_fn).to(device)
+    return TriLogProbs(policy=current, old=current.logprobs.detach() if old is None else old, ref=ref, packed=packed,
+                       values=values, old_values=None if values is None else values.detach())
 
 
 class TriModel:

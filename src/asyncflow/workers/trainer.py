@@ -1,7 +1,8 @@
 """Trainer worker: advantages for complete groups, and the policy update by gradient accumulation.
 
 Owns: turning scored groups into per-token advantages (the configured estimator, DAPO dynamic
-sampling and overlong filtering) and accumulating the policy loss (`algo.loss`; + KL to the
+sampling and overlong filtering; with a critic, `algo.advantage: gae`, GAE from the forward's values inside
+`PolicyLoss`, plus the value loss and the `value/*` metrics) and accumulating the policy loss (`algo.loss`; + KL to the
 reference, entropy bonus, optional train/inference mismatch correction; with `algo.teacher` the reverse KL to
 the teacher as the per-token advantage) micro-batch by micro-batch,
 with the staleness and mismatch metrics of each step.
@@ -30,11 +31,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from asyncflow.algos.advantages import compute_advantages
+from asyncflow.algos.advantages import compute_advantages, outcome_gae
 from asyncflow.algos.correction import mismatch_sums
 from asyncflow.algos.distill import combine_with_reward, distill_advantages, reverse_kl_sums
 from asyncflow.algos.filtering import keep_groups_with_variance
-from asyncflow.algos.losses import rl_objective
+from asyncflow.algos.losses import VALUE_SUMS, explained_variance_from_sums, rl_objective, value_objective
 from asyncflow.config import AlgoConfig
 from asyncflow.engines.base import TrainEngine
 from asyncflow.models.logprobs import TrainSample
@@ -69,7 +70,10 @@ def assign_advantages(groups: list[list[Rollout]], algo: AlgoConfig, max_new_tok
     group_ids = torch.tensor([r.group_id for r in rollouts])
     lengths = [len(r.response_ids) for r in rollouts]
     mask = torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]
-    per_token, _ = compute_advantages(algo.advantage, rewards, mask, group_ids=group_ids, gamma=algo.gamma)
+    if algo.advantage == "gae":  # computed in the loss, from the critic's values of the forward (`PolicyLoss`)
+        per_token = torch.zeros(mask.shape)
+    else:
+        per_token, _ = compute_advantages(algo.advantage, rewards, mask, group_ids=group_ids, gamma=algo.gamma)
     keep = torch.ones(len(rollouts), dtype=torch.bool)
     if algo.dynamic_sampling:
         keep &= keep_groups_with_variance(rewards, group_ids)
@@ -120,12 +124,21 @@ class PolicyLoss:
     current: torch.Tensor  # [N, L] bool: tokens sampled by the weights the trainer holds
     lengths: list[int]
     algo: AlgoConfig
+    rewards: torch.Tensor | None = None  # [N] with a critic (`algo.advantage: gae`): GAE is computed here
 
     def __call__(self, out: TriLogProbs) -> tuple[torch.Tensor, dict[str, float]]:
         algo, device = self.algo, out.policy.logprobs.device
         rollout_logprobs = self.rollout_logprobs.to(device)
-        advantages, distill_stats = distilled_advantages(self.advantages.to(device), out, algo)
         clip_low, clip_high = algo.clip_range()
+        advantages, value_part = self.advantages.to(device), None
+        if self.rewards is not None:
+            if out.values is None:
+                raise ValueError("algo.advantage=gae needs the critic's values: the training engine ran no critic")
+            advantages, returns = outcome_gae(self.rewards.to(device), out.old_values, out.policy.mask, algo.gamma,
+                                              algo.lam)
+            value_part = value_objective(out.values, out.old_values, returns, out.policy.mask, algo.value_clip,
+                                         algo.loss_agg)
+        advantages, distill_stats = distilled_advantages(advantages, out, algo)
         loss, stats = rl_objective(
             out.policy.logprobs,
             out.policy.mask,
@@ -146,7 +159,11 @@ class PolicyLoss:
             correction_threshold=algo.mismatch_threshold,
         )
         gap = mismatch_sums(out.old, rollout_logprobs, out.policy.mask, same_version=self.current.to(device))
-        return loss, {**stats, **distill_stats, **{f"mismatch/{name}": value for name, value in gap.items()}}
+        stats = {**stats, **distill_stats, **{f"mismatch/{name}": value for name, value in gap.items()}}
+        if value_part is not None:
+            loss = loss + algo.value_coef * value_part[0]
+            stats.update(value_part[1])
+        return loss, stats
 
     def select(self, rows: Sequence[int]) -> PolicyLoss:
         """The loss of `rows` alone, padded to their own longest response."""
@@ -156,6 +173,7 @@ class PolicyLoss:
         return type(self)(
             self.advantages[index, :width], self.rollout_logprobs[index, :width],
             None if self.stale is None else self.stale[index, :width], self.current[index, :width], lengths, self.algo,
+            None if self.rewards is None else self.rewards[index],
         )
 
 
@@ -320,7 +338,9 @@ class PolicyTrainer:
             current = padded([[float(v == policy_version) for v in r.versions()] for r in batch], L).bool().to(device)
         stale = ~current if algo.stale_old_logprobs == "rollout" else None
 
-        loss_fn = PolicyLoss(advantages, rollout_logprobs, stale, current, [len(r.response_ids) for r in batch], algo)
+        rewards = torch.tensor([r.reward for r in batch], dtype=torch.float32) if algo.advantage == "gae" else None
+        loss_fn = PolicyLoss(advantages, rollout_logprobs, stale, current, [len(r.response_ids) for r in batch], algo,
+                             rewards)
         stats = self.engine.backward_micro_batch(samples, loss_fn, temperature=self.temperature)
         n_tokens = sum(len(r.response_ids) if r.loss_mask is None else sum(r.loss_mask) for r in batch)
         self.acc.tokens += n_tokens
@@ -337,6 +357,7 @@ class PolicyTrainer:
         else:
             denom = acc.tokens if self.algo.loss_agg == "token_mean" else acc.sequences
             result = self.engine.optimizer_step(grad_scale=1.0 / denom)
+            value_sums = [acc.stats.pop(k, 0.0) for k in VALUE_SUMS]
             same_version = acc.stats.pop("mismatch/same_version_tokens", 0.0)
             same_version_gap = acc.stats.pop("mismatch/abs_log_ratio_same_version", 0.0)
             metrics = {
@@ -344,10 +365,14 @@ class PolicyTrainer:
                 for k, v in acc.stats.items() if k != "loss"
             }
             metrics["loss"] = acc.stats.get("loss", 0.0) / denom
+            if self.algo.advantage == "gae":
+                metrics["value/explained_variance"] = explained_variance_from_sums(*value_sums)
             # the engines' mismatch alone: null in a step that trained no token of the current version
             metrics["mismatch/abs_log_ratio_same_version"] = (
                 same_version_gap / same_version if same_version else float("nan")
             )
         metrics.update({"grad_norm": result["grad_norm"], "lr": result["lr"], "train/skipped_step": result["skipped"]})
+        if "value/grad_norm" in result:
+            metrics["value/grad_norm"] = result["value/grad_norm"]
         metrics.update({"train/sequences": float(acc.sequences), "train/tokens": float(acc.tokens)})
         return metrics

@@ -28,6 +28,7 @@ from asyncflow.engines.base import SamplingParams
 from asyncflow.envs.base import resolve_environment
 from asyncflow.envs.tools import SandboxLimits
 from asyncflow.models.loading import load_tokenizer, prompt_lengths, render_prompt, resolve_model_path
+from asyncflow.models.value import CriticSpec
 from asyncflow.rewards import RewardRunner, check_reward_specs
 from asyncflow.rewards.contract import RewardFn
 from asyncflow.rewards.judge import JudgeReward
@@ -132,6 +133,20 @@ def lora_settings(config: Config) -> LoRASettings | None:
     return LoRASettings(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=targets)
 
 
+def critic_spec(config: Config, model_path) -> CriticSpec | None:
+    """The value model of `config.algo.critic` when `algo.advantage` is `gae` (a separate one's path resolved like
+    the policy's; `model_path` when it names none), else None."""
+    algo = config.algo
+    if algo.advantage != "gae":
+        return None
+    c = algo.critic
+    path = None
+    if c.kind == "separate":
+        path = str(model_path if c.path is None else resolve_model_path(c.path, seed=config.run.seed))
+    return CriticSpec(kind=c.kind, path=path, dtype=config.model.dtype, lr=c.lr or config.train.lr,
+                      train_trunk=c.train_trunk)
+
+
 def train_engine_options(config: Config, policy: torch.nn.Module, model_path) -> dict:
     """Keyword arguments of `make_train_engine(config.train.engine, ...)`. A multi-rank engine also gets
     `world_size`, `model_path` (its ranks load the policy themselves), `dtype`, `timeout_s` and the runtime's
@@ -141,7 +156,7 @@ def train_engine_options(config: Config, policy: torch.nn.Module, model_path) ->
         model=policy, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas, grad_clip=t.grad_clip,
         lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=t.steps,
         use_reference=config.algo.kl_coef > 0, packing=t.packing, precision=t.precision,
-        activation_checkpointing=t.activation_checkpointing,
+        activation_checkpointing=t.activation_checkpointing, critic=critic_spec(config, model_path),
     )
     if t.engine == "torch":
         return {**options, "lora": lora_settings(config)}

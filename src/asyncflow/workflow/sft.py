@@ -173,7 +173,7 @@ def run_sft(config: Config, output: str | Path, stop: StopSignals | None = None)
     engine = make_train_engine(config.train.engine, **{  # SFT's optimizer; unpacked: its rows share no prompt
         **train_engine_options(config, model, model_path), "lr": cfg.lr, "betas": cfg.betas, "total_steps": cfg.steps,
         "weight_decay": cfg.weight_decay, "grad_clip": cfg.grad_clip, "lr_schedule": cfg.lr_schedule,
-        "warmup_steps": cfg.warmup_steps, "use_reference": False, "packing": "off"})
+        "warmup_steps": cfg.warmup_steps, "use_reference": False, "packing": "off", "critic": None})  # no critic in SFT
     rng, to_sample = random.Random(config.run.seed), sft_samples(config, tokenizer)
     metrics = MetricsLogger(output, tensorboard=False, resume_from_step=0)
     sharded = engine.save_sharded if isinstance(engine, ShardedCheckpointing) else None
