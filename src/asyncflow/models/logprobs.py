@@ -76,6 +76,17 @@ def lm_head_input(model: torch.nn.Module, enabled: bool = True):
         handle.remove()
 
 
+def padded_rows(samples: list[TrainSample], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded prompt + response ids `[N, T]` and their attention mask `[N, T]` (1 on real tokens)."""
+    seqs = [s.prompt_ids + s.response_ids for s in samples]
+    input_ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    for i, seq in enumerate(seqs):
+        input_ids[i, : len(seq)] = torch.tensor(seq)
+        attention[i, : len(seq)] = 1
+    return input_ids.to(device), attention.to(device)
+
+
 def response_logprobs(
     model: torch.nn.Module,
     samples: list[TrainSample],
@@ -92,14 +103,8 @@ def response_logprobs(
     if not samples:
         raise ValueError("response_logprobs needs at least one sample")
     device = next(model.parameters()).device
-    seqs = [s.prompt_ids + s.response_ids for s in samples]
-    T = max(map(len, seqs))
-    input_ids = torch.zeros(len(seqs), T, dtype=torch.long)
-    attention = torch.zeros(len(seqs), T, dtype=torch.long)
-    for i, seq in enumerate(seqs):
-        input_ids[i, : len(seq)] = torch.tensor(seq)
-        attention[i, : len(seq)] = 1
-    input_ids, attention = input_ids.to(device), attention.to(device)
+    input_ids, attention = padded_rows(samples, device)
+    T = input_ids.shape[1]
     mask = response_mask(samples, device)
     L = mask.shape[1]
     # Response token j of sample i sits at position P_i + j and is predicted by position P_i + j - 1.

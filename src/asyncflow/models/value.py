@@ -23,7 +23,7 @@ from typing import Literal
 
 import torch
 
-from asyncflow.models.logprobs import TrainSample, response_mask
+from asyncflow.models.logprobs import TrainSample, padded_rows, response_mask
 from asyncflow.models.packing import ATTENTION_NAME, SharedPromptLayout, _attention_implementation
 
 CRITIC = "critic"  # the critic's submodule name on the policy module (its state-dict prefix is "critic.")
@@ -115,17 +115,12 @@ def critic_parameters(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter],
 def response_values(critic: ValueModel, samples: list[TrainSample]) -> torch.Tensor:
     """Values `[N, L]` of a separate critic on right-padded prompt + response rows (the unpacked path)."""
     device = next(critic.parameters()).device
-    seqs = [s.prompt_ids + s.response_ids for s in samples]
-    T = max(map(len, seqs))
-    input_ids = torch.zeros(len(seqs), T, dtype=torch.long)
-    attention = torch.zeros(len(seqs), T, dtype=torch.long)
-    for i, seq in enumerate(seqs):
-        input_ids[i, : len(seq)] = torch.tensor(seq)
-        attention[i, : len(seq)] = 1
+    input_ids, attention = padded_rows(samples, device)
+    T = input_ids.shape[1]
     mask = response_mask(samples, device)
     prompt_lens = torch.tensor([len(s.prompt_ids) for s in samples], device=device)
     positions = (prompt_lens[:, None] - 1 + torch.arange(mask.shape[1], device=device)[None, :]).clamp(max=T - 1)
-    values = critic(input_ids.to(device), attention_mask=attention.to(device))  # [N, T]
+    values = critic(input_ids, attention_mask=attention)  # [N, T]
     return values.gather(1, positions).masked_fill(~mask, 0.0)
 
 
