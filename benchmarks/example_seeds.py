@@ -3,7 +3,8 @@ it); by default the built-in multi-turn task (`examples/tool_calculator_grpo.yam
 demonstrations), or any example with `--example` (`examples/reasoning_gym_grpo.yaml`).
 
 Owns nothing the library uses. Prints per seed where SFT stopped, the held-out accuracy before and after GRPO
-(greedy, the test split), the gain, and wall and CPU time of the whole run; writes one PNG with every seed's
+(greedy, the test split), the gain at the end and at the last evaluation within `--minutes` of RL wall time, and
+wall and CPU time of SFT, RL and the whole run; writes one PNG with every seed's
 held-out accuracy and sampled reward against the RL step (the figure in docs/multiturn.md).
 
 `--parallel 2` runs two seeds at once with one torch thread each (two cores busy, as a 2-core laptop would be
@@ -50,15 +51,18 @@ def train(example: str, seed: int, out: Path, threads: int, overrides: list[str]
     return {"seed": seed, "run_dir": run_dir, "wall_s": wall}
 
 
-def summarize(result: dict) -> dict:
+def summarize(result: dict, minutes: float) -> dict:
     run_dir = result["run_dir"]
     sft = json.loads((run_dir / "sft" / "sft_summary.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [(r["step"], r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") is not None]
+    in_budget = [r["eval/accuracy"] for r in rows
+                 if r.get("eval/accuracy") is not None and r.get("wall_s", 0.0) <= 60 * minutes]
     rewards = [(r["step"], r["reward/mean"]) for r in rows if r.get("reward/mean") is not None]
     start, final = evals[0][1], evals[-1][1]
     return {**result, "sft_steps": sft["steps"], "sft_val": sft["val_accuracy"], "sft_wall_s": sft["wall_s"],
             "test_start": start, "test_final": final, "test_best": max(a for _, a in evals), "gain": final - start,
+            "gain_in_budget": in_budget[-1] - start, "rl_wall_s": rows[-1].get("wall_s", 0.0),
             "evals": evals, "rewards": rewards}
 
 
@@ -90,6 +94,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads per run with --parallel 1 (0: all)")
     parser.add_argument("--out", default="runs/tool_seeds")
     parser.add_argument("--example", default=EXAMPLE)
+    parser.add_argument("--minutes", type=float, default=15.0,
+                        help="also report the gain at the last evaluation within this much RL wall time")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides for every run")
     args = parser.parse_args()
     out = (ROOT / args.out).resolve()
@@ -100,12 +106,14 @@ def main() -> None:
         results = list(pool.map(lambda s: train(args.example, s, out, threads, args.overrides), args.seeds))
     total_wall = time.perf_counter() - start
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    results = [summarize(r) for r in results]
-    print(f"{'seed':>4} {'SFT stop':>8} {'SFT val':>7} {'test: start':>11} {'final':>6} {'best':>6} {'gain':>6} "
-          f"{'wall SFT+RL':>11}")
+    results = [summarize(r, args.minutes) for r in results]
+    budget = f"gain {args.minutes:g} min"
+    print(f"{'seed':>4} {'SFT stop':>8} {'SFT val':>7} {'SFT min':>7} {'test: start':>11} {'final':>6} {'best':>6} "
+          f"{'gain':>6} {budget:>13} {'RL min':>6} {'wall SFT+RL':>11}")
     for r in results:
-        print(f"{r['seed']:>4} {r['sft_steps']:>8} {100 * r['sft_val']:>6.1f}% {100 * r['test_start']:>10.1f}% "
-              f"{100 * r['test_final']:>5.1f}% {100 * r['test_best']:>5.1f}% {100 * r['gain']:>+6.1f} "
+        print(f"{r['seed']:>4} {r['sft_steps']:>8} {100 * r['sft_val']:>6.1f}% {r['sft_wall_s'] / 60:>7.1f} "
+              f"{100 * r['test_start']:>10.1f}% {100 * r['test_final']:>5.1f}% {100 * r['test_best']:>5.1f}% "
+              f"{100 * r['gain']:>+6.1f} {100 * r['gain_in_budget']:>+13.1f} {r['rl_wall_s'] / 60:>6.1f} "
               f"{r['wall_s'] / 60:>9.1f} min")
     gains = sorted(100 * r["gain"] for r in results)
     print(f"gain (points): min {gains[0]:+.1f}, median {gains[len(gains) // 2]:+.1f}, max {gains[-1]:+.1f}; "

@@ -54,7 +54,7 @@ def test_sandbox_stops_what_it_must(toolbox, code, error):
 
 def test_sandbox_network_is_refused_even_without_the_audit_hook():
     """Below the audit hook: where the machine allows it the child has no network interface at all."""
-    from asyncflow.envs.tools import network_namespace_prefix, subprocess  # noqa: PLC0415
+    from asyncflow.envs.sandbox import network_namespace_prefix, subprocess  # noqa: PLC0415
 
     prefix = network_namespace_prefix()
     if not prefix:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncflow.envs.tools import (
+from asyncflow.envs.sandbox import (
     SandboxLimits,
     SandboxUnavailable,
     ToolLimitError,
@@ -99,9 +99,9 @@ def test_no_proc_of_the_trainer():
 
 
 def test_strict_refuses_without_bubblewrap(monkeypatch):
-    import asyncflow.envs.tools as tools
+    import asyncflow.envs.sandbox as sandbox
 
-    monkeypatch.setattr(tools, "bubblewrap_problem", lambda: "bubblewrap (bwrap) is not installed")
+    monkeypatch.setattr(sandbox, "bubblewrap_problem", lambda: "bubblewrap (bwrap) is not installed")
     with pytest.raises(SandboxUnavailable, match="env.python_isolation=weak"):
         sandbox_command(SandboxLimits(isolation="strict"))
 

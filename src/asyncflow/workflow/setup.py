@@ -26,7 +26,7 @@ from asyncflow.data import DatasetError, Example
 from asyncflow.data.prompts import PromptEncoder, PromptSource, TrainSet, open_datasets, open_task
 from asyncflow.engines.base import SamplingParams
 from asyncflow.envs.base import resolve_environment
-from asyncflow.envs.tools import SandboxLimits
+from asyncflow.envs.sandbox import SandboxLimits
 from asyncflow.models.loading import load_tokenizer, prompt_lengths, render_prompt, resolve_model_path
 from asyncflow.models.value import CriticSpec
 from asyncflow.rewards import RewardRunner, check_reward_specs
@@ -289,7 +289,7 @@ def preflight(config: Config, *, training: bool = True) -> Preflight:
 def check_python_isolation(config: Config) -> None:
     """`env.python_isolation=strict` with the `python` tool in reach: bubblewrap must run here, else a one-line
     error naming what is missing and the key that accepts weaker isolation."""
-    from asyncflow.envs.tools import SandboxLimits, SandboxUnavailable, sandbox_command
+    from asyncflow.envs.sandbox import SandboxLimits, SandboxUnavailable, sandbox_command
 
     if config.env.name == "calculator" or config.env.python_isolation != "strict":
         return
