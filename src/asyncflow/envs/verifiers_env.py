@@ -144,6 +144,13 @@ class _own_signal_handlers:
             self._lock.release()
 
 
+def absolute_env_name(name: str) -> str:
+    """`verifiers:path/to/file.py` with the path made absolute (a Ray actor's working directory is not the
+    driver's); a module or id unchanged."""
+    target = name.removeprefix(PREFIX)
+    return f"{PREFIX}{Path(target).resolve()}" if target.endswith(".py") else name
+
+
 def load_verifiers_env(name: str, options: dict[str, Any] | None = None):
     """The environment `name` (`verifiers:MODULE_OR_ID` or `verifiers:path/to/file.py`) built by its
     `load_environment(**options)`: once per process and options. Raises `EnvironmentSpecError` naming it."""

@@ -120,11 +120,11 @@ def agent_options(config: Config, model_path, tokenizer) -> dict | None:
     from asyncflow.workers.agent import absolute_agent_spec
 
     if config.verifiers_env:
-        from asyncflow.envs.verifiers_env import VerifiersAgent
+        from asyncflow.envs.verifiers_env import VerifiersAgent, absolute_env_name
 
         r = config.rollout
         sampling = {"temperature": r.temperature, "top_p": r.top_p, "max_tokens": r.max_new_tokens}
-        agent = VerifiersAgent(config.env.name, config.env.options, sampling, a.episode_timeout_s)
+        agent = VerifiersAgent(absolute_env_name(config.env.name), config.env.options, sampling, a.episode_timeout_s)
     else:
         agent = absolute_agent_spec(a.fn)
     positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 0)
