@@ -5,6 +5,7 @@ mask 0, earlier turns not re-tokenised), the reward is the rubric's, and a missi
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -201,3 +202,22 @@ def test_config_and_preflight_errors(tmp_path, template_file, monkeypatch):
         preflight(verifiers_config(tmp_path, template_file, "single", "env.options={kind: other}"))
     assert str(err.value) == ("env.name verifiers:test_verifiers_env needs verifiers: "
                               "pip install 'asyncflow-rl[verifiers]'")
+
+
+@pytest.mark.slow
+def test_a_verifiers_environment_trains_on_a_ray_replica(tmp_path, monkeypatch, template_file, ray_cluster,
+                                                         one_torch_thread):
+    """The environment is loaded and its rollouts run inside the rollout actor (given as a file path relative to
+    the driver's working directory; the actor's differs)."""
+    monkeypatch.chdir(Path(__file__).parent)
+    out = tmp_path / "run"
+    assert main(["train", f"--output={out}", "run.progress=false", "model.path=preset:tiny-llama",
+                 "workflow.mode=stream", "runtime.kind=ray", "runtime.rollout_cpus=0.5", "train.steps=2",
+                 "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4",
+                 "train.micro_batch_size=8", "eval.every=0", "checkpoint.every=0", "runtime.call_timeout_s=60",
+                 "env.name=verifiers:test_verifiers_env.py", "env.options={kind: multi}",
+                 f"agent.chat_template={template_file}", "--threads=1"]) == 0
+    trained = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [r["step"] for r in trained] == [1, 2]
+    for r in trained:
+        assert r["agent/calls_mean"] > 1 and r["agent/errors"] == 0 and r["agent/scores/model_turns"] >= 1
