@@ -713,17 +713,19 @@ class AgentConfig(Section):
     fn: str | None = None
     """An agent written against the `openai` client, as `package.module:function`, called `fn(client, row)` once
     per sample (`asyncflow.workers.agent`): `client` is an `openai.OpenAI` bound to this run's server for that
-    episode, `row` an `AgentRow` (prompt, answer, metadata, model). It returns the reward (a number) or its
-    final answer (a string, scored by `reward.fns`). `null` = the built-in single-turn rollout. Any
+    episode, `row` an `AgentRow` (prompt, answer, metadata, model). It returns the reward (a number), its
+    final answer (a string, scored by `reward.fns`) or `{"reward": number, "scores": {name: number}}` (scores
+    logged as `agent/scores/<name>`). `null` = the built-in single-turn rollout. Any
     `workflow.mode`, inline or on Ray (each rollout replica serves its agents' calls); needs the `serve` extra."""
     concurrency: int | None = Field(None, ge=1)
-    """Episodes in flight (threads), each waiting on its calls to the server; `null` = `rollout.max_batch_size`."""
+    """Episodes in flight (threads), each waiting on its calls to the server; `null` = `rollout.max_batch_size`.
+    Also a `verifiers:` environment's episodes (`env.name`)."""
     episode_timeout_s: float = Field(300.0, gt=0)
     """An episode still running after this many seconds is closed (its later calls are refused) and scores 0,
     counted in `agent/errors`; also each call's HTTP timeout."""
     chat_template: str | None = None
     """A Jinja chat template file for `/v1/chat/completions` when the tokenizer has none (`null`: the
-    tokenizer's own)."""
+    tokenizer's own); also what renders a `verifiers:` environment's prompts (`env.name`)."""
 
 
 class Config(Section):
