@@ -221,3 +221,13 @@ def test_a_verifiers_environment_trains_on_a_ray_replica(tmp_path, monkeypatch, 
     assert [r["step"] for r in trained] == [1, 2]
     for r in trained:
         assert r["agent/calls_mean"] > 1 and r["agent/errors"] == 0 and r["agent/scores/model_turns"] >= 1
+
+
+def test_an_agents_reward_with_scores_is_checked():
+    from asyncflow.workers.agent import _scored
+
+    assert _scored({"reward": 0.5, "scores": {"a": 1, "b": 0.25}}) == (0.5, {"a": 1.0, "b": 0.25})
+    assert _scored({"reward": 1.0}) == (1.0, {})
+    for bad in ({"reward": 1.0, "extra": 2}, {"reward": 1.0, "scores": {"a": float("nan")}},
+                {"reward": 1.0, "scores": {"a": True}}, {"reward": 1.0, "scores": [1.0]}):
+        assert _scored(bad)[1] is None

@@ -133,7 +133,7 @@ class _own_signal_handlers:
         else:
             self._lock.acquire()
             self._signal = signal.signal
-            signal.signal = lambda signum, handler: None  # noqa: ARG005 -- off the main thread: nothing to install
+            signal.signal = lambda signum, handler: None  # off the main thread: nothing to install
 
     def __exit__(self, *exc):
         if self._main:
