@@ -15,9 +15,10 @@ fi
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-if ! .venv/bin/python -c "import asyncflow, torch, transformers, ray, pytest, hypothesis, importlinter, ruff, wandb, peft, fastapi, uvicorn, openai, httpx, reasoning_gym, pyseccomp" 2>/dev/null; then
+if ! .venv/bin/python -c "import asyncflow, torch, transformers, ray, pytest, hypothesis, importlinter, ruff, wandb, peft, fastapi, uvicorn, openai, httpx, reasoning_gym, verifiers, pyseccomp" 2>/dev/null; then
   .venv/bin/pip install -q -c constraints.txt "torch==2.13.0"
   # the extras whose tests run in the default suite: ray (separated deployment), wandb (~10 s), lora (peft),
-  # serve (fastapi/uvicorn), judge (httpx), reasoning_gym (~20 s, small pure-Python packages)
-  .venv/bin/pip install -q -c constraints.txt -e ".[test,ray,wandb,lora,serve,judge,reasoning_gym]"
+  # serve (fastapi/uvicorn), judge (httpx), reasoning_gym (~20 s, small pure-Python packages), verifiers (~30
+  # pure-Python packages; no version of anything above changes)
+  .venv/bin/pip install -q -c constraints.txt -e ".[test,ray,wandb,lora,serve,judge,reasoning_gym,verifiers]"
 fi

@@ -236,7 +236,15 @@ class EnvConfig(Section):
     name: str | None = None
     """Multi-turn environment: a registered name (`calculator`: the calculator tool; `tools`: calculator and
     sandboxed Python) or `package.module:factory`; `null` = single-turn rollouts. The final answer is scored
-    by `reward.fns`."""
+    by `reward.fns`. Or `verifiers:MODULE_OR_ID`, an environment of the `verifiers` library
+    (`asyncflow.envs.verifiers_env`; the `verifiers` extra): MODULE_OR_ID is a module or `path/to/file.py` defining
+    `load_environment(**env.options)`, or an installed environment's id. Its dataset is the training data (not
+    `data.task` / `data.path`; `data.train_size` caps it), its rollouts (single- or multi-turn, its own turn limit)
+    are episodes through this run's OpenAI-compatible server (`agent.concurrency`, `agent.episode_timeout_s`,
+    `agent.chat_template` apply; the model needs a chat template), trained on the token ids sampled, and its
+    rubric's reward is the reward (each reward function's score logged as `agent/scores/<name>`)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of a `verifiers:` environment's `load_environment` (plain YAML values)."""
     max_turns: int = Field(4, ge=1)
     """Model turns per episode; an episode still without a final answer after them ends with finish reason
     `length` and reward 0."""
@@ -705,17 +713,19 @@ class AgentConfig(Section):
     fn: str | None = None
     """An agent written against the `openai` client, as `package.module:function`, called `fn(client, row)` once
     per sample (`asyncflow.workers.agent`): `client` is an `openai.OpenAI` bound to this run's server for that
-    episode, `row` an `AgentRow` (prompt, answer, metadata, model). It returns the reward (a number) or its
-    final answer (a string, scored by `reward.fns`). `null` = the built-in single-turn rollout. Any
+    episode, `row` an `AgentRow` (prompt, answer, metadata, model). It returns the reward (a number), its
+    final answer (a string, scored by `reward.fns`) or `{"reward": number, "scores": {name: number}}` (scores
+    logged as `agent/scores/<name>`). `null` = the built-in single-turn rollout. Any
     `workflow.mode`, inline or on Ray (each rollout replica serves its agents' calls); needs the `serve` extra."""
     concurrency: int | None = Field(None, ge=1)
-    """Episodes in flight (threads), each waiting on its calls to the server; `null` = `rollout.max_batch_size`."""
+    """Episodes in flight (threads), each waiting on its calls to the server; `null` = `rollout.max_batch_size`.
+    Also a `verifiers:` environment's episodes (`env.name`)."""
     episode_timeout_s: float = Field(300.0, gt=0)
     """An episode still running after this many seconds is closed (its later calls are refused) and scores 0,
     counted in `agent/errors`; also each call's HTTP timeout."""
     chat_template: str | None = None
     """A Jinja chat template file for `/v1/chat/completions` when the tokenizer has none (`null`: the
-    tokenizer's own)."""
+    tokenizer's own); also what renders a `verifiers:` environment's prompts (`env.name`)."""
 
 
 class Config(Section):
@@ -743,8 +753,22 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> Config:
-        if self.data.task is None and self.data.path is None:
+        if self.verifiers_env:
+            # data.task at its default is left alone (a saved config repeats it); another task would be ignored
+            given = [k for k in ("task", "path", "test_path")
+                     if getattr(self.data, k) not in (None, DataConfig.model_fields[k].default)]
+            if given:
+                raise ValueError(f"env.name={self.env.name}: the environment's dataset is the data; leave "
+                                 f"data.{given[0]} unset")
+            if self.agent.fn is not None:
+                raise ValueError(f"env.name={self.env.name} runs its own episodes: leave agent.fn unset")
+            if self.sft.before_rl:
+                raise ValueError(f"env.name={self.env.name}: sft.before_rl has no demonstrations of a verifiers "
+                                 "environment to train on")
+        elif self.data.task is None and self.data.path is None:
             raise ValueError("data.task is null and data.path is not set: give a built-in task or a data file")
+        if self.env.options and not self.verifiers_env:
+            raise ValueError("env.options are the load_environment arguments of a verifiers:... environment")
         names = [s.name for s in self.stages]
         if len(set(names)) != len(names) or set(names) & {"rollout", "reward", "train"}:
             raise ValueError(f"stages: names must be distinct and not rollout, reward or train: {names}")
@@ -761,12 +785,23 @@ class Config(Section):
                 f"train.precision=bf16 keeps float32 master weights: set model.dtype=float32 (got {self.model.dtype}; "
                 "train.precision=fp32 with model.dtype=bfloat16 trains pure bf16 weights)"
             )
-        if self.agent.fn is not None and self.rollout.on_weight_update == "resume":
+        if self.agent_rollouts and self.rollout.on_weight_update == "resume":
+            what = "agent.fn" if self.agent.fn is not None else f"env.name={self.env.name}"
             raise ValueError(
-                "agent.fn with rollout.on_weight_update=resume: an agent's calls are sampled with the weights of their "
+                f"{what} with rollout.on_weight_update=resume: an agent's calls are sampled with the weights of their "
                 "partition only; use on_weight_update=finish"
             )
         return self
+
+    @property
+    def verifiers_env(self) -> bool:
+        """`env.name` is a `verifiers:` environment."""
+        return bool(self.env.name) and self.env.name.startswith("verifiers:")
+
+    @property
+    def agent_rollouts(self) -> bool:
+        """Rollouts are agent episodes through the run's server (`agent.fn`, or a `verifiers:` environment)."""
+        return self.agent.fn is not None or self.verifiers_env
 
     def rollout_dtype(self) -> str:
         """The dtype of the rollout engines' weights: `rollout.dtype`, or for `auto` bfloat16 under

@@ -15,7 +15,7 @@ def runtime_kind(config: Config) -> str:
     """`inline` or `ray`: `runtime.kind`, with `auto` resolved by the workflow mode."""
     kind = config.runtime.kind
     if kind == "auto":
-        kind = "inline" if config.workflow.mode == "sync" or config.agent.fn is not None else "ray"
+        kind = "inline" if config.workflow.mode == "sync" or config.agent_rollouts else "ray"
     return kind
 
 

@@ -96,15 +96,22 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
 
 def agent_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     """Rows made by an agent (`asyncflow.workers.agent`): its calls per row, the calls left out of training (the
-    agent rewrote its history), the episodes that failed, and the tokens trained (loss mask 1)."""
+    agent rewrote its history), the episodes that failed, the tokens trained (loss mask 1), and the mean of each
+    score an agent reported with its reward (`agent/scores/<name>`, over the rows that have it)."""
     if not rollouts or "agent_calls" not in rollouts[0].metadata:
         return {}
-    return {
+    metrics = {
         "agent/calls_mean": float(np.mean([r.metadata["agent_calls"] for r in rollouts])),
         "agent/dropped_calls": float(sum(r.metadata["agent_dropped_calls"] for r in rollouts)),
         "agent/errors": float(sum(r.metadata.get("agent_error") is not None for r in rollouts)),
         "agent/trained_tokens": float(sum(sum(r.loss_mask or []) for r in rollouts)),
     }
+    scores: dict[str, list[float]] = {}
+    for r in rollouts:
+        for name, value in (r.metadata.get("agent_scores") or {}).items():
+            scores.setdefault(name, []).append(value)
+    metrics.update({f"agent/scores/{name}": float(np.mean(values)) for name, values in sorted(scores.items())})
+    return metrics
 
 
 def feed_prompts(queue: TransferQueue, step: int, prompts: list[Prompt], group_size: int) -> None:

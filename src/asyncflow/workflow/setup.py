@@ -54,17 +54,32 @@ def seed_everything(seed: int) -> None:
 
 
 def datasets(config: Config) -> tuple[TrainSet, list]:
-    """The run's training set (seed-ordered) and held-out examples."""
+    """The run's training set (seed-ordered) and held-out examples. A `verifiers:` environment's training rows
+    are its dataset's (`data.train_size` of them at most); it has no held-out examples (its episodes are not
+    evaluated by `eval.every`)."""
+    if config.verifiers_env:
+        from asyncflow.envs.verifiers_env import verifiers_examples
+
+        rows = verifiers_examples(config.env.name, config.env.options, config.data.train_size)
+        return TrainSet([Example(*row) for row in rows], config.run.seed), []
     return open_datasets(config.data, config.run.seed)
 
 
 def prompt_encoder(config: Config, tokenizer) -> PromptEncoder:
-    """Prompts rendered as the policy sees them; their text is kept in the metadata for an agent or a judge."""
+    """Prompts rendered as the policy sees them; their text is kept in the metadata for an agent or a judge. A
+    `verifiers:` environment's prompts (messages as JSON) are rendered as the server renders an episode's first
+    call (`agent.chat_template` or the tokenizer's)."""
     use_chat = config.model.use_chat_template
     judges = any(isinstance(fn, JudgeRewardConfig) for fn in config.reward.fns)
     data = config.data
-    return PromptEncoder(lambda text: render_prompt(tokenizer, text, use_chat), data.max_prompt_tokens,
-                         data.on_long_prompt, keep_text=config.agent.fn is not None or judges)
+    render = lambda text: render_prompt(tokenizer, text, use_chat)
+    if config.verifiers_env:
+        from asyncflow.envs.verifiers_env import render_messages
+
+        template = Path(config.agent.chat_template).read_text() if config.agent.chat_template else None
+        render = lambda text: render_messages(tokenizer, text, template)
+    return PromptEncoder(render, data.max_prompt_tokens, data.on_long_prompt,
+                         keep_text=config.agent_rollouts or judges)
 
 
 def prompt_source(config: Config, tokenizer, train_set: TrainSet) -> PromptSource:
@@ -96,17 +111,25 @@ def row_columns(spec: RolloutSpec) -> list[str]:
 
 
 def agent_options(config: Config, model_path, tokenizer) -> dict | None:
-    """The `AgentRolloutWorker` options of `agent.fn` (None without one)."""
+    """The `AgentRolloutWorker` options of `agent.fn` or of a `verifiers:` environment (None without either)."""
     a = config.agent
-    if a.fn is None:
+    if not config.agent_rollouts:
         return None
     from transformers import AutoConfig
 
     from asyncflow.workers.agent import absolute_agent_spec
 
+    if config.verifiers_env:
+        from asyncflow.envs.verifiers_env import VerifiersAgent, absolute_env_name
+
+        r = config.rollout
+        sampling = {"temperature": r.temperature, "top_p": r.top_p, "max_tokens": r.max_new_tokens}
+        agent = VerifiersAgent(absolute_env_name(config.env.name), config.env.options, sampling, a.episode_timeout_s)
+    else:
+        agent = absolute_agent_spec(a.fn)
     positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 0)
     return dict(
-        agent=absolute_agent_spec(a.fn), model_name=config.run.name or "policy",
+        agent=agent, model_name=config.run.name or "policy",
         max_model_len=int(positions or tokenizer.model_max_length),
         concurrency=a.concurrency or config.rollout.max_batch_size, episode_timeout_s=a.episode_timeout_s,
         chat_template=Path(a.chat_template).read_text() if a.chat_template else None,
@@ -204,6 +227,8 @@ def reward_specs(config: Config) -> list[str | RewardFn]:
     """`reward.fns` as the reward runner takes them: names and specs as written, `auto` as the task's verifier,
     a judge entry as a `JudgeReward` whose calls end within `reward.timeout_s` (JUDGE_SHARE of it)."""
     if config.reward.fns == ["auto"]:
+        if config.verifiers_env:  # the environment's rubric scores its episodes
+            return ["asyncflow.envs.verifiers_env:rubric_only"]
         if not config.data.task:
             raise ValueError("reward.fns is 'auto' but there is no built-in task: name reward functions in reward.fns")
         return [open_task(config.data, config.run.seed).verifier]
@@ -233,7 +258,7 @@ def multiturn_spec(config: Config) -> MultiTurnSpec | None:
     """The multi-turn rollout settings of `env` (None without `env.name`: single-turn rollouts). The
     environment's final answers are scored by `reward.fns`."""
     env = config.env
-    if env.name is None:
+    if env.name is None or config.verifiers_env:  # a verifiers environment's episodes are agent episodes
         return None
     specs = reward_specs(config)
     weights = config.reward.weights or [1.0] * len(specs)
@@ -273,13 +298,19 @@ def preflight(config: Config, *, training: bool = True) -> Preflight:
     (`asyncflow eval`) checks the held-out prompts only. Raises ValueError subclasses naming the input."""
     check_reward_spec(config)
     stage_workers(config)  # every stage's function imports
-    if config.env.name is not None:
+    if config.verifiers_env:
+        from asyncflow.envs.verifiers_env import load_verifiers_env
+
+        load_verifiers_env(config.env.name, config.env.options)  # raises EnvironmentSpecError naming env.name
+    elif config.env.name is not None:
         resolve_environment(config.env.name)  # raises EnvironmentSpecError naming env.name
         check_python_isolation(config)
     train_set, test_set = check_data(config)
-    if config.agent.fn is not None:
+    if config.agent_rollouts:
         check_agent(config)
     tokenizer = load_tokenizer(resolve_model_path(config.model.path, seed=config.run.seed))
+    if config.verifiers_env:
+        check_chat_template(config, tokenizer)
     if config.data.on_long_prompt == "error":
         sets = {"training": train_set.examples if training else [], "held-out": test_set}
         check_prompt_lengths(config, tokenizer, sets)
@@ -316,7 +347,11 @@ def check_prompt_lengths(config: Config, tokenizer, sets: dict[str, list[Example
     `data.max_prompt_tokens` once rendered as the rollout renders it (every prompt tokenized, in bulk)."""
     limit = config.data.max_prompt_tokens
     for name, examples in sets.items():
-        lengths = prompt_lengths(tokenizer, [ex.prompt for ex in examples], config.model.use_chat_template)
+        if config.verifiers_env:  # messages as JSON, rendered as the server renders them
+            render = prompt_encoder(config, tokenizer).render
+            lengths = [len(render(ex.prompt)) for ex in examples]
+        else:
+            lengths = prompt_lengths(tokenizer, [ex.prompt for ex in examples], config.model.use_chat_template)
         long = [i for i, n in enumerate(lengths) if n > limit]
         if long:
             first = examples[long[0]]
@@ -333,11 +368,21 @@ def check_agent(config: Config) -> None:
     (if any) exists."""
     from asyncflow.workers.agent import resolve_agent
 
-    resolve_agent(config.agent.fn)
+    if config.agent.fn is not None:
+        resolve_agent(config.agent.fn)
+    what = "agent.fn" if config.agent.fn is not None else f"env.name={config.env.name}"
     for package in ("fastapi", "uvicorn", "openai"):
         try:
             __import__(package)
         except ImportError:
-            raise ValueError(f"agent.fn needs {package!r}: pip install 'asyncflow-rl[serve]' openai") from None
+            raise ValueError(f"{what} needs {package!r}: pip install 'asyncflow-rl[serve]' openai") from None
     if config.agent.chat_template is not None and not Path(config.agent.chat_template).is_file():
         raise ValueError(f"agent.chat_template={config.agent.chat_template!r}: no such file")
+
+
+def check_chat_template(config: Config, tokenizer) -> None:
+    """A `verifiers:` environment talks to the model in chat messages: the model needs a chat template (its
+    tokenizer's, or `agent.chat_template`), and every training prompt must render with it."""
+    if not (config.agent.chat_template or getattr(tokenizer, "chat_template", None)):
+        raise ValueError(f"env.name={config.env.name} sends chat messages, and the model's tokenizer has no chat "
+                         "template: give one with agent.chat_template=FILE (a Jinja template)")
