@@ -648,6 +648,10 @@ class RuntimeConfig(Section):
     then depends on timing, and with it the float summation order: turn it off for bit-identical reruns."""
     call_timeout_s: float = Field(600.0, gt=0)
     """Timeout of every remote call and weight sync."""
+    start_timeout_s: float = Field(900.0, gt=0)
+    """`ray`: how long a rollout replica may take to start (its imports, model load and engine start: a vLLM
+    engine on a busy CPU takes minutes), when the run places it and after a restart; calls to it after that are
+    bounded by `call_timeout_s`."""
     max_restarts: int = Field(2, ge=0)
     """`ray`: times a dead rollout replica is restarted (its unfinished rows are generated again)."""
 

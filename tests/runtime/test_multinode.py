@@ -112,7 +112,7 @@ def command(cluster: Cluster, run_dir: Path, *extra: str) -> list[str]:
         sys.executable, "-m", "asyncflow.cli", "train", EXAMPLE, "sft.before_rl=false", "train.steps=4",
         "rollout.prompts_per_step=4", "rollout.group_size=2", "rollout.max_new_tokens=4", "train.micro_batch_size=4",
         "data.test_size=0", "checkpoint.every=1", "run.progress=false", "workflow.mode=async", "runtime.kind=ray",
-        f"runtime.address={cluster.address}", "runtime.call_timeout_s=40",
+        f"runtime.address={cluster.address}", "runtime.call_timeout_s=40", "runtime.start_timeout_s=40",
         "runtime.rollout_resources={rollout_node: 1}", "train.engine=fsdp2", "train.world_size=2",
         "runtime.trainer_resources={trainer_node: 1}",
         "runtime.weight_sync=torch_distributed", *extra, "--output", str(run_dir), "--threads", "1",

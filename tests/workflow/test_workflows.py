@@ -128,6 +128,11 @@ def make_jittery_engine(*, model_path, **kwargs):
     return JitteryEngine.from_pretrained(model_path, **kwargs)
 
 
+def make_slow_start_engine(*, model_path, **kwargs):
+    time.sleep(60)  # longer than the test's runtime.start_timeout_s
+    return JitteryEngine.from_pretrained(model_path, **kwargs)
+
+
 def jittery_reward(completion: str, ground_truth: str, **metadata) -> float:
     time.sleep(random.random() * 0.004)
     return float(completion.strip() == ground_truth.strip())
@@ -227,6 +232,18 @@ def test_replica_past_its_restarts_fails_the_run_at_once(tmp_path, ray_cluster):
     with pytest.raises(RolloutFailedError, match=r"rollout replicas died 1 times \(runtime.max_restarts\)"):
         run.train()
     assert time.time() - killed["at"] < 15, "the trainer stops waiting for rows as soon as the replica is gone"
+
+
+@pytest.mark.slow
+def test_a_replica_that_does_not_start_in_time_is_named(tmp_path, ray_cluster):
+    """Starting (the engine's construction) has its own budget, `runtime.start_timeout_s`: past it, one error naming
+    the replica, not a bare Ray timeout."""
+    config = short_config(tmp_path, "train.steps=2", "workflow.mode=stream", "runtime.kind=ray",
+                          "rollout.engine=test_workflows:make_slow_start_engine", "runtime.start_timeout_s=5")
+    start = time.monotonic()
+    with pytest.raises(RolloutFailedError, match=r"rollout_0 did not start within 5 s \(runtime.start_timeout_s"):
+        RLRun(config).train()
+    assert time.monotonic() - start < 45, "the run ends at the start budget, not after the engine's start"
 
 
 @pytest.mark.slow

@@ -199,6 +199,7 @@ class RayRuntime:
         self.config = config
         self.spec = spec
         self.timeout = rt.call_timeout_s
+        self.start_timeout = rt.start_timeout_s
         self.weight_sync = rt.weight_sync
         if self.weight_sync == "inprocess":
             raise ValueError("runtime.weight_sync=inprocess needs runtime.kind=inline: Ray actors are other processes")
@@ -279,9 +280,17 @@ class RayRuntime:
 
     def _place(self) -> None:
         """Learn each replica's node (logged); `shared_memory` weights reach only replicas on the driver's node."""
-        names = list(self.actors)
-        nodes = ray.get([self.actors[name].node.remote() for name in names], timeout=self.timeout)
-        self.nodes = dict(zip(names, nodes, strict=True))
+        refs = {name: actor.node.remote() for name, actor in self.actors.items()}  # answered once it is built
+        try:
+            nodes = ray.get(list(refs.values()), timeout=self.start_timeout)
+        except GetTimeoutError:
+            ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=0)
+            late = [name for name, ref in refs.items() if ref not in ready]
+            raise RolloutFailedError(
+                f"rollout replica(s) {', '.join(late)} did not start within {self.start_timeout:.0f} s "
+                "(runtime.start_timeout_s: imports, model load and engine start)"
+            ) from None
+        self.nodes = dict(zip(refs, nodes, strict=True))
         driver = Node.here()
         for name, node in self.nodes.items():
             log.info("rollout replica %s runs on %s%s", name, node, " (the driver's)" if node == driver else "")
@@ -341,7 +350,7 @@ class RayRuntime:
         log.warning("rollout replica %s on %s died (%s); %d rows it held are released; restarting it", name,
                     self.nodes.get(name, "an unknown node"), type(err).__name__, count)
         self.timeline.instant(name, "restart", released=count)
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.start_timeout
         while True:  # calls fail fast with ActorUnavailableError while Ray restarts the process
             try:
                 ray.get(self.actors[name].ping.remote(), timeout=max(0.1, deadline - time.monotonic()))
@@ -350,7 +359,7 @@ class RayRuntime:
                 if time.monotonic() >= deadline or self._stop.is_set():
                     self.error = RuntimeError(
                         f"rollout replica {name!r} (on {self.nodes.get(name, 'an unknown node')}) did not come back "
-                        f"within {self.timeout:.0f} s (runtime.call_timeout_s): no live node has room for it "
+                        f"within {self.start_timeout:.0f} s (runtime.start_timeout_s): no live node has room for it "
                         "(runtime.rollout_cpus, rollout_gpus, rollout_resources); resume with --resume once it has"
                     )
                     self.error.__cause__ = retry_err
