@@ -63,6 +63,9 @@ class DataConfig(Section):
     task_options: dict[str, Any] = Field(default_factory=dict)
     """`reasoning_gym:NAME` only: the dataset's config keys as the library names them (its difficulty settings,
     e.g. `{min_terms: 2, max_terms: 3}`); `seed` and `size` are asyncflow's (splits are drawn from `run.seed`)."""
+    partial_credit: bool = True
+    """`reasoning_gym:NAME` only: the reward is the library's score, partial credit included (chain_sum pays 2/3 for
+    "155" against the answer "55"); `false` pays only its full credit (1), the same test held-out accuracy uses."""
     train_size: int | None = Field(None, ge=1)
     """Distinct training problems drawn from the task; null = 50,000 for built-in tasks, 5,000 for
     reasoning-gym ones (some of its generators take milliseconds a problem)."""

@@ -49,6 +49,18 @@ def test_the_reward_is_the_librarys_score_answer():
         score("1", "not the answer", **example.metadata)
 
 
+def test_without_partial_credit_only_the_librarys_full_credit_pays():
+    partial = make_task("reasoning_gym:chain_sum", options=OPTIONS).verifier
+    exact = make_task("reasoning_gym:chain_sum", options=OPTIONS, partial_credit=False).verifier
+    example = make_task("reasoning_gym:chain_sum", options=OPTIONS).examples("test", 1)[0]
+    padded = "1" + example.answer  # contains the answer: the library's partial credit
+    assert 0.0 < partial(padded, example.answer, **example.metadata) < 1.0
+    assert exact(padded, example.answer, **example.metadata) == 0.0
+    assert exact(example.answer, example.answer, **example.metadata) == 1.0
+    with pytest.raises(ValueError, match="data.partial_credit=false is for reasoning_gym"):
+        make_task("arithmetic", partial_credit=False)
+
+
 def test_bad_names_and_options_and_a_missing_library_are_one_line_errors(monkeypatch):
     with pytest.raises(DatasetError, match="not registered"):
         make_task("reasoning_gym:no_such_dataset")

@@ -61,7 +61,8 @@ class TrainSet:
 
 def open_task(data, seed: int) -> Task:
     """The task `data.task` names (`data` is a `DataConfig`), with its difficulty or its options."""
-    return make_task(data.task, difficulty=data.difficulty, seed=seed, options=data.task_options)
+    return make_task(data.task, difficulty=data.difficulty, seed=seed, options=data.task_options,
+                     partial_credit=data.partial_credit)
 
 
 def open_datasets(data, seed: int) -> tuple[TrainSet, list[Example]]:

@@ -12,7 +12,8 @@ Invariants:
 - The reward is the library's verdict: `ReasoningGymScore` rebuilds the item from its index (the library's
   items are a pure function of config, seed and index, so nothing but an int travels with the row) and calls
   the dataset's `score_answer` on the completion's last `<answer>...</answer>`, or on the whole completion
-  stripped when it has no such tag. A row whose answer is not the rebuilt item's raises ValueError.
+  stripped when it has no such tag. A row whose answer is not the rebuilt item's raises ValueError. With
+  `partial_credit=False` a score below 1 (the library's partial credit, e.g. 2/3 for "155" against "55") is 0.
 - `reasoning_gym` is imported on first use; missing, it is a one-line `DatasetError` naming the extra.
 """
 
@@ -63,10 +64,11 @@ class ReasoningGymScore:
     """The reward of `reasoning_gym:NAME`: `fn(completion, ground_truth, **metadata)` with the row's
     `reasoning_gym_index`; picklable (the dataset is rebuilt in each process)."""
 
-    def __init__(self, name: str, options: dict[str, Any] | None = None):
+    def __init__(self, name: str, options: dict[str, Any] | None = None, partial_credit: bool = True):
         self.name = name
         self.options_json = _options_json(name, options)
         self.reward_name = f"{PREFIX}{name}"
+        self.partial_credit = partial_credit
 
     def __call__(self, completion: str, ground_truth: str, **metadata) -> float:
         dataset = _dataset(self.name, self.options_json)
@@ -76,7 +78,8 @@ class ReasoningGymScore:
                              f"{entry['answer']!r} (data.task_options changed since the data was made?)")
         tagged = _ANSWER_TAG.findall(completion)
         answer = (tagged[-1] if tagged else completion).strip()
-        return float(dataset.score_answer(answer, entry))
+        score = float(dataset.score_answer(answer, entry))
+        return score if self.partial_credit or score >= 1.0 else 0.0
 
 
 class ReasoningGymTask(Task):
@@ -88,10 +91,10 @@ class ReasoningGymTask(Task):
     levels = {1: None}  # one level: the library's own config sets the difficulty
     train_pool_size = 5_000  # some of the library's generators take milliseconds an item
 
-    def __init__(self, name: str, options: dict[str, Any] | None = None, seed: int = 0):
+    def __init__(self, name: str, options: dict[str, Any] | None = None, seed: int = 0, partial_credit: bool = True):
         self.name = f"{PREFIX}{name}"
         self.dataset_name = name
-        self.verifier = ReasoningGymScore(name, options)
+        self.verifier = ReasoningGymScore(name, options, partial_credit)
         _dataset(name, self.verifier.options_json)  # an unknown name or option fails here, not at the first sample
         super().__init__(seed=seed)
         digest = hashlib.blake2b(self.verifier.options_json.encode(), digest_size=4).hexdigest()

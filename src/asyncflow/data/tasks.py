@@ -377,15 +377,18 @@ TASKS: dict[str, type[Task]] = {
 }
 
 
-def make_task(name: str, difficulty: int | None = None, seed: int = 0, options: dict[str, Any] | None = None) -> Task:
+def make_task(name: str, difficulty: int | None = None, seed: int = 0, options: dict[str, Any] | None = None,
+              partial_credit: bool = True) -> Task:
     """A built-in task by name (difficulty None means the task's default), or `reasoning_gym:NAME`, a dataset of
-    reasoning-gym with `options` as its config (`asyncflow.data.reasoning_gym`)."""
+    reasoning-gym with `options` as its config and `partial_credit` (`asyncflow.data.reasoning_gym`)."""
     if name.startswith("reasoning_gym:"):
         from asyncflow.data.reasoning_gym import ReasoningGymTask
 
-        return ReasoningGymTask(name.removeprefix("reasoning_gym:"), options, seed=seed)
+        return ReasoningGymTask(name.removeprefix("reasoning_gym:"), options, seed=seed, partial_credit=partial_credit)
     if options:
         raise ValueError(f"data.task_options are the config of a reasoning_gym:NAME task, not {name!r}'s")
+    if not partial_credit:
+        raise ValueError(f"data.partial_credit=false is for reasoning_gym:NAME tasks; {name!r} scores 0 or 1 already")
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; built-in tasks: {sorted(TASKS)}, or reasoning_gym:NAME")
     return TASKS[name](difficulty=difficulty, seed=seed)
