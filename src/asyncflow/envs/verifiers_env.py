@@ -18,7 +18,7 @@ What maps onto what:
   each turn's new context (the environment's messages, loss mask 0) and the ids sampled (loss mask 1). Earlier
   turns are never re-tokenised: the server continues an episode's context from the ids it sampled.
 - The reward is the rubric's (`state["reward"]`: the weighted sum of its reward functions); its per-function
-  scores come back as the row's `agent_scores` (metrics `verifiers/<name>_mean`).
+  scores come back as the row's `agent_scores` (metrics `agent/scores/<name>`).
 
 Invariants:
 - The run's sampling settings (`rollout.temperature`, `top_p`, `top_k`, `max_new_tokens`) decide every call: the
