@@ -138,18 +138,21 @@ def test_multi_turn_rows_hold_the_envs_turns_with_loss_mask_0(tmp_path, template
                                                               one_torch_thread):
     config = verifiers_config(tmp_path, template_file, "multi")
     rows, calls, tokenizer = run_one_partition(config, monkeypatch)
-    special = set(tokenizer.all_special_ids)
     multi = 0
     for recorded, row in zip(calls.values(), rows):
         assert 1 <= len(recorded) <= TURNS
         kept = recorded[: row.metadata["agent_calls"]]
-        # later calls continue from the ids sampled before, never a re-tokenisation of them; a call is dropped
-        # only after a reply holding a special token mid-text (its text, as the client gets it, lacks that token)
+        # later calls continue from the ids sampled before, never a re-tokenisation of them; a call whose
+        # context does not (a reply the library's text no longer matches, e.g. one holding a special token) ends
+        # the trained row, and it and later calls are counted as dropped
+        continued = 1
         for before, after in zip(recorded, recorded[1:]):
             context = before.prompt_ids + before.response_ids
             if after.prompt_ids[: len(context)] != context:
-                assert special & set(before.response_ids[:-1])
                 break
+            continued += 1
+        assert row.metadata["agent_calls"] == continued
+        assert row.metadata["agent_dropped_calls"] == len(recorded) - continued
         sampled = [ids for mask, ids in segments(row) if mask == 1]
         added = [ids for mask, ids in segments(row) if mask == 0]
         assert row.prompt_ids == recorded[0].prompt_ids
