@@ -310,15 +310,20 @@ def value_loss(
     """
     check_ndim("values", values, 2)
     check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
-    target = returns.detach().to(values.dtype)
-    per_token = (values - target) ** 2
-    if clip is not None:
-        if not clip > 0:
-            raise ValueError(f"value clip must be > 0 (or None), got {clip}")
-        old = old_values.detach().to(values.dtype)
-        v_clipped = old + (values - old).clamp(-clip, clip)
-        per_token = torch.maximum(per_token, (v_clipped - target) ** 2)
+    if clip is not None and not clip > 0:
+        raise ValueError(f"value clip must be > 0 (or None), got {clip}")
+    unclipped, clipped = _value_errors(values, old_values.detach().to(values.dtype), returns.detach().to(values.dtype),
+                                       clip)
+    per_token = unclipped if clipped is None else torch.maximum(unclipped, clipped)
     return aggregate(0.5 * per_token, mask, aggregation, total_tokens, total_sequences)
+
+
+def _value_errors(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None):
+    """(v - R)^2 and, with `clip`, (v_clip - R)^2 where v_clip = old_v + clip(v - old_v, -clip, clip); all [N, L]."""
+    unclipped = (values - returns) ** 2
+    if clip is None:
+        return unclipped, None
+    return unclipped, (old_values + (values - old_values).clamp(-clip, clip) - returns) ** 2
 
 
 VALUE_SUMS = ("value/_tokens", "value/_returns", "value/_returns_sq", "value/_error", "value/_error_sq")
@@ -343,14 +348,12 @@ def value_objective(
     loss = value_loss(values, old_values, returns, mask, clip, aggregation, total_tokens=1.0, total_sequences=1.0)
     with torch.no_grad():
         m = float_mask(mask, values)
-        v, old, r = values.detach().float(), old_values.float(), returns.float()
-        unclipped = (v - r) ** 2
-        per_token = unclipped
-        clipped_larger = torch.zeros_like(unclipped, dtype=torch.bool)
-        if clip is not None:
-            clipped = (old + (v - old).clamp(-clip, clip) - r) ** 2
-            clipped_larger = clipped > unclipped
-            per_token = torch.maximum(unclipped, clipped)
+        old, r = old_values.float(), returns.float()
+        unclipped, clipped = _value_errors(values.detach().float(), old, r, clip)
+        if clipped is None:
+            per_token, clipped_larger = unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
+        else:
+            per_token, clipped_larger = torch.maximum(unclipped, clipped), clipped > unclipped
         error = (r - old) * m
         stats = {
             "value/loss": float((0.5 * per_token * m).sum()),

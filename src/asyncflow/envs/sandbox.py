@@ -1,7 +1,7 @@
 """The sandbox of the `python` tool: model-written code in a child process with limits.
 
-Owns: `run_python`, `SandboxLimits`, `sandbox_command` (the bubblewrap command prefix), `seccomp_filter` (the
-seccomp program, through libseccomp's Python binding), `SandboxUnavailable` and `ToolLimitError`.
+Owns: `run_python`, `SandboxLimits`, `sandbox_command` (the bubblewrap command prefix), `SandboxUnavailable` and
+`ToolLimitError`; the seccomp program is `asyncflow.envs.seccomp`'s.
 
 With `isolation="strict"` (the default) the child runs inside
 bubblewrap: its own PID, network, IPC, UTS and mount namespaces, no capabilities, an empty environment, the system
@@ -23,16 +23,16 @@ child never sees the trainer's environment variables; `strict` never silently fa
 
 from __future__ import annotations
 
-import errno
 import functools
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+
+from asyncflow.envs.seccomp import SeccompUnavailable, seccomp_filter
 
 _CHILD = r"""
 import resource, sys
@@ -112,49 +112,12 @@ def _bwrap_args(bwrap: str, scratch_mb: int) -> list[str]:
             "--size", str(scratch_mb * 2**20), "--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/tmp"]
 
 
-DENIED_SYSCALLS = (
-    "ptrace", "process_vm_readv", "process_vm_writev", "unshare", "setns", "mount", "umount2", "pivot_root",
-    "chroot", "move_mount", "open_tree", "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "bpf",
-    "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register", "keyctl", "add_key",
-    "request_key", "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "reboot",
-    "swapon", "swapoff", "syslog", "acct", "quotactl", "personality", "open_by_handle_at", "name_to_handle_at",
-    "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "lookup_dcookie", "vhangup", "iopl", "ioperm",
-    "fork", "vfork", "execveat",
-)
-"""Refused with EPERM inside the strict sandbox (a deny list in the spirit of Docker's default profile), besides
-the argument rules of `seccomp_filter`."""
-_CLONE_THREAD, _CLONE_NEWUSER = 0x00010000, 0x10000000
-
-
-@functools.lru_cache(maxsize=1)
-def seccomp_filter() -> bytes:
-    """The sandbox's seccomp program (BPF, as bwrap `--seccomp` reads it); `SandboxUnavailable` without
-    libseccomp. Besides `DENIED_SYSCALLS`: clone() only starts threads (no process, no user namespace); clone3
-    answers ENOSYS, whose flags a filter cannot read, so the C library falls back to clone(); sockets only of
-    AF_UNIX (a socketpair); no signal to PID 1 (bwrap's init) or to a process group by negative pid. The code
-    itself was started by execve, which therefore stays allowed: it can only replace itself."""
+def _seccomp_program() -> bytes:
+    """`seccomp_filter()`, its libseccomp missing as `SandboxUnavailable`."""
     try:
-        import pyseccomp as seccomp
-    except (ImportError, OSError) as err:  # the binding, or libseccomp.so.2 it loads
-        raise SandboxUnavailable(f"libseccomp is not available ({err}; Debian: apt-get install libseccomp2)") from err
-    rules = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
-    refuse = seccomp.ERRNO(errno.EPERM)
-    for name in DENIED_SYSCALLS:
-        try:
-            rules.add_rule(refuse, name)
-        except (ValueError, OSError):  # not a system call of this architecture (fork on arm64): nothing to refuse
-            continue
-    rules.add_rule(refuse, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, _CLONE_THREAD, 0))
-    rules.add_rule(refuse, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, _CLONE_NEWUSER, _CLONE_NEWUSER))
-    rules.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
-    rules.add_rule(refuse, "socket", seccomp.Arg(0, seccomp.NE, socket.AF_UNIX))
-    for call in ("kill", "tkill", "tgkill"):
-        rules.add_rule(refuse, call, seccomp.Arg(0, seccomp.EQ, 1))
-    rules.add_rule(refuse, "kill", seccomp.Arg(0, seccomp.MASKED_EQ, 0x80000000, 0x80000000))
-    with tempfile.TemporaryFile() as program:
-        rules.export_bpf(program)
-        program.seek(0)
-        return program.read()
+        return seccomp_filter()
+    except SeccompUnavailable as err:
+        raise SandboxUnavailable(str(err)) from err
 
 
 def sandbox_command(limits: SandboxLimits, seccomp_fd: int | None = None) -> list[str]:
@@ -165,7 +128,7 @@ def sandbox_command(limits: SandboxLimits, seccomp_fd: int | None = None) -> lis
     problem = bubblewrap_problem()
     if problem is None:
         try:
-            seccomp_filter()
+            _seccomp_program()
         except SandboxUnavailable as err:
             problem = str(err)
     if problem is not None:
@@ -183,7 +146,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> str:
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as program:
         pass_fds = ()
         if limits.isolation == "strict":
-            program.write(seccomp_filter())
+            program.write(_seccomp_program())
             program.seek(0)
             pass_fds = (program.fileno(),)
         command = [
