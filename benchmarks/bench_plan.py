@@ -2,7 +2,9 @@
 
     PYTHONPATH=src flock /tmp/asyncflow-bench.lock .venv/bin/python benchmarks/bench_plan.py --steps 12
 
-1. `asyncflow profile` in a process of its own measures this machine's costs for the tiny Llama (one thread).
+1. `asyncflow profile` in a process of its own measures this machine's costs for the tiny Llama (one thread),
+   once as `sync` runs (in-process queue) and once as `stream` / `async` run (`SEPARATED`: the queue's calls
+   through Ray actors on the same two cores).
 2. For each workload (the main job `examples/arithmetic_grpo.yaml` without its SFT warm-up, at most 8 new
    tokens; and a long-tailed one: 64 new tokens, ~7% stop chance per token), each mode trains `--steps` steps in
    a process of its own with one torch thread: `sync` inline (the stages one after another on one core),
@@ -59,7 +61,7 @@ def predict(profile: Profile, rows: list[dict], mode: str, k: int, *, steps: int
             prompts: int, max_new: int, slots: int, micro_batch: int) -> float:
     mean = float(np.mean([r["response_length/mean"] for r in rows]))
     workload = Workload(prompts_per_step=prompts, group_size=group_size, prompt=Lengths(mean=PROMPT_TOKENS),
-                        response=Lengths(kind="geometric", mean=mean, max=max_new))
+                        response=Lengths.truncated_geometric(mean, max_new))
     P, L = workload.sample(steps)
     costs = Costs.from_profile(profile)
     spec = SimSpec(mode=mode.split()[0], prompt_lengths=P, response_lengths=L, group_size=group_size, costs=costs,
@@ -75,12 +77,14 @@ def main() -> None:
     parser.add_argument("--config", default=str(ROOT / "examples" / "arithmetic_grpo.yaml"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        profile_path = Path(tmp) / "profile.yaml"
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        subprocess.run([sys.executable, "-m", "asyncflow.cli", "profile", args.config, "--threads", "1",
-                        "--out", str(profile_path)], check=True, env=env, capture_output=True)
-        profile = Profile.load(profile_path)
-        print("profile:", json.dumps(profile.model_dump(exclude={"notes", "hardware"})))
+        profiles = {}
+        for placement, overrides in {"inline": [], "ray": SEPARATED}.items():
+            path = Path(tmp) / f"profile_{placement}.yaml"
+            subprocess.run([sys.executable, "-m", "asyncflow.cli", "profile", args.config, *overrides, "--threads",
+                            "1", "--out", str(path)], check=True, env=env, capture_output=True)
+            profiles[placement] = Profile.load(path)
+            print(f"profile ({placement}):", json.dumps(profiles[placement].model_dump(exclude={"notes", "hardware"})))
         print("| workload | mode | predicted s/step | measured s/step | error | predicted vs sync | measured vs sync |")
         print("|---|---|---:|---:|---:|---:|---:|")
         for name, overrides in WORKLOADS.items():
@@ -92,6 +96,7 @@ def main() -> None:
                 measured = window_step_s([r["wall_s"] for r in rows], args.warmup, k)
                 config = json.loads(json.dumps(__import__("yaml").safe_load((out / "config.yaml").read_text())))
                 ro, tr = config["rollout"], config["train"]
+                profile = profiles["inline" if mode == "sync" else "ray"]
                 predicted = predict(profile, rows, mode, k, steps=args.steps, warmup=args.warmup,
                                     group_size=ro["group_size"], prompts=ro["prompts_per_step"],
                                     max_new=ro["max_new_tokens"], slots=ro["max_batch_size"],

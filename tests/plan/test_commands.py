@@ -3,8 +3,11 @@ timeline reader loads, and `--from-run` taking response lengths from a run's met
 
 import json
 
+import yaml
+
 from asyncflow.cli import main
 from asyncflow.observe import Timeline
+from asyncflow.plan.workload import Lengths
 
 
 def test_plan_writes_a_table_and_a_timeline(tmp_path, capsys):
@@ -22,4 +25,5 @@ def test_plan_writes_a_table_and_a_timeline(tmp_path, capsys):
     timeline = Timeline.from_chrome_trace(out / "timeline.json")
     assert {"trainer", "rollout"} <= set(timeline.workers())
     assert (out / "timeline.png").stat().st_size > 0 and "lognormal" not in (out / "plan.md").read_text()
-    assert "mean: 900.0" in (out / "plan.md").read_text()
+    spec = yaml.safe_load((out / "plan.md").read_text().split("```yaml\n")[1].split("```")[0])
+    assert Lengths.model_validate(spec["workload"]["response"]) == Lengths.truncated_geometric(900.0, 4000)

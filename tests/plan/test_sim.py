@@ -10,7 +10,8 @@ from asyncflow.plan.workload import Lengths, Workload
 from asyncflow.transfer.samplers import Candidate, GroupSampler
 
 COSTS = Costs(decode_step_s=0.01, decode_row_s=0.001, decode_row_token_s=1e-6, prefill_token_s=1e-4,
-              train_micro_batch_s=0.01, train_token_s=1e-4, optimizer_step_s=0.05, publish_s=0.02, swap_s=0.01)
+              train_micro_batch_s=0.01, train_token_s=1e-4, optimizer_step_s=0.05, publish_s=0.02, swap_s=0.01,
+              prefill_row_s=5e-4, train_packed_token_s=1.5e-4)
 
 
 def group_sampler_reads(done: np.ndarray, now: float, want: int, G: int, trainer_s: float) -> list[list[int]]:
@@ -110,3 +111,11 @@ def test_rolling_updates_are_never_slower_than_a_global_barrier():
     lockstep = simulate(SimSpec(**{**spec.__dict__, "lockstep": True}))
     assert (lockstep.staleness <= 1).all()
     assert rolling.step_time() <= lockstep.step_time() + 1e-9
+
+
+@pytest.mark.parametrize(("mean", "top"), [(7.86, 8), (14.0, 64), (4.0, 8), (900.0, 4000)])
+def test_truncated_geometric_lengths_have_the_measured_mean(mean, top):
+    """A run measures the mean of lengths already cut at max_new_tokens; the workload must reproduce it."""
+    lengths = Lengths.truncated_geometric(mean, top).sample(400_000, np.random.default_rng(0))
+    assert lengths.max() <= top and abs(lengths.mean() / mean - 1) < 0.01
+    assert Lengths.truncated_geometric(8.0, 8).kind == "fixed"

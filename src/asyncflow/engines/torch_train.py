@@ -30,6 +30,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
@@ -85,6 +86,15 @@ def compute_precision(precision: str, device: torch.device) -> contextlib.Abstra
     if precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def return_freed_memory() -> None:
+    """Give the C heap's free memory back to the OS (glibc's `malloc_trim`; nothing where there is none). Freed
+    CPU tensors otherwise stay resident, and what a run does next (plots: Python objects) does not reuse them."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def enable_activation_checkpointing(model: torch.nn.Module, packing: str) -> None:
@@ -216,6 +226,14 @@ class TorchTrainEngine(TrainEngineBase):
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def close(self) -> None:
+        """Free what only further training needs: the optimizer's moments, the gradients and the reference (or
+        teacher) model. A run closes its engine after its last checkpoint, which holds them; the weights stay."""
+        self.optimizer.state.clear()
+        self.model.zero_grad(set_to_none=True)
+        self.reference = None
+        return_freed_memory()
 
     def policy_module(self) -> torch.nn.Module:
         return self.model  # under LoRA the adapted model: its forward is the merged policy

@@ -70,7 +70,7 @@ def add_commands(sub, add_common, load) -> None:
     profile = sub.add_parser("profile", help="measure this machine's cost functions for a config's model")
     add_common(profile)
     profile.add_argument("--out", default="profile.yaml", help="profile file to write (.yaml or .json)")
-    profile.add_argument("--repeats", type=int, default=3, help="timings per point (the median is kept)")
+    profile.add_argument("--repeats", type=int, default=5, help="timings per point (the median is kept)")
     profile.add_argument("--name", default="", help="the profile's name (default: this host's)")
     profile.set_defaults(func=lambda args: cmd_profile(args, load))
 

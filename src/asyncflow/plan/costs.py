@@ -135,10 +135,15 @@ class Profile(BaseModel):
     """measured: seconds each token of context of each active row adds to a decode step."""
     prefill_token_s: float = 0.0
     """measured: seconds per prompt token of prefill."""
+    prefill_row_s: float = 0.0
+    """measured: seconds each admitted row adds to its prefill beyond its tokens (its slot, its first sample)."""
     train_micro_batch_s: float = 0.0
     """measured: fixed seconds per micro-batch (forward + backward)."""
     train_token_s: float = 0.0
-    """measured: seconds per token of a micro-batch (forward + backward)."""
+    """measured: seconds per token of an unpacked micro-batch (forward + backward), padding included."""
+    train_packed_token_s: float | None = None
+    """measured: seconds per token of a shared-prompt packed micro-batch (its layout runs a second attention
+    call per layer); None: `train_token_s`."""
     optimizer_step_s: float = 0.0
     """measured: seconds of one optimizer step."""
     publish_s: float = 0.0
@@ -185,6 +190,9 @@ class Costs:
     swap_s: float
     reward_row_s: float = 0.0
     queue_call_s: float = 0.0
+    prefill_row_s: float = 0.0
+    train_packed_token_s: float | None = None
+    """Per token of a shared-prompt packed micro-batch; None: `train_token_s`."""
     switch_s: float = 0.0
     """Colocated `sync` only: seconds per step to switch the devices between inference and training (offload /
     onload of weights and KV cache, resharding), twice per step in total."""
@@ -192,8 +200,14 @@ class Costs:
     def decode_step(self, active: float, context: float) -> float:
         return self.decode_step_s + active * (self.decode_row_s + context * self.decode_row_token_s)
 
-    def train(self, tokens: float) -> float:
-        return self.train_micro_batch_s + tokens * self.train_token_s
+    def prefill(self, prompt_tokens: float, rows: float) -> float:
+        return prompt_tokens * self.prefill_token_s + rows * self.prefill_row_s
+
+    def train(self, tokens: float, packed: bool = False) -> float:
+        per_token = self.train_token_s
+        if packed and self.train_packed_token_s is not None:
+            per_token = self.train_packed_token_s
+        return self.train_micro_batch_s + tokens * per_token
 
     @classmethod
     def from_profile(cls, profile: Profile, model: ModelShape | None = None, *, rollout_devices: int = 1,
@@ -210,7 +224,8 @@ class Costs:
             optimizer_step_s=profile.optimizer_step_s,
             publish_s=profile.publish_s + profile.publish_byte_s * profile.weight_bytes,
             swap_s=profile.publish_byte_s * profile.weight_bytes, reward_row_s=profile.reward_row_s,
-            queue_call_s=profile.queue_call_s,
+            queue_call_s=profile.queue_call_s, prefill_row_s=profile.prefill_row_s,
+            train_packed_token_s=profile.train_packed_token_s,
         )  # fmt: skip
 
     @classmethod

@@ -62,7 +62,8 @@ class SimSpec:
     sync_micro_batch_rows: int = 64
     on_weight_update: Literal["finish", "resume"] = "finish"
     write_rows: int = 32
-    """Rows per queue write of a rollout replica (one `queue_call_s` each)."""
+    """Rows per queue write of a rollout replica (one `queue_call_s` each, as each prompt read of up to `slots`
+    rows, each trainer read and each step's prompts appended)."""
     timeline_replicas: int = 0
     """Replicas whose spans go into the timeline (0: no timeline)."""
     lockstep: bool = False
@@ -147,7 +148,8 @@ def generation_offsets(prompts: np.ndarray, lengths: np.ndarray, slots: int, cos
     steps = np.diff(sorted_len, axis=1, prepend=0.0)  # decode steps run with n - j rows active
     active = n - np.arange(n)
     per_step = costs.decode_step_s + active * (costs.decode_row_s + context * costs.decode_row_token_s)
-    done = np.cumsum(steps * per_step, axis=1) + costs.prefill_token_s * prompts.sum(axis=1, keepdims=True)
+    prefill = costs.prefill(prompts.sum(axis=1, keepdims=True), (prompts > 0).sum(axis=1, keepdims=True))
+    done = np.cumsum(steps * per_step, axis=1) + prefill
     offsets = np.empty_like(done)
     np.put_along_axis(offsets, order, done, axis=1)
     return offsets
@@ -170,7 +172,7 @@ def _queued_offsets(prompts, lengths, slots: int, costs: Costs, context: float) 
     n = len(lengths)
     out = np.empty(n)
     first = min(slots, n)
-    t = costs.prefill_token_s * float(prompts[:first].sum())
+    t = costs.prefill(float(prompts[:first].sum()), float((prompts[:first] > 0).sum()))  # padding rows: none
     heap = [(int(lengths[i]), i) for i in range(first)]  # (decode step at which the row finishes, row)
     heapq.heapify(heap)
     g, nxt = 0, first
@@ -181,7 +183,7 @@ def _queued_offsets(prompts, lengths, slots: int, costs: Costs, context: float) 
         while heap and heap[0][0] == g:
             out[heapq.heappop(heap)[1]] = t
             if nxt < n:
-                t += costs.prefill_token_s * float(prompts[nxt])
+                t += costs.prefill(float(prompts[nxt]), float(prompts[nxt] > 0))
                 heapq.heappush(heap, (g + int(lengths[nxt]), nxt))
                 nxt += 1
     return out
@@ -224,19 +226,30 @@ def _rows(per_share: np.ndarray, rows: int) -> np.ndarray:
     return per_share.reshape(-1)[:rows]
 
 
-def padded_tokens(spec: SimSpec, step: int, rows) -> float:
-    """Tokens a micro-batch of `rows` (whole groups, in order) runs in the training engine with `packing: auto`:
-    unpacked, each row padded to the longest prompt + response; shared-prompt packed, each group its prompt once
-    and its responses, padded to the longest group; packed when that saves at least 10% (`should_pack`)."""
-    P, L = spec.prompt_lengths[step][rows], spec.response_lengths[step][rows]
-    if len(L) == 0:
-        return 0.0
-    unpacked = float(len(L) * (P + L).max())
-    G = spec.group_size
-    if len(L) % G:
-        return unpacked
-    packed = float(len(L) // G * (P[::G] + L.reshape(-1, G).sum(axis=1)).max())
-    return packed if packed <= 0.9 * unpacked else unpacked
+def micro_batch_tokens(prompts: np.ndarray, responses: np.ndarray, group_size: int) -> tuple[float, bool]:
+    """(tokens, packed?) a micro-batch of whole groups (rows in group order) runs in the training engine with
+    `packing: auto`: unpacked, each row padded to the longest prompt + response; shared-prompt packed, each group
+    its prompt once and its responses, padded to the longest group; packed when that saves at least 10%
+    (`should_pack`)."""
+    if len(responses) == 0:
+        return 0.0, False
+    unpacked = float(len(responses) * (prompts + responses).max())
+    G = group_size
+    if len(responses) % G:
+        return unpacked, False
+    packed = float(len(responses) // G * (prompts[::G] + responses.reshape(-1, G).sum(axis=1)).max())
+    return (packed, True) if packed <= 0.9 * unpacked else (unpacked, False)
+
+
+def padded_tokens(spec: SimSpec, step: int, rows) -> tuple[float, bool]:
+    """`micro_batch_tokens` of `rows` of step `step`."""
+    return micro_batch_tokens(spec.prompt_lengths[step][rows], spec.response_lengths[step][rows], spec.group_size)
+
+
+def queue_calls(rows: int, spec: SimSpec) -> int:
+    """TransferQueue calls a replica makes for a share of `rows`: prompt reads of up to `slots` rows, response
+    writes of `write_rows`."""
+    return -(-rows // spec.slots) + -(-rows // spec.write_rows)
 
 
 def _simulate_sync(spec: SimSpec) -> SimResult:
@@ -248,7 +261,7 @@ def _simulate_sync(spec: SimSpec) -> SimResult:
     for s in range(spec.steps):
         P, L = _shares(spec, s, R)
         offsets = generation_offsets(P, L, spec.slots, c)
-        writes = -(-P.shape[1] // spec.write_rows) * c.queue_call_s
+        writes = queue_calls(P.shape[1], spec) * c.queue_call_s
         gen = float(offsets.max()) + writes
         trace.span("rollout", "generate", t, t + gen, step=s)
         busy_roll += float(offsets.max(axis=1).sum()) + writes * R
@@ -257,8 +270,9 @@ def _simulate_sync(spec: SimSpec) -> SimResult:
         trace.span("reward", "score", t, t + score, step=s)
         t += score
         t0 = t
+        t += c.queue_call_s  # the step's prompts appended
         for start in range(0, spec.rows, mb):
-            dt = c.train(padded_tokens(spec, s, slice(start, start + mb)))
+            dt = c.queue_call_s + c.train(*padded_tokens(spec, s, slice(start, start + mb)))
             trace.span("trainer", "train_micro_batch", t, t + dt, rows=min(mb, spec.rows - start))
             t += dt
         trace.span("trainer", "optimizer_step", t, t + c.optimizer_step_s, step=s)
@@ -287,7 +301,7 @@ def _simulate_overlapped(spec: SimSpec) -> SimResult:
     orders = []
     groups = spec.rows // G
     n = -(-spec.rows // R)
-    writes = -(-n // spec.write_rows) * c.queue_call_s + n * c.reward_row_s
+    writes = queue_calls(n, spec) * c.queue_call_s + n * c.reward_row_s
     for s in range(spec.steps):
         # admission control: the real rule, then the newest version published when the replica starts
         need = oldest_admissible_version(s, k)
@@ -322,7 +336,7 @@ def _simulate_overlapped(spec: SimSpec) -> SimResult:
             asked = trainer_t
             taken, trainer_t = take_groups(group_done, unread, trainer_t, spec.micro_batch_groups)
             trace.span("trainer", "wait_rows", asked, trainer_t, partition=f"step_{s}")
-            dt = c.queue_call_s + c.train(padded_tokens(spec, s, rows_of[taken].reshape(-1)))
+            dt = c.queue_call_s + c.train(*padded_tokens(spec, s, rows_of[taken].reshape(-1)))
             trace.span("trainer", "train_micro_batch", trainer_t, trainer_t + dt, rows=len(taken) * G)
             trainer_t += dt
             busy_train += dt
@@ -330,10 +344,10 @@ def _simulate_overlapped(spec: SimSpec) -> SimResult:
                 order.extend(taken.tolist())
         orders.append(order)
         trace.span("trainer", "optimizer_step", trainer_t, trainer_t + c.optimizer_step_s, step=s)
-        trainer_t += c.optimizer_step_s
+        trainer_t += c.optimizer_step_s + c.queue_call_s  # and a later step's prompts appended
         trace.span("trainer", "publish_weights", trainer_t, trainer_t + c.publish_s, version=s + 1)
         trainer_t += c.publish_s
-        busy_train += c.optimizer_step_s + c.publish_s
+        busy_train += c.optimizer_step_s + c.queue_call_s + c.publish_s
         avail.append(trainer_t)
         ends.append(trainer_t)
     return SimResult(np.array(ends), generated_by, busy_roll, busy_train, R, spec.steps * spec.rows,
@@ -347,5 +361,5 @@ def _in_flight_pause(avail: np.ndarray, start: np.ndarray, offsets: np.ndarray, 
     arrives = np.array([np.any((avail > s) & (avail < e)) for s, e in zip(start, end)])
     at = np.array([avail[(avail > s) & (avail < e)].min() - s if a else np.inf
                    for a, s, e in zip(arrives, start, end)])
-    pause = c.swap_s + c.prefill_token_s * prompts.sum(axis=1)
+    pause = c.swap_s + c.prefill(prompts.sum(axis=1), (prompts > 0).sum(axis=1))
     return np.where(offsets > at[:, None], pause[:, None], 0.0)

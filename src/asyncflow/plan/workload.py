@@ -46,6 +46,19 @@ class Lengths(BaseModel):
             out = rng.choice(np.asarray(self.values), shape)
         return np.clip(np.rint(out), 1, self.max).astype(np.int32)
 
+    @classmethod
+    def truncated_geometric(cls, mean: float, max: int) -> Lengths:
+        """The geometric lengths whose mean *after* truncation to `[1, max]` is `mean` (what a run measures:
+        `E[min(X, max)] = (1 - (1 - p)^max) / p` for X ~ Geometric(p), solved for p); fixed at `max` when
+        `mean` is within 0.1% of it."""
+        if mean >= max * 0.999:
+            return cls(kind="fixed", mean=max, max=max)
+        lo, hi = 1e-9, 1.0  # the truncated mean falls from ~max to 1 as p rises
+        for _ in range(100):
+            p = (lo + hi) / 2
+            lo, hi = (p, hi) if (1 - (1 - p) ** max) / p > mean else (lo, p)
+        return cls(kind="geometric", mean=1.0 / hi, max=max)
+
 
 class Workload(BaseModel):
     """The rows of each step: `prompts_per_step` prompts, each sampled `group_size` times."""
@@ -67,10 +80,11 @@ class Workload(BaseModel):
 
 
 def lengths_from_run(run_dir: str | Path) -> Lengths:
-    """A geometric distribution with the mean response length of a run's `metrics.jsonl` and its largest max."""
+    """Geometric lengths truncated at a run's largest response with the run's mean response length
+    (`metrics.jsonl`)."""
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
     means = [r["response_length/mean"] for r in rows if "response_length/mean" in r]
     maxes = [r["response_length/max"] for r in rows if "response_length/max" in r]
     if not means:
         raise ValueError(f"{run_dir}/metrics.jsonl has no response_length/mean")
-    return Lengths(kind="geometric", mean=float(np.mean(means)), max=int(max(maxes)))
+    return Lengths.truncated_geometric(float(np.mean(means)), int(max(maxes)))

@@ -27,11 +27,13 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import ray
@@ -82,6 +84,16 @@ def start_ray(*, address: str | None, num_cpus: int | None) -> None:
                     "cluster, that the head node is up for an address, or run without Ray (runtime.kind=inline)"
                 ) from err
             time.sleep(START_RETRY_PAUSE_S)
+
+
+@contextlib.contextmanager
+def ray_session(*, address: str | None, num_cpus: int | None) -> Iterator[None]:
+    """Ray started (`start_ray`) for the block and shut down after it."""
+    start_ray(address=address, num_cpus=num_cpus)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 @dataclass(frozen=True)

@@ -316,6 +316,7 @@ class RLRun:
                     raise RunStopped(self.stop.signum, f"stopped by {self.stop.name} after step {state.step}: "
                                      f"checkpoint {checkpoint} written; continue with --resume")
         self.workflow.finish()
+        self.train_engine.close()  # the last checkpoint holds its state: freed before the reports' plots
         self.metrics.close()
         write_reports(self.run_dir, self.timeline, cfg.workflow.mode)
         if cfg.export.at_end:
