@@ -1,7 +1,7 @@
 """The sandbox of the `python` tool: model-written code in a child process with limits.
 
 Owns: `run_python`, `SandboxLimits`, `sandbox_command` (the bubblewrap command prefix), `SandboxUnavailable` and
-`ToolLimitError`; the seccomp program is `asyncflow.envs.seccomp`'s.
+`ToolLimitError`; the seccomp program is `asyncflow.envs.pyseccomp_filter`'s.
 
 With `isolation="strict"` (the default) the child runs inside
 bubblewrap: its own PID, network, IPC, UTS and mount namespaces, no capabilities, an empty environment, the system
@@ -32,7 +32,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from asyncflow.envs.seccomp import SeccompUnavailable, seccomp_filter
+from asyncflow.envs.pyseccomp_filter import SeccompUnavailable, seccomp_filter
 
 _CHILD = r"""
 import resource, sys
