@@ -147,6 +147,8 @@ class PipelineWorkflow:
         self.mode = config.workflow.mode
         self.k = config.workflow.max_staleness if self.mode == "async" else 0
         self.timeout = config.runtime.call_timeout_s
+        # Rows may wait on a Ray replica's restart (its own budget); a failed one is raised sooner (`_workers_alive`).
+        self.rows_timeout = self.timeout + (config.runtime.start_timeout_s if config.runtime.kind == "ray" else 0.0)
         self.runtime, self.trainer, self.prompts = runtime, trainer, prompts
         self.rewards, self.timeline = rewards, timeline
         self.policy_weights = policy_weights
@@ -208,7 +210,7 @@ class PipelineWorkflow:
             max(1, cfg.train.micro_batch_size // cfg.rollout.group_size)
         return dict(
             policy_version=version, max_staleness=self.k, group_size=cfg.rollout.group_size, groups_per_batch=groups,
-            max_new_tokens=cfg.rollout.max_new_tokens, timeout=self.timeout, sampler=self.sampler,
+            max_new_tokens=cfg.rollout.max_new_tokens, timeout=self.rows_timeout, sampler=self.sampler,
             timeline=self.timeline, cores=self.runtime.trainer_cores, alive=self._workers_alive,
         )
 
@@ -319,12 +321,12 @@ class PipelineWorkflow:
             return state
         if not self.started:
             return state
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.rows_timeout
         fed = max(self.cursors, default=step - 1)
         for s in range(step, min(step + self.k, fed + 1)):  # maybe started with older weights
             while not self._finished(s):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"checkpoint: partition {s} was not generated within {self.timeout:.0f} s")
+                    raise TimeoutError(f"checkpoint: partition {s} was not generated within {self.rows_timeout:.0f} s")
                 self._workers_alive()
                 time.sleep(WAIT_POLL_S)
         ahead = []
