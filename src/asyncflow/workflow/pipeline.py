@@ -167,6 +167,7 @@ class PipelineWorkflow:
             self.publisher = make_weight_sync(runtime.weight_sync, **runtime.weight_sync_options)
         self.sampler = GroupSampler()
         self.started = False
+        self.hold_before: int | None = None  # a resumed run's step that waits for the rollout to start the next
         self.reward_thread: BackgroundThread | None = None
         self.stage_threads: list[BackgroundThread] = []
         self.cursors: dict[int, dict] = {}  # partition step -> the prompt source's cursor before it was fed
@@ -240,12 +241,19 @@ class PipelineWorkflow:
         steps = range(step, cfg.train.steps)
         for s in range(step, min(step + self.k + 1, cfg.train.steps)):
             self.put_prompts(s)
+        replayed = []
         for rows in resume.get("rollouts_ahead", []):
             s = rows["step"]
             if s in self.cursors and all(s - v <= self.k for v in rows["weight_version"]):
                 replay_rows(self.queue, partition_name(s), rows, self.tasks, self.timeout)
+                replayed.append(s)
             else:  # the config changed (mode, max_staleness): generate them again
                 log.warning("resume: the rows generated ahead for step %d are generated again", s)
+        # Uninterrupted, the rollout started the partition after the last replayed one as soon as it had
+        # generated that one, before the trainer could train it; the trainer keeps that order (`_overlapped_step`),
+        # so how fast the replicas start cannot change which weights generate it.
+        last = max(replayed, default=-1)
+        self.hold_before = last if self.k > 0 and 0 <= last < cfg.train.steps - 1 else None
         self.publisher.publish(self.policy_weights(), version)
         self.runtime.start_rollout(self.queue, self.publisher.receiver_spec, steps, max_staleness=self.k,
                                    timeline=self.timeline, sampler_states=samplers)
@@ -282,6 +290,8 @@ class PipelineWorkflow:
 
     def _overlapped_step(self, step: int, version: int) -> tuple[list[Rollout], dict]:
         t0 = time.time()
+        if step == self.hold_before:
+            self._wait_rollout_started(step + 1)
         rollouts, stats = self._train(step, version)
         t1 = time.time()
         if step + self.k + 1 < self.config.train.steps:
@@ -298,6 +308,16 @@ class PipelineWorkflow:
         with self.timeline.span("trainer", "optimizer_step", step=step):
             stats.update(self.trainer.finish_step())
         return rollouts, stats
+
+    def _wait_rollout_started(self, step: int) -> None:
+        """Until a replica has taken prompts of partition `step` (it chose their weights before)."""
+        deadline = time.monotonic() + self.rows_timeout
+        with self.timeline.span("trainer", "wait_rollout", step=step):
+            while not self.queue.status(partition_name(step)).get("consumed", {}).get("rollout"):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"resume: no replica started step {step} within {self.rows_timeout:.0f} s")
+                self._workers_alive()
+                time.sleep(WAIT_POLL_S)
 
     def _workers_alive(self) -> None:
         """Raise the failure of a rollout replica or the reward thread (the trainer would wait for their rows)."""
