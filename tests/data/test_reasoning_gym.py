@@ -73,7 +73,7 @@ def test_bad_names_and_options_and_a_missing_library_are_one_line_errors(monkeyp
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)
     _dataset.cache_clear()
     try:
-        with pytest.raises(DatasetError, match=r"pip install 'asyncflow-rl\[reasoning_gym\]'"):
+        with pytest.raises(DatasetError, match=r"pip install 'asyncflow-rl\[reasoning-gym\]'"):
             make_task("reasoning_gym:chain_sum")
     finally:
         _dataset.cache_clear()

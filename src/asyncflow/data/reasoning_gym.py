@@ -42,7 +42,7 @@ def _dataset(name: str, options_json: str):
         import reasoning_gym
     except ImportError:
         raise DatasetError(
-            f"data.task {PREFIX}{name} needs reasoning-gym: pip install 'asyncflow-rl[reasoning_gym]'") from None
+            f"data.task {PREFIX}{name} needs reasoning-gym: pip install 'asyncflow-rl[reasoning-gym]'") from None
     options = json.loads(options_json)
     try:
         return reasoning_gym.create_dataset(name, seed=0, size=_INDEX_RANGE, **options)
