@@ -1,11 +1,13 @@
 """`asyncflow profile` end to end on a small config: a loadable measured profile whose coefficients come from the
 run's own paths (rollout worker, policy trainer, queue, reward functions), packed micro-batches measured apart
-unless packing is off."""
+unless packing is off; coefficients fitted >= 0 without clipping."""
 
+import numpy as np
 import pytest
 
 from asyncflow.cli import main
 from asyncflow.plan.costs import Costs, Profile
+from asyncflow.plan.measure import nonnegative_fit
 
 SMALL = ["rollout.max_batch_size=16", "rollout.max_new_tokens=4", "rollout.prompts_per_step=4", "rollout.group_size=4",
          "train.micro_batch_size=16"]  # fmt: skip
@@ -23,3 +25,14 @@ def test_profile_measures_every_role(tmp_path, packing):
     assert (profile.train_packed_token_s is None) == (packing == "off")
     costs = Costs.from_profile(profile)
     assert costs.train(1000, packed=True) >= costs.train(0) and costs.prefill(16, 1) > 0
+
+
+def test_a_negative_coefficient_is_fixed_at_zero_and_the_others_fitted_again():
+    """seconds = 0.6 x - 0.3 exactly: unconstrained, the intercept is -0.3. Clipping it to 0 would keep the slope 0.6
+    (every point 0.3 s too high); fixed at 0, the slope is refitted to sum(xy) / sum(x^2) = 0.5."""
+    x = np.array([1.0, 2.0, 3.0, 4.0])
+    features, seconds = [[1.0, v] for v in x], (0.6 * x - 0.3).tolist()
+    intercept, slope = nonnegative_fit(features, seconds)
+    assert intercept == 0.0 and slope == pytest.approx(0.5)
+    assert np.abs(slope * x - seconds).max() < np.abs(0.6 * x - seconds).max()
+    assert nonnegative_fit([[1.0, v] for v in x], (2 * x + 1).tolist()) == pytest.approx([1.0, 2.0])

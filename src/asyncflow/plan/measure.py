@@ -17,7 +17,7 @@ small grid (median of `repeats`):
 - scoring a batch of responses with the configured reward functions (their isolation included), per row.
 
 Invariants: runs in the calling process only (profile in a process of its own, not beside a benchmark: the
-two would share cores); it writes nothing but the returned profile; coefficients are clipped at 0.
+two would share cores); it writes nothing but the returned profile; every coefficient is >= 0 (`nonnegative_fit`).
 """
 
 from __future__ import annotations
@@ -55,9 +55,18 @@ def _median_time(fn, repeats: int) -> float:
     return float(np.median(times))
 
 
-def _fit(features: list[list[float]], seconds: list[float]) -> np.ndarray:
-    coef, *_ = np.linalg.lstsq(np.asarray(features, dtype=np.float64), np.asarray(seconds), rcond=None)
-    return np.clip(coef, 0.0, None)
+def nonnegative_fit(features: list[list[float]], seconds: list[float]) -> np.ndarray:
+    """Least squares with every coefficient >= 0. A coefficient that comes out negative is fixed at 0 and the others
+    are fitted again, until none is negative. Clipping it alone would leave the others fitted around its negative
+    share: on a noisy machine that fit missed its own points by 22-47% on average, against 7-21% refitted."""
+    X, y = np.asarray(features, dtype=np.float64), np.asarray(seconds, dtype=np.float64)
+    free = np.ones(X.shape[1], dtype=bool)
+    while True:
+        coef = np.zeros(X.shape[1])
+        coef[free] = np.linalg.lstsq(X[:, free], y, rcond=None)[0]
+        if (coef >= 0).all():
+            return coef
+        free[np.argmin(coef)] = False
 
 
 def measure_generation(engine: TorchInferenceEngine, *, prompts: list[int], batches: list[int], lengths: list[int],
@@ -85,7 +94,7 @@ def measure_generation(engine: TorchInferenceEngine, *, prompts: list[int], batc
                 features.append([B * P, B, T, T * B, T * B * (P + T / 2)])
                 seconds.append(s)
                 points.append({"batch": B, "new_tokens": T, "prompt": P, "seconds": round(s, 5)})
-    return _fit(features, seconds), points
+    return nonnegative_fit(features, seconds), points
 
 
 def measure_training(config: Config, policy, model_path, queue, *, prompt: int, lengths: list[int], repeats: int,
@@ -134,7 +143,7 @@ def measure_training(config: Config, policy, model_path, queue, *, prompt: int, 
                 features.append([1.0, 0.0 if packed else tokens, tokens if packed else 0.0])
                 seconds.append(s)
                 points.append({"rows": n, "tokens": tokens, "packed": packed, "seconds": round(s, 5)})
-    fixed, per_token, per_packed_token = _fit(features, seconds)
+    fixed, per_token, per_packed_token = nonnegative_fit(features, seconds)
     optimizer = []
     for _ in range(repeats):  # each after gradients, as in a run (AdamW skips parameters without gradients)
         trainer.accumulate(_rollouts(rng, max(G, rows // 4), lengths[0], prompt, vocab))
