@@ -138,7 +138,7 @@ class Profile(BaseModel):
     prefill_row_s: float = 0.0
     """measured: seconds each admitted row adds to its prefill beyond its tokens (its slot, its first sample)."""
     train_micro_batch_s: float = 0.0
-    """measured: fixed seconds per micro-batch (forward + backward)."""
+    """measured: fixed seconds per micro-batch (its read from the queue, forward + backward)."""
     train_token_s: float = 0.0
     """measured: seconds per token of an unpacked micro-batch (forward + backward), padding included."""
     train_packed_token_s: float | None = None
@@ -155,7 +155,8 @@ class Profile(BaseModel):
     reward_row_s: float = 0.0
     """measured: seconds to score one row."""
     queue_call_s: float = 0.0
-    """measured: seconds of one TransferQueue call (a write of finished rows, a read of a micro-batch)."""
+    """measured: seconds of one TransferQueue call (a prompt read, a write of finished rows; the trainer's reads
+    are in the training costs)."""
     threads: int = 1
     notes: str = ""
 

@@ -6,11 +6,12 @@ small grid (median of `repeats`):
   exactly T tokens: total = prefill_token_s * prompt tokens + prefill_row_s * B + T * (decode_step_s + B * (decode_row_s
   + context * decode_row_token_s)), over batch sizes B up to `rollout.max_batch_size`, two lengths and two
   prompt lengths (a prefill has a cost per row besides its tokens);
-- a training micro-batch (the run's `PolicyTrainer` on the configured training engine: the configured loss,
-  the tri-model forward included) against its tokens (`micro_batch_tokens`, equal lengths), at a quarter of and at
-  `train.micro_batch_size` rows, after a warm-up call, with distinct prompts (unpacked: `train_token_s`) and
-  with groups sharing their prompt (shared-prompt packed: `train_packed_token_s`, dearer per token); and the
-  trainer's optimizer step after a micro-batch;
+- a training micro-batch as a run trains it: complete rows read from the configured runtime's queue by the run's
+  `PolicyTrainer` (its loader, the configured loss and engine, the tri-model forward included), against its
+  tokens (`micro_batch_tokens`, equal lengths), at a quarter of and at `train.micro_batch_size` rows, after a
+  warm-up, with distinct prompts (unpacked: `train_token_s`) and with groups sharing their prompt
+  (shared-prompt packed: `train_packed_token_s`, dearer per token); and the trainer's optimizer step after a
+  micro-batch;
 - a weight version: the trainer's `state_dict` loaded into the inference engine (`update_weights`), per byte;
 - the TransferQueue calls of one partition (`measure_queue_calls`), on the configured runtime's queue;
 - scoring a batch of responses with the configured reward functions (their isolation included), per row.
@@ -22,8 +23,11 @@ two would share cores); it writes nothing but the returned profile; every coeffi
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import itertools
 import platform
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -34,10 +38,12 @@ from asyncflow.engines.torch_inference import TorchInferenceEngine
 from asyncflow.models.loading import load_model, resolve_model_path
 from asyncflow.plan.costs import Profile
 from asyncflow.plan.sim import micro_batch_tokens
-from asyncflow.transfer import TransferQueue
+from asyncflow.transfer import GroupSampler, TransferQueue
 from asyncflow.workers.rollout import PROMPT_COLUMNS, WRITE_ROWS, Rollout, RolloutWorker
 from asyncflow.workers.trainer import TRAIN_COLUMNS, PolicyTrainer
 from asyncflow.workflow.setup import make_reward_worker, train_engine_options
+
+MICRO_BATCHES = 3  # per partition the trainer reads while timing a micro-batch (the loader prefetches the next)
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -91,67 +97,88 @@ def measure_generation(engine: TorchInferenceEngine, *, prompts: list[int], batc
     return nonnegative_fit(features, seconds), points
 
 
-def measure_training(config: Config, policy, model_path, *, prompt: int, lengths: list[int], repeats: int,
+def measure_training(config: Config, policy, model_path, queue, *, prompt: int, lengths: list[int], repeats: int,
                      vocab: int) -> tuple:
-    """(train_micro_batch_s, train_token_s, train_packed_token_s, optimizer_step_s, points, engine): one
-    micro-batch through the run's `PolicyTrainer` (the configured loss and engine) with distinct prompts
-    (unpacked) and with groups sharing their prompt (packed as `train.packing` decides), each against the tokens
-    `micro_batch_tokens` counts; then the trainer's `finish_step` (the optimizer step) after a micro-batch."""
+    """(train_micro_batch_s, train_token_s, train_packed_token_s, optimizer_step_s, points, engine): micro-batches
+    as a run trains them: complete rows (the columns a rollout worker writes) read from `queue` and trained by the
+    run's `PolicyTrainer.train_partition` (its loader prefetching the next micro-batch while one trains; the
+    configured loss and engine), `MICRO_BATCHES` per partition, with distinct prompts (unpacked) and with groups
+    sharing their prompt (packed as `train.packing` decides), each against the tokens `micro_batch_tokens`
+    counts; then the trainer's `finish_step` (the optimizer step) after a micro-batch."""
     engine = make_train_engine(config.train.engine, **train_engine_options(config, policy, model_path))
     rows, G = config.train.micro_batch_size, config.rollout.group_size
     trainer = PolicyTrainer(engine, config.algo, micro_batch_size=rows, temperature=config.rollout.temperature,
                             max_tokens_per_micro_batch=config.train.max_tokens_per_micro_batch)
     can_pack = config.train.packing != "off"
     rng = np.random.default_rng(1)
+    names = (f"train_{i}" for i in itertools.count())
 
-    def batch(n: int, R: int, shared: bool) -> list[Rollout]:
-        per_group = G if shared else 1
-        prompts = [rng.integers(3, vocab, prompt).tolist() for _ in range(-(-n // per_group))]
-        return [Rollout(group_id=i // per_group, sample_index=i % per_group, prompt_ids=prompts[i // per_group],
-                        response_ids=rng.integers(3, vocab, R).tolist(), rollout_logprobs=[-1.0] * R,
-                        finish_reason="length", weight_version=0, answer="", reward=0.0,
-                        advantages=torch.from_numpy(rng.standard_normal(R).astype(np.float32)))
-                for i in range(n)]  # fmt: skip
+    def train(n: int, R: int, shared: bool) -> float:
+        """Seconds per micro-batch of `n` rows of `R` response tokens, over a partition of `MICRO_BATCHES`."""
+        name, total = next(names), n * MICRO_BATCHES
+        prompts = [torch.from_numpy(rng.integers(3, vocab, prompt)) for _ in range(total // G if shared else total)]
+        queue.create_partition(name, num_rows=total, group_size=G)
+        indices = queue.append(name, {"prompt_ids": [prompts[i // G if shared else i] for i in range(total)]},
+                               group_ids=[i // G for i in range(total)],
+                               metadata=[{"answer": "0", "sample_index": i % G} for i in range(total)])
+        queue.write(name, indices, {"response_ids": [torch.from_numpy(rng.integers(3, vocab, R)) for _ in indices],
+                                    "rollout_logprobs": [torch.full((R,), -1.0) for _ in indices],
+                                    "reward": torch.from_numpy(rng.standard_normal(total).astype(np.float32))},
+                    weight_version=[0] * total)  # fmt: skip
+        t0 = time.perf_counter()
+        trainer.train_partition(queue, name, policy_version=0, max_staleness=0, group_size=G,
+                                groups_per_batch=max(1, n // G), max_new_tokens=R, timeout=120, sampler=GroupSampler())
+        seconds = (time.perf_counter() - t0) / MICRO_BATCHES
+        queue.clear(name)
+        trainer.finish_step()
+        return seconds
 
-    trainer.accumulate(batch(rows, lengths[0], can_pack))  # warm-up (allocator, lazy initialisation)
+    train(rows, lengths[0], can_pack)  # warm-up (allocator, lazy initialisation, the loader's first calls)
     features, seconds, points = [], [], []
     for shared in sorted({False, can_pack}):
         for n in sorted({max(G, rows // 4), rows}):
             for R in lengths:
-                rollouts = batch(n, R, shared)
                 tokens, packed = micro_batch_tokens(np.full(n, prompt), np.full(n, R), G if shared else 1)
-                s = _median_time(lambda: trainer.accumulate(rollouts), repeats)
+                s = float(np.median([train(n, R, shared) for _ in range(repeats)]))
                 features.append([1.0, 0.0 if packed else tokens, tokens if packed else 0.0])
                 seconds.append(s)
                 points.append({"rows": n, "tokens": tokens, "packed": packed, "seconds": round(s, 5)})
     fixed, per_token, per_packed_token = nonnegative_fit(features, seconds)
     optimizer = []
     for _ in range(repeats):  # each after gradients, as in a run (AdamW skips parameters without gradients)
-        trainer.accumulate(batch(max(G, rows // 4), lengths[0], False))
+        trainer.accumulate(_rollouts(rng, max(G, rows // 4), lengths[0], prompt, vocab))
         optimizer.append(_median_time(trainer.finish_step, 1))
     return (float(fixed), float(per_token), float(per_packed_token) if can_pack else None,
             float(np.median(optimizer)), points, engine)
 
 
-def measure_queue_calls(config: Config, *, prompt: int, repeats: int) -> float:
-    """CPU seconds one TransferQueue call of a partition's life costs, on the queue the configured runtime uses:
-    a step's prompts appended, read by the rollout `rollout.max_batch_size` at a time, its responses written
-    `WRITE_ROWS` at a time while the trainer waits for `train.micro_batch_size` complete rows at a time (each
-    write wakes its request), as in a run. The CPU of this process's threads and, for `runtime.kind: ray`, of
-    the local cluster's processes (the queue's actors, Ray's own): on a machine whose cores the roles share
-    with the data plane, that is what a call takes from them."""
+def _rollouts(rng, n: int, R: int, prompt: int, vocab: int) -> list[Rollout]:
+    return [Rollout(group_id=i, sample_index=0, prompt_ids=rng.integers(3, vocab, prompt).tolist(),
+                    response_ids=rng.integers(3, vocab, R).tolist(), rollout_logprobs=[-1.0] * R,
+                    finish_reason="length", weight_version=0, answer="", reward=0.0,
+                    advantages=torch.from_numpy(rng.standard_normal(R).astype(np.float32)))
+            for i in range(n)]  # fmt: skip
+
+
+def measure_queue_calls(config: Config, queue, cpu_s, *, prompt: int, repeats: int) -> float:
+    """CPU seconds one TransferQueue call of a partition's life costs on `queue` (the configured runtime's, see
+    `run_queue`): a step's prompts appended, read by the rollout `rollout.max_batch_size` at a time, its responses
+    written `WRITE_ROWS` at a time while the trainer waits for `train.micro_batch_size` complete rows at a time
+    (each write wakes its request), as in a run. `cpu_s`: the CPU of this process's threads and, for
+    `runtime.kind: ray`, of the local cluster's processes (the queue's actors, Ray's own): on a machine whose
+    cores the roles share with the data plane, that is what a call takes from them."""
     rows, G = config.rollout.prompts_per_step * config.rollout.group_size, config.rollout.group_size
     rng = np.random.default_rng(3)
 
-    def read_all(queue, name: str) -> int:
+    def read_all(name: str) -> int:
         return sum(1 for _ in queue.loader(name, "train", TRAIN_COLUMNS, config.train.micro_batch_size, timeout=60))
 
-    def partition(queue, name: str) -> int:
+    def partition(name: str) -> int:
         queue.create_partition(name, num_rows=rows, group_size=G)
         prompts = [torch.from_numpy(rng.integers(3, 40, prompt)) for _ in range(rows // G) for _ in range(G)]
         indices = queue.append(name, {"prompt_ids": prompts}, metadata=[{"answer": "0"}] * rows)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            trainer_reads = pool.submit(read_all, queue, name)
+            trainer_reads = pool.submit(read_all, name)
             calls = 1 + sum(1 for _ in queue.loader(name, "rollout", PROMPT_COLUMNS, config.rollout.max_batch_size,
                                                     timeout=60))  # fmt: skip
             for start in range(0, rows, WRITE_ROWS):
@@ -164,15 +191,21 @@ def measure_queue_calls(config: Config, *, prompt: int, repeats: int) -> float:
         queue.clear(name)
         return calls
 
-    def per_call(queue, cpu_s) -> float:
-        partition(queue, "warm-up")
-        t0 = cpu_s()
-        calls = sum(partition(queue, f"p{i}") for i in range(repeats))
-        return (cpu_s() - t0) / calls
+    partition("warm-up")
+    t0 = cpu_s()
+    calls = sum(partition(f"p{i}") for i in range(repeats))
+    return (cpu_s() - t0) / calls
 
+
+@contextlib.contextmanager
+def run_queue(config: Config) -> Iterator[tuple]:
+    """(queue, cpu_s) of the configured runtime: an in-process queue and this process's CPU clock, or for
+    `runtime.kind: ray` the queue's actors on a Ray session and a clock that adds the local cluster's
+    processes."""
     tasks = ["rollout", "train"]
     if config.runtime.kind != "ray":
-        return per_call(TransferQueue.local(tasks=tasks), time.process_time)
+        yield TransferQueue.local(tasks=tasks), time.process_time
+        return
     import psutil
 
     from asyncflow.runtime.ray_runtime import ray_session
@@ -183,8 +216,7 @@ def measure_queue_calls(config: Config, *, prompt: int, repeats: int) -> float:
         return time.process_time() + sum(sum(child.cpu_times()[:2]) for child in children)
 
     with ray_session(address=config.runtime.address, num_cpus=config.runtime.num_cpus):
-        queue = RayTransferQueue.create(num_storage_units=config.runtime.storage_units, tasks=tasks)
-        return per_call(queue, with_cluster_cpu_s)
+        yield RayTransferQueue.create(num_storage_units=config.runtime.storage_units, tasks=tasks), with_cluster_cpu_s
 
 
 def measure_profile(config: Config, *, repeats: int = 5, name: str = "") -> Profile:
@@ -201,15 +233,16 @@ def measure_profile(config: Config, *, repeats: int = 5, name: str = "") -> Prof
     list(inference.generate(iter([GenerationRequest(0, [3] * prompt)]), SamplingParams(max_new_tokens=4)))  # warm
     gen, gen_points = measure_generation(inference, prompts=[prompt // 2, 2 * prompt], batches=batches,
                                          lengths=lengths, repeats=repeats, vocab=vocab)
-    fixed, per_token, per_packed_token, optimizer, train_points, trainer = measure_training(
-        config, model, path, prompt=prompt, lengths=sorted({4, max(8, config.rollout.max_new_tokens)}), repeats=repeats,
-        vocab=vocab,
-    )
+    with run_queue(config) as (queue, cpu_s):
+        fixed, per_token, per_packed_token, optimizer, train_points, trainer = measure_training(
+            config, model, path, queue, prompt=prompt, lengths=sorted({4, max(8, config.rollout.max_new_tokens)}),
+            repeats=repeats, vocab=vocab,
+        )
+        queue_call = measure_queue_calls(config, queue, cpu_s, prompt=prompt, repeats=repeats)
     state = trainer.state_dict()
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     versions = iter(range(1, 10_000))
     swap = _median_time(lambda: inference.update_weights(trainer.state_dict(), next(versions)), repeats)
-    queue_call = measure_queue_calls(config, prompt=prompt, repeats=repeats)
     rewards = make_reward_worker(config)
     responses = np.random.default_rng(2).integers(3, vocab, (top, 8)).tolist()
     reward_row = _median_time(lambda: rewards.score_ids(responses, [{"answer": "0"}] * top), repeats) / top

@@ -63,7 +63,7 @@ class SimSpec:
     on_weight_update: Literal["finish", "resume"] = "finish"
     write_rows: int = 32
     """Rows per queue write of a rollout replica (one `queue_call_s` each, as each prompt read of up to `slots`
-    rows, each trainer read and each step's prompts appended)."""
+    rows and each step's prompts appended; a trainer read is in `Costs.train`)."""
     timeline_replicas: int = 0
     """Replicas whose spans go into the timeline (0: no timeline)."""
     lockstep: bool = False
@@ -272,7 +272,7 @@ def _simulate_sync(spec: SimSpec) -> SimResult:
         t0 = t
         t += c.queue_call_s  # the step's prompts appended
         for start in range(0, spec.rows, mb):
-            dt = c.queue_call_s + c.train(*padded_tokens(spec, s, slice(start, start + mb)))
+            dt = c.train(*padded_tokens(spec, s, slice(start, start + mb)))
             trace.span("trainer", "train_micro_batch", t, t + dt, rows=min(mb, spec.rows - start))
             t += dt
         trace.span("trainer", "optimizer_step", t, t + c.optimizer_step_s, step=s)
@@ -336,7 +336,7 @@ def _simulate_overlapped(spec: SimSpec) -> SimResult:
             asked = trainer_t
             taken, trainer_t = take_groups(group_done, unread, trainer_t, spec.micro_batch_groups)
             trace.span("trainer", "wait_rows", asked, trainer_t, partition=f"step_{s}")
-            dt = c.queue_call_s + c.train(*padded_tokens(spec, s, rows_of[taken].reshape(-1)))
+            dt = c.train(*padded_tokens(spec, s, rows_of[taken].reshape(-1)))
             trace.span("trainer", "train_micro_batch", trainer_t, trainer_t + dt, rows=len(taken) * G)
             trainer_t += dt
             busy_train += dt
