@@ -58,7 +58,7 @@ def _median_time(fn, repeats: int) -> float:
 def nonnegative_fit(features: list[list[float]], seconds: list[float]) -> np.ndarray:
     """Least squares with every coefficient >= 0. A coefficient that comes out negative is fixed at 0 and the others
     are fitted again, until none is negative. Clipping it alone would leave the others fitted around its negative
-    share: on a noisy machine that fit missed its own points by 22-47% on average, against 7-21% refitted."""
+    share, away from the measured points (BENCHMARKS.md, "The fit")."""
     X, y = np.asarray(features, dtype=np.float64), np.asarray(seconds, dtype=np.float64)
     free = np.ones(X.shape[1], dtype=bool)
     while True:
