@@ -39,7 +39,7 @@ from asyncflow.models.loading import load_model, resolve_model_path
 from asyncflow.plan.costs import Profile
 from asyncflow.plan.sim import micro_batch_tokens
 from asyncflow.transfer import GroupSampler, TransferQueue
-from asyncflow.workers.rollout import PROMPT_COLUMNS, WRITE_ROWS, Rollout, RolloutWorker
+from asyncflow.workers.rollout import PROMPT_COLUMNS, WRITE_ROWS, RolloutWorker
 from asyncflow.workers.trainer import TRAIN_COLUMNS, PolicyTrainer
 from asyncflow.workflow.setup import make_reward_worker, train_engine_options
 
@@ -104,7 +104,7 @@ def measure_training(config: Config, policy, model_path, queue, *, prompt: int, 
     run's `PolicyTrainer.train_partition` (its loader prefetching the next micro-batch while one trains; the
     configured loss and engine), `MICRO_BATCHES` per partition, with distinct prompts (unpacked) and with groups
     sharing their prompt (packed as `train.packing` decides), each against the tokens `micro_batch_tokens`
-    counts; then the trainer's `finish_step` (the optimizer step) after a micro-batch."""
+    counts; and the trainer's `finish_step` (the optimizer step) after each partition."""
     engine = make_train_engine(config.train.engine, **train_engine_options(config, policy, model_path))
     rows, G = config.train.micro_batch_size, config.rollout.group_size
     trainer = PolicyTrainer(engine, config.algo, micro_batch_size=rows, temperature=config.rollout.temperature,
@@ -112,9 +112,11 @@ def measure_training(config: Config, policy, model_path, queue, *, prompt: int, 
     can_pack = config.train.packing != "off"
     rng = np.random.default_rng(1)
     names = (f"train_{i}" for i in itertools.count())
+    optimizer: list[float] = []  # each after a partition's gradients, as in a run (AdamW skips parameters without)
 
     def train(n: int, R: int, shared: bool) -> float:
-        """Seconds per micro-batch of `n` rows of `R` response tokens, over a partition of `MICRO_BATCHES`."""
+        """Seconds per micro-batch of `n` rows of `R` response tokens, over a partition of `MICRO_BATCHES`; then
+        the optimizer step, timed into `optimizer`."""
         name, total = next(names), n * MICRO_BATCHES
         prompts = [torch.from_numpy(rng.integers(3, vocab, prompt)) for _ in range(total // G if shared else total)]
         queue.create_partition(name, num_rows=total, group_size=G)
@@ -130,10 +132,11 @@ def measure_training(config: Config, policy, model_path, queue, *, prompt: int, 
                                 groups_per_batch=max(1, n // G), max_new_tokens=R, timeout=120, sampler=GroupSampler())
         seconds = (time.perf_counter() - t0) / MICRO_BATCHES
         queue.clear(name)
-        trainer.finish_step()
+        optimizer.append(_median_time(trainer.finish_step, 1))
         return seconds
 
     train(rows, lengths[0], can_pack)  # warm-up (allocator, lazy initialisation, the loader's first calls)
+    optimizer.clear()  # the first step also creates AdamW's state
     features, seconds, points = [], [], []
     for shared in sorted({False, can_pack}):
         for n in sorted({max(G, rows // 4), rows}):
@@ -144,20 +147,8 @@ def measure_training(config: Config, policy, model_path, queue, *, prompt: int, 
                 seconds.append(s)
                 points.append({"rows": n, "tokens": tokens, "packed": packed, "seconds": round(s, 5)})
     fixed, per_token, per_packed_token = nonnegative_fit(features, seconds)
-    optimizer = []
-    for _ in range(repeats):  # each after gradients, as in a run (AdamW skips parameters without gradients)
-        trainer.accumulate(_rollouts(rng, max(G, rows // 4), lengths[0], prompt, vocab))
-        optimizer.append(_median_time(trainer.finish_step, 1))
     return (float(fixed), float(per_token), float(per_packed_token) if can_pack else None,
             float(np.median(optimizer)), points, engine)
-
-
-def _rollouts(rng, n: int, R: int, prompt: int, vocab: int) -> list[Rollout]:
-    return [Rollout(group_id=i, sample_index=0, prompt_ids=rng.integers(3, vocab, prompt).tolist(),
-                    response_ids=rng.integers(3, vocab, R).tolist(), rollout_logprobs=[-1.0] * R,
-                    finish_reason="length", weight_version=0, answer="", reward=0.0,
-                    advantages=torch.from_numpy(rng.standard_normal(R).astype(np.float32)))
-            for i in range(n)]  # fmt: skip
 
 
 def measure_queue_calls(config: Config, queue, cpu_s, *, prompt: int, repeats: int) -> float:
