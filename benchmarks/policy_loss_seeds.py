@@ -36,7 +36,7 @@ VARIANTS = [f"ppo_async:algo.loss=ppo,{ASYNC}", "gspo_sync:algo.loss=gspo", f"gs
 
 def asyncflow(command: str, run_dir: Path, overrides: list[str], seed: int) -> None:
     cmd = [sys.executable, "-m", "asyncflow.cli", command, EXAMPLE, "--threads", "1", "run.progress=false",
-           f"run.seed={seed}", "--output", str(run_dir), "--overwrite", *overrides]
+           f"run.seed={seed}", "--output", str(run_dir), *(["--overwrite"] if command == "train" else []), *overrides]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=6 * 3600)
     run_dir.with_suffix(".log").write_text(proc.stdout + proc.stderr)
@@ -49,11 +49,16 @@ def finished(run_dir: Path, steps: int) -> bool:
     return metrics.is_file() and any(json.loads(line).get("step") == steps for line in metrics.open())
 
 
+def sft_model(out: Path, seed: int) -> Path:
+    """The SFT model of a seed: `asyncflow sft --output OUT/seedS/sft` writes it to that run's `sft/`."""
+    return out / f"seed{seed}" / "sft" / "sft"
+
+
 def rl_run(out: Path, seed: int, variant: str, steps: int) -> Path:
     name, _, overrides = variant.partition(":")
     run_dir = out / f"seed{seed}" / name
     if not finished(run_dir, steps):
-        asyncflow("train", run_dir, ["sft.before_rl=false", f"model.path={out / f'seed{seed}' / 'sft'}",
+        asyncflow("train", run_dir, ["sft.before_rl=false", f"model.path={sft_model(out, seed)}",
                                      f"train.steps={steps}", "checkpoint.every=0", *overrides.split(",")], seed)
     return run_dir
 
@@ -73,9 +78,8 @@ def main() -> None:
     args = parser.parse_args()
     variants = args.variant or VARIANTS
     with ThreadPoolExecutor(args.parallel) as pool:  # SFT first: every variant of a seed starts from its model
-        sft = {seed: args.out / f"seed{seed}" / "sft" for seed in args.seeds}
-        jobs = [pool.submit(asyncflow, "sft", folder, [], seed) for seed, folder in sft.items()
-                if not (folder / "sft_summary.json").is_file()]
+        jobs = [pool.submit(asyncflow, "sft", args.out / f"seed{seed}" / "sft", [], seed) for seed in args.seeds
+                if not (sft_model(args.out, seed) / "sft_summary.json").is_file()]
         for job in jobs:
             job.result()
     with ThreadPoolExecutor(args.parallel) as pool:
