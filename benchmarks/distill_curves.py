@@ -30,6 +30,17 @@ def first_step_at(curve: list[tuple[int, float]], target: float) -> int | None:
     return next((s for s, a in curve if a >= target), None)
 
 
+def held_from(curve: list[tuple[int, float]], target: float) -> int | None:
+    """The first evaluated step from which every later evaluation is at or above `target` (None: the last one is
+    below): one evaluation crossing the bar by noise does not count."""
+    step = None
+    for s, a in reversed(curve):
+        if a < target:
+            break
+        step = s
+    return step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--distill", nargs="+", type=Path, required=True)
@@ -42,10 +53,12 @@ def main() -> None:
     figure, axis = plt.subplots(figsize=(7, 4))
     summary = {}
     for label, runs, style in (("distilled", args.distill, "-"), ("GRPO alone", args.grpo, "--")):
-        for run in runs:
+        for color, run in enumerate(runs):
             curve = accuracy_curve(run, args.max_step)
-            axis.plot([s for s, _ in curve], [100 * a for _, a in curve], style, label=f"{label}: {run.name}")
-            summary[str(run)] = {"last": curve[-1], "first_step_at_90pct_of_teacher": first_step_at(curve, bar)}
+            axis.plot([s for s, _ in curve], [100 * a for _, a in curve], style, color=f"C{color}",
+                      label=f"{label}: {run.parent.name}/{run.name}")
+            summary[str(run)] = {"start": curve[0], "last": curve[-1], "best": max(curve, key=lambda p: p[1]),
+                                 "first_step_at_bar": first_step_at(curve, bar), "held_from": held_from(curve, bar)}
     axis.axhline(100 * args.teacher_accuracy, color="black", linewidth=1, label="teacher")
     axis.axhline(100 * bar, color="gray", linestyle=":", linewidth=1, label="90% of teacher")
     axis.set_xlabel("RL step (32 prompts x 8 samples)")
