@@ -50,21 +50,25 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/distillation.png"))
     args = parser.parse_args()
     bar = 0.9 * args.teacher_accuracy
-    figure, axis = plt.subplots(figsize=(7, 4))
+    runs = [("distilled", run, "-") for run in args.distill] + [("GRPO alone", run, "--") for run in args.grpo]
+    seeds = sorted({run.parent.name for _, run, _ in runs})  # runs laid out as OUT/seedS/VARIANT: a panel per seed
+    figure, axes = plt.subplots(1, len(seeds), figsize=(6 * len(seeds), 4), sharey=True, squeeze=False)
+    variants = list(dict.fromkeys(run.name for _, run, _ in runs))  # one colour per variant, in every panel
     summary = {}
-    for label, runs, style in (("distilled", args.distill, "-"), ("GRPO alone", args.grpo, "--")):
-        for color, run in enumerate(runs):
-            curve = accuracy_curve(run, args.max_step)
-            axis.plot([s for s, _ in curve], [100 * a for _, a in curve], style, color=f"C{color}",
-                      label=f"{label}: {run.parent.name}/{run.name}")
-            summary[str(run)] = {"start": curve[0], "last": curve[-1], "best": max(curve, key=lambda p: p[1]),
-                                 "first_step_at_bar": first_step_at(curve, bar), "held_from": held_from(curve, bar)}
-    axis.axhline(100 * args.teacher_accuracy, color="black", linewidth=1, label="teacher")
-    axis.axhline(100 * bar, color="gray", linestyle=":", linewidth=1, label="90% of teacher")
-    axis.set_xlabel("RL step (32 prompts x 8 samples)")
-    axis.set_ylabel("held-out accuracy (%)")
-    axis.legend(fontsize=7)
-    axis.grid(alpha=0.3)
+    for label, run, style in runs:
+        curve = accuracy_curve(run, args.max_step)
+        axis = axes[0][seeds.index(run.parent.name)]
+        axis.plot([s for s, _ in curve], [100 * a for _, a in curve], style, color=f"C{variants.index(run.name) % 10}",
+                  label=f"{label}: {run.name}")
+        summary[str(run)] = {"start": curve[0], "last": curve[-1], "best": max(curve, key=lambda p: p[1]),
+                             "first_step_at_bar": first_step_at(curve, bar), "held_from": held_from(curve, bar)}
+    for seed, axis in zip(seeds, axes[0]):
+        axis.axhline(100 * args.teacher_accuracy, color="black", linewidth=1, label="teacher")
+        axis.axhline(100 * bar, color="gray", linestyle=":", linewidth=1, label="90% of teacher")
+        axis.set(title=seed, xlabel="RL step (32 prompts x 8 samples)")
+        axis.grid(alpha=0.3)
+    axes[0][0].set_ylabel("held-out accuracy (%)")
+    axes[0][-1].legend(fontsize=7)
     figure.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(args.out, dpi=110)
