@@ -303,6 +303,24 @@ def test_eval_of_a_cut_off_checkpoint_is_one_line_naming_the_file(run_copy, caps
     assert str(bad) in one_line_error(capsys)
 
 
+def test_eval_scores_what_serve_serves_a_checkpoint_on_its_own_runs_model(run_copy, tmp_path, capsys):
+    """A checkpoint is scored on its run's base model whatever `model.path` the config names; a run folder is
+    its newest checkpoint; an exported Hugging Face folder and a preset are scored as they are."""
+    from asyncflow.api import export
+
+    def accuracy(ref, *extra: str) -> float:
+        capsys.readouterr()
+        argv = ["eval", EXAMPLE, *TINY, *extra, "--output", str(tmp_path / "eval"), "--checkpoint", str(ref)]
+        assert main(argv) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["eval/accuracy"]
+
+    logged = {r["step"]: r["eval/accuracy"] for r in rows(run_copy) if "eval/accuracy" in r}
+    assert accuracy(run_copy / "checkpoints" / "step_1", "model.path=preset:small-llama") == logged[1]
+    assert accuracy(run_copy) == logged[2]
+    assert accuracy(export(run_copy, tmp_path / "hf")) == logged[2]
+    assert accuracy("preset:tiny-llama") == logged[0]  # the run trained the preset without SFT
+
+
 def test_resume_after_a_crash_before_the_first_checkpoint_logs_each_step_once(tmp_path, monkeypatch):
     """Issue 15 item 9: step 0 was logged twice."""
     run_dir = tmp_path / "run"

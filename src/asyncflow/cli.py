@@ -175,9 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(sft)
     sft.set_defaults(func=cmd_sft)
 
-    ev = sub.add_parser("eval", help="held-out accuracy of a checkpoint")
+    ev = sub.add_parser("eval", help="held-out accuracy of a checkpoint or a model")
     _add_common(ev)
-    ev.add_argument("--checkpoint", required=True, help="checkpoint folder (RUN_DIR/checkpoints/step_N)")
+    ev.add_argument("--checkpoint", required=True, help="a checkpoint folder RUN_DIR/checkpoints/step_N (on its "
+                    "run's base model), a run folder (its newest checkpoint), a Hugging Face model folder or "
+                    "preset:NAME")
     ev.set_defaults(func=cmd_eval)
 
     export = sub.add_parser("export", help="write a run's policy as a Hugging Face folder (transformers, vLLM)")

@@ -38,22 +38,26 @@ def evaluate(
     return {"eval/accuracy": float((scores >= 1.0).mean()), "eval/reward_mean": float(scores.mean())}
 
 
-def evaluate_checkpoint(config, checkpoint: Path, test: list[Example]) -> dict[str, float]:
-    """Held-out accuracy of the policy weights in `checkpoint` (a run's `checkpoints/step_N`), on a rollout
-    engine built as the run's replicas are (`config` names the model folder the weights fit)."""
-    from asyncflow.models.loading import load_tokenizer, resolve_model_path
+def evaluate_checkpoint(config, model: str | Path, test: list[Example]) -> dict[str, float]:
+    """Held-out accuracy of `model`: a run's checkpoint `RUN_DIR/checkpoints/step_N` (on its run's own base
+    model), a run folder (its newest checkpoint), a Hugging Face folder or `preset:NAME` (see
+    `asyncflow.workflow.serve`), on a rollout engine built as the run's replicas are, with `config`'s task,
+    prompts and rewards."""
+    from asyncflow.models.loading import load_tokenizer
     from asyncflow.runtime.base import build_rollout_worker
     from asyncflow.workflow.checkpoint import load_weights
+    from asyncflow.workflow.serve import resolve_model_ref
     from asyncflow.workflow.setup import build_reward_runner, prompt_encoder, rollout_spec, sampling_params
 
-    weights = load_weights(checkpoint)  # verified first: a damaged file is named before any model loads
-    model_path = resolve_model_path(config.model.path, seed=config.run.seed)
-    tokenizer = load_tokenizer(model_path)
+    ref = resolve_model_ref(str(model))
+    weights = None if ref.checkpoint is None else load_weights(ref.checkpoint)  # verified before a model loads
+    tokenizer = load_tokenizer(ref.model_path)
     params = sampling_params(config, tokenizer, greedy=True)
-    spec = replace(rollout_spec(config, model_path, tokenizer), params=params, group_size=1, agent=None)
+    spec = replace(rollout_spec(config, ref.model_path, tokenizer), params=params, group_size=1, agent=None)
     worker = build_rollout_worker(spec, scorer=None)
     try:
-        worker.engine.update_weights(weights, 1)
+        if weights is not None:
+            worker.engine.update_weights(weights, 1)
         rewards = RewardWorker(build_reward_runner(config), tokenizer)
         episodes = worker if spec.multiturn is not None else None
         return evaluate(worker.engine, rewards, prompt_encoder(config, tokenizer), test, params, episodes=episodes)

@@ -1,7 +1,8 @@
 """`asyncflow serve MODEL`: which weights a model reference names, and the server over them.
 
 Owns: resolving MODEL (a Hugging Face folder, `preset:NAME`, a run folder: its newest intact checkpoint,
-or a checkpoint folder `RUN_DIR/checkpoints/step_N`) to a loaded model, its tokenizer, a served name and
+or a checkpoint folder `RUN_DIR/checkpoints/step_N`) to the model folder and checkpoint it names
+(`resolve_model_ref`, which `asyncflow eval` shares) and to a loaded model, its tokenizer, a served name and
 the weight version it reports; building the engine, the `EngineService` and the app over them.
 
 Invariant: a checkpoint is verified against its manifest before its weights are served (a damaged file
@@ -34,13 +35,26 @@ class ServedWeights:
     weight_version: int
 
 
-def load_served(ref: str, *, dtype: str = "float32", device: str = "cpu") -> ServedWeights:
-    """The model MODEL names; see the module docstring. Errors name what is missing or damaged."""
+@dataclass(frozen=True)
+class ModelRef:
+    """What a model reference names, nothing loaded: the model folder to build from, and the checkpoint whose
+    weights go into it (None: the folder's own weights)."""
+
+    model_path: Path
+    checkpoint: Path | None
+    name: str
+    weight_version: int
+
+
+def resolve_model_ref(ref: str) -> ModelRef:
+    """MODEL (see the module docstring) -> its `ModelRef`; a checkpoint's model folder is its run's `model.path`.
+    Errors name what is missing."""
     path = Path(ref).expanduser()
     if ref.startswith(PRESET_PREFIX) or (path / "config.json").is_file():
-        model_path = resolve_model_path(ref)
-        return ServedWeights(load_model(model_path, dtype=dtype, device=device), load_tokenizer(model_path),
-                             ref if ref.startswith(PRESET_PREFIX) else path.resolve().name, 0)
+        name = ref if ref.startswith(PRESET_PREFIX) else path.resolve().name
+        return ModelRef(Path(resolve_model_path(ref)), None, name, 0)
+    if not path.exists():
+        raise ModelLoadError(f"{ref!r} does not exist")
     checkpoint = path
     if (path / CONFIG_FILE).is_file() and (path / "checkpoints").is_dir():
         checkpoint = latest_checkpoint(path)
@@ -58,14 +72,22 @@ def load_served(ref: str, *, dtype: str = "float32", device: str = "cpu") -> Ser
     if not base:
         raise CheckpointError(f"{run_dir / CONFIG_FILE}: no model.path")
     seed = run_config.get("run", {}).get("seed", 0)
-    model_path = resolve_model_path(_base_path(str(base), run_dir), seed=seed)
-    weights = load_weights(checkpoint)  # verified first
-    model = load_model(model_path, dtype=dtype, device=device)
-    model.load_state_dict(weights)
+    model_path = Path(resolve_model_path(_base_path(str(base), run_dir), seed=seed))
     state_file = checkpoint / "state.json"
     version = int(json.loads(state_file.read_text()).get("version", step)) if state_file.is_file() else step
-    log.info("serving %s (step %d, weight version %d) on %s", checkpoint, step, version, model_path)
-    return ServedWeights(model, load_tokenizer(model_path), f"{run_dir.resolve().name}/step_{step}", version)
+    return ModelRef(model_path, checkpoint, f"{run_dir.resolve().name}/step_{step}", version)
+
+
+def load_served(ref: str, *, dtype: str = "float32", device: str = "cpu") -> ServedWeights:
+    """The model MODEL names, loaded; see the module docstring. Errors name what is missing or damaged."""
+    resolved = resolve_model_ref(ref)
+    weights = None if resolved.checkpoint is None else load_weights(resolved.checkpoint)  # verified first
+    model = load_model(resolved.model_path, dtype=dtype, device=device)
+    if weights is not None:
+        model.load_state_dict(weights)
+        log.info("serving %s (weight version %d) on %s", resolved.checkpoint, resolved.weight_version,
+                 resolved.model_path)
+    return ServedWeights(model, load_tokenizer(resolved.model_path), resolved.name, resolved.weight_version)
 
 
 def _base_path(base: str, run_dir: Path) -> str:
