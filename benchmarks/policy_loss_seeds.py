@@ -78,7 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     variants = args.variant or VARIANTS
     with ThreadPoolExecutor(args.parallel) as pool:  # SFT first: every variant of a seed starts from its model
-        jobs = [pool.submit(asyncflow, "sft", args.out / f"seed{seed}" / "sft", [], seed) for seed in args.seeds
+        jobs = [pool.submit(asyncflow, "sft", sft_model(args.out, seed).parent, [], seed) for seed in args.seeds
                 if not (sft_model(args.out, seed) / "sft_summary.json").is_file()]
         for job in jobs:
             job.result()

@@ -149,11 +149,11 @@ def evaluate(config: Config, checkpoint: str | Path) -> dict[str, float]:
     """Held-out accuracy of a checkpoint (`RUN_DIR/checkpoints/step_N`, on its run's base model), a run folder (its
     newest checkpoint), a Hugging Face model folder or `preset:NAME`, on `config`'s task, as `asyncflow eval`: an
     inference engine and the run's rewards only, no trainer."""
-    from asyncflow.workflow.evaluation import evaluate_checkpoint
+    from asyncflow.workflow.evaluation import evaluate_model
     from asyncflow.workflow.setup import preflight
 
     checked = preflight(config, training=False)
-    return evaluate_checkpoint(config, str(checkpoint), checked.test_set)
+    return evaluate_model(config, str(checkpoint), checked.test_set)
 
 
 def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, merged: bool = False) -> Path:

@@ -1,7 +1,8 @@
-"""Held-out evaluation: greedy accuracy of an inference engine's current weights, and of a checkpoint.
+"""Held-out evaluation: greedy accuracy of an inference engine's current weights, and of the model a reference
+names (a checkpoint, a run folder, a Hugging Face folder, a preset).
 
 Invariants: a prompt counts as solved when its single sample scores a reward >= 1, the same
-reward functions training uses; evaluating a checkpoint builds an inference engine and a reward worker
+reward functions training uses; evaluating a model builds an inference engine and a reward worker
 only (no training engine, no optimizer).
 """
 
@@ -38,7 +39,7 @@ def evaluate(
     return {"eval/accuracy": float((scores >= 1.0).mean()), "eval/reward_mean": float(scores.mean())}
 
 
-def evaluate_checkpoint(config, model: str | Path, test: list[Example]) -> dict[str, float]:
+def evaluate_model(config, model: str | Path, test: list[Example]) -> dict[str, float]:
     """Held-out accuracy of `model`: a run's checkpoint `RUN_DIR/checkpoints/step_N` (on its run's own base
     model), a run folder (its newest checkpoint), a Hugging Face folder or `preset:NAME` (see
     `asyncflow.workflow.serve`), on a rollout engine built as the run's replicas are, with `config`'s task,
