@@ -5,9 +5,12 @@ through the normal model-loading path (a run's checkpoint folder included)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from asyncflow.config import build_config
+from asyncflow.models.loading import load_model, load_tokenizer, resolve_model_path
 from asyncflow.workflow.run import RLRun
+from asyncflow.workflow.setup import teacher_engine_options
 from asyncflow.workflow.sft import run_sft
 
 
@@ -59,3 +62,16 @@ def test_a_run_checkpoint_is_a_teacher(tmp_path):
     config = distill_config(tmp_path / "student", str(teacher_run), "train.steps=1")
     history = [h for h in RLRun(config).train() if "distill/reverse_kl" in h]
     assert len(history) == 1
+    with pytest.raises(ValueError, match="export the checkpoint first"):  # FSDP2's ranks load a folder by path
+        RLRun(distill_config(tmp_path / "sharded", str(teacher_run), "train.engine=fsdp2", "train.world_size=2"))
+
+
+def test_both_engines_take_the_same_teacher(tmp_path):
+    """`algo.teacher` names one model whatever the engine or the run's seed (as `asyncflow serve`/`eval` load it):
+    the torch engine's module holds the weights of the folder FSDP2's ranks load."""
+    tokenizer = load_tokenizer(resolve_model_path("preset:tiny-llama"))
+    torch_options = teacher_engine_options(distill_config(tmp_path, "preset:tiny-llama", "run.seed=5"), tokenizer)
+    fsdp2_options = teacher_engine_options(
+        distill_config(tmp_path, "preset:tiny-llama", "run.seed=5", "train.engine=fsdp2"), tokenizer)
+    on_disk = load_model(fsdp2_options["teacher_path"]).state_dict()
+    assert all(torch.equal(on_disk[name], t) for name, t in torch_options["teacher"].state_dict().items())

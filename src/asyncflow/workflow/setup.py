@@ -205,22 +205,21 @@ def teacher_engine_options(config: Config, tokenizer) -> dict:
     ref = config.algo.teacher
     if ref is None:
         return {}
-    from asyncflow.workflow.serve import load_served
+    from asyncflow.workflow.serve import load_served, resolve_model_ref
 
-    if config.train.engine != "torch":
-        path = Path(ref).expanduser()
-        if not (ref.startswith("preset:") or (path / "config.json").is_file()):
+    if config.train.engine == "torch":
+        served = load_served(ref, dtype=config.model.dtype, device=config.model.device)
+        options, teacher_tokenizer = {"teacher": served.model}, served.tokenizer
+    else:
+        resolved = resolve_model_ref(ref)
+        if resolved.checkpoint is not None:
             raise ValueError(f"algo.teacher={ref!r} with train.engine={config.train.engine}: its ranks load the "
                              "teacher from a Hugging Face folder or preset; export the checkpoint first")
-        teacher_path = resolve_model_path(ref, seed=config.run.seed)
-        if load_tokenizer(teacher_path).get_vocab() != tokenizer.get_vocab():
-            raise ValueError(f"algo.teacher={ref!r}: its tokenizer differs from the policy's")
-        return {"teacher_path": str(teacher_path)}
-    served = load_served(ref, dtype=config.model.dtype, device=config.model.device)
-    if served.tokenizer.get_vocab() != tokenizer.get_vocab():
+        options, teacher_tokenizer = {"teacher_path": str(resolved.model_path)}, load_tokenizer(resolved.model_path)
+    if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise ValueError(f"algo.teacher={ref!r}: its tokenizer differs from the policy's (distillation scores the "
                          "student's token ids with the teacher)")
-    return {"teacher": served.model}
+    return options
 
 
 def reward_specs(config: Config) -> list[str | RewardFn]:
