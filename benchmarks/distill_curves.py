@@ -5,7 +5,7 @@ held-out accuracy against RL steps for the distilled student(s), GRPO alone from
 teacher's accuracy with the 90% bar. The runs themselves are `asyncflow train` commands (docs/distillation.md).
 
 Run: .venv/bin/python benchmarks/distill_curves.py --distill RUN [RUN ...] --grpo RUN [RUN ...]
-     --teacher-accuracy 0.863 --out docs/distillation.png
+     --teacher-accuracy 0.863 --out docs/distillation.png [--name VARIANT=LABEL ...]
 """
 
 from __future__ import annotations
@@ -48,7 +48,10 @@ def main() -> None:
     parser.add_argument("--teacher-accuracy", type=float, required=True)
     parser.add_argument("--max-step", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path("docs/distillation.png"))
+    parser.add_argument("--name", action="append", default=[], help="VARIANT=LABEL: the legend's label of a variant "
+                        "(the run folder's name by default; repeatable)")
     args = parser.parse_args()
+    names = dict(item.split("=", 1) for item in args.name)
     bar = 0.9 * args.teacher_accuracy
     runs = [("distilled", run, "-") for run in args.distill] + [("GRPO alone", run, "--") for run in args.grpo]
     seeds = sorted({run.parent.name for _, run, _ in runs})  # runs laid out as OUT/seedS/VARIANT: a panel per seed
@@ -59,7 +62,7 @@ def main() -> None:
         curve = accuracy_curve(run, args.max_step)
         axis = axes[0][seeds.index(run.parent.name)]
         axis.plot([s for s, _ in curve], [100 * a for _, a in curve], style, color=f"C{variants.index(run.name) % 10}",
-                  label=f"{label}: {run.name}")
+                  label=f"{label}: {names.get(run.name, run.name)}")
         summary[str(run)] = {"start": curve[0], "last": curve[-1], "best": max(curve, key=lambda p: p[1]),
                              "first_step_at_bar": first_step_at(curve, bar), "held_from": held_from(curve, bar)}
     for seed, axis in zip(seeds, axes[0]):
