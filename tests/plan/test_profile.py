@@ -22,6 +22,7 @@ def test_profile_measures_every_role(tmp_path, packing):
     assert profile.kind == "measured" and profile.model == "preset:tiny-llama"
     assert profile.decode_step_s > 0 and profile.train_token_s > 0 and profile.optimizer_step_s > 0
     assert profile.queue_call_s > 0 and profile.reward_row_s > 0 and profile.weight_bytes > 0
+    assert profile.put_prompts_s > 0
     assert (profile.train_packed_token_s is None) == (packing == "off")
     costs = Costs.from_profile(profile)
     assert costs.train(1000, packed=True) >= costs.train(0) and costs.prefill(16, 1) > 0

@@ -157,6 +157,9 @@ class Profile(BaseModel):
     queue_call_s: float = 0.0
     """measured: seconds of one TransferQueue call (a prompt read, a write of finished rows; the trainer's reads
     are in the training costs)."""
+    put_prompts_s: float | None = None
+    """measured: seconds the trainer takes to put a step's prompts (the prompt source's next batch, its partition
+    created and appended); None (older profiles): `queue_call_s`."""
     threads: int = 1
     notes: str = ""
 
@@ -194,6 +197,8 @@ class Costs:
     prefill_row_s: float = 0.0
     train_packed_token_s: float | None = None
     """Per token of a shared-prompt packed micro-batch; None: `train_token_s`."""
+    put_prompts_s: float = 0.0
+    """The trainer's seconds to put a step's prompts into the queue."""
     switch_s: float = 0.0
     """Colocated `sync` only: seconds per step to switch the devices between inference and training (offload /
     onload of weights and KV cache, resharding), twice per step in total."""
@@ -227,6 +232,7 @@ class Costs:
             swap_s=profile.publish_byte_s * profile.weight_bytes, reward_row_s=profile.reward_row_s,
             queue_call_s=profile.queue_call_s, prefill_row_s=profile.prefill_row_s,
             train_packed_token_s=profile.train_packed_token_s,
+            put_prompts_s=profile.queue_call_s if profile.put_prompts_s is None else profile.put_prompts_s,
         )  # fmt: skip
 
     @classmethod

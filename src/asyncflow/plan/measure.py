@@ -13,7 +13,8 @@ small grid (median of `repeats`):
   (shared-prompt packed: `train_packed_token_s`, dearer per token); and the trainer's optimizer step after a
   micro-batch;
 - a weight version: the trainer's `state_dict` loaded into the inference engine (`update_weights`), per byte;
-- the TransferQueue calls of one partition (`measure_queue_calls`), on the configured runtime's queue;
+- the TransferQueue calls of one partition (`measure_queue_calls`), on the configured runtime's queue, and a
+  step's prompts put there as the trainer puts them (`measure_put_prompts`);
 - scoring a batch of responses with the configured reward functions (their isolation included), per row.
 
 Invariants: runs in the calling process only (profile in a process of its own, not beside a benchmark: the
@@ -35,13 +36,15 @@ import torch
 from asyncflow.config import Config
 from asyncflow.engines.base import GenerationRequest, SamplingParams, make_train_engine
 from asyncflow.engines.torch_inference import TorchInferenceEngine
-from asyncflow.models.loading import load_model, resolve_model_path
+from asyncflow.models.loading import load_model, load_tokenizer, resolve_model_path
 from asyncflow.plan.costs import Profile
 from asyncflow.plan.sim import micro_batch_tokens
 from asyncflow.transfer import GroupSampler, TransferQueue
+from asyncflow.workers.loops import partition_name
 from asyncflow.workers.rollout import PROMPT_COLUMNS, WRITE_ROWS, RolloutWorker
 from asyncflow.workers.trainer import TRAIN_COLUMNS, PolicyTrainer
-from asyncflow.workflow.setup import make_reward_worker, train_engine_options
+from asyncflow.workflow.pipeline import feed_prompts
+from asyncflow.workflow.setup import datasets, make_reward_worker, prompt_source, train_engine_options
 
 MICRO_BATCHES = 3  # per partition the trainer reads while timing a micro-batch (the loader prefetches the next)
 
@@ -188,6 +191,22 @@ def measure_queue_calls(config: Config, queue, cpu_s, *, prompt: int, repeats: i
     return (cpu_s() - t0) / calls
 
 
+def measure_put_prompts(config: Config, queue, *, repeats: int) -> float:
+    """Wall seconds the trainer takes to put a step's prompts on `queue` as a run does (`PipelineWorkflow.
+    put_prompts`: the configured prompt source's next batch, encoded, then its partition created and appended):
+    on the trainer's path every step, and several queue calls' worth (its rows travel in one append)."""
+    train_set, _ = datasets(config)
+    prompts = prompt_source(config, load_tokenizer(resolve_model_path(config.model.path, seed=config.run.seed)),
+                            train_set)
+    seconds = []
+    for step in range(repeats + 1):  # the first is a warm-up
+        t0 = time.perf_counter()
+        feed_prompts(queue, step, prompts.next_prompts(config.rollout.prompts_per_step), config.rollout.group_size)
+        seconds.append(time.perf_counter() - t0)
+        queue.clear(partition_name(step))
+    return float(np.median(seconds[1:]))
+
+
 @contextlib.contextmanager
 def run_queue(config: Config) -> Iterator[tuple]:
     """(queue, cpu_s) of the configured runtime: an in-process queue and this process's CPU clock, or for
@@ -230,6 +249,7 @@ def measure_profile(config: Config, *, repeats: int = 5, name: str = "") -> Prof
             repeats=repeats, vocab=vocab,
         )
         queue_call = measure_queue_calls(config, queue, cpu_s, prompt=prompt, repeats=repeats)
+        put_prompts = measure_put_prompts(config, queue, repeats=repeats)
     state = trainer.state_dict()
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     versions = iter(range(1, 10_000))
@@ -244,7 +264,7 @@ def measure_profile(config: Config, *, repeats: int = 5, name: str = "") -> Prof
         decode_row_s=float(gen[3]), decode_row_token_s=float(gen[4]), train_micro_batch_s=fixed,
         train_token_s=per_token, train_packed_token_s=per_packed_token,
         optimizer_step_s=optimizer, publish_s=0.0, publish_byte_s=swap / max(nbytes, 1), weight_bytes=nbytes,
-        queue_call_s=queue_call, reward_row_s=reward_row,
+        queue_call_s=queue_call, put_prompts_s=put_prompts, reward_row_s=reward_row,
         threads=torch.get_num_threads(),
         notes=f"measured with {torch.get_num_threads()} torch threads on {platform.processor() or platform.machine()}; "
               f"weights {nbytes / 1e6:.1f} MB; generation points {gen_points}; training points {train_points}",

@@ -270,7 +270,7 @@ def _simulate_sync(spec: SimSpec) -> SimResult:
         trace.span("reward", "score", t, t + score, step=s)
         t += score
         t0 = t
-        t += c.queue_call_s  # the step's prompts appended
+        t += c.put_prompts_s
         for start in range(0, spec.rows, mb):
             dt = c.train(*padded_tokens(spec, s, slice(start, start + mb)))
             trace.span("trainer", "train_micro_batch", t, t + dt, rows=min(mb, spec.rows - start))
@@ -344,10 +344,10 @@ def _simulate_overlapped(spec: SimSpec) -> SimResult:
                 order.extend(taken.tolist())
         orders.append(order)
         trace.span("trainer", "optimizer_step", trainer_t, trainer_t + c.optimizer_step_s, step=s)
-        trainer_t += c.optimizer_step_s + c.queue_call_s  # and a later step's prompts appended
+        trainer_t += c.optimizer_step_s + c.put_prompts_s  # and a later step's prompts put
         trace.span("trainer", "publish_weights", trainer_t, trainer_t + c.publish_s, version=s + 1)
         trainer_t += c.publish_s
-        busy_train += c.optimizer_step_s + c.queue_call_s + c.publish_s
+        busy_train += c.optimizer_step_s + c.put_prompts_s + c.publish_s
         avail.append(trainer_t)
         ends.append(trainer_t)
     return SimResult(np.array(ends), generated_by, busy_roll, busy_train, R, spec.steps * spec.rows,
