@@ -1,6 +1,6 @@
 """Predicted (asyncflow.plan) vs measured step time of sync, stream and async k=1, side by side in one run.
 
-    PYTHONPATH=src flock /tmp/asyncflow-bench.lock .venv/bin/python benchmarks/bench_plan.py --steps 12
+    PYTHONPATH=src flock /tmp/asyncflow-bench.lock .venv/bin/python benchmarks/bench_plan.py --steps 12 --invocations 3
 
 1. `asyncflow profile` in a process of its own measures this machine's costs for the tiny Llama (one thread),
    once as `sync` runs (in-process queue) and once as `stream` / `async` run (`SEPARATED`: the queue's calls
@@ -16,7 +16,8 @@
    the run enters the prediction.
 
 Step time: mean wall seconds per step over steps `warmup+1 .. steps-1-k` (async's last k steps, where rollout has
-finished, left out), for both.
+finished, left out), for both. With `--invocations N` all of it is done N times and the last table gives each
+step time's mean over the invocations (the ratios are those of the means).
 """
 
 from __future__ import annotations
@@ -70,43 +71,61 @@ def predict(profile: Profile, rows: list[dict], mode: str, k: int, *, steps: int
     return window_step_s(simulate(spec).step_end_s.tolist(), warmup, k)
 
 
+def invocation(args, tmp: Path) -> dict[tuple[str, str], tuple[float, float]]:
+    """Profiles taken, then each workload x mode trained and predicted: {(workload, mode): (predicted, measured)}."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    profiles = {}
+    for placement, overrides in {"inline": [], "ray": SEPARATED}.items():
+        path = tmp / f"profile_{placement}.yaml"
+        subprocess.run([sys.executable, "-m", "asyncflow.cli", "profile", args.config, *overrides, "--threads",
+                        "1", "--out", str(path)], check=True, env=env, capture_output=True)
+        profiles[placement] = Profile.load(path)
+        print(f"profile ({placement}):", json.dumps(profiles[placement].model_dump(exclude={"notes", "hardware"})))
+    results = {}
+    for name, overrides in WORKLOADS.items():
+        for mode, (mode_overrides, k) in MODES.items():
+            out = tmp / f"{len(results)}_{name[:4]}"
+            run_args = [args.config, *COMMON, *overrides, *mode_overrides, f"train.steps={args.steps}"]
+            rows = train_run(run_args, out, threads=1, timeout_s=1800)
+            measured = window_step_s([r["wall_s"] for r in rows], args.warmup, k)
+            config = json.loads(json.dumps(__import__("yaml").safe_load((out / "config.yaml").read_text())))
+            ro, tr = config["rollout"], config["train"]
+            profile = profiles["inline" if mode == "sync" else "ray"]
+            results[name, mode] = (predict(profile, rows, mode, k, steps=args.steps, warmup=args.warmup,
+                                           group_size=ro["group_size"], prompts=ro["prompts_per_step"],
+                                           max_new=ro["max_new_tokens"], slots=ro["max_batch_size"],
+                                           micro_batch=tr["micro_batch_size"]), measured)  # fmt: skip
+    return results
+
+
+def print_table(results: dict[tuple[str, str], tuple[float, float]]) -> None:
+    print("| workload | mode | predicted s/step | measured s/step | error | predicted vs sync | measured vs sync |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for (name, mode), (predicted, measured) in results.items():
+        ps, ms = results[name, "sync"]
+        print(f"| {name} | {mode} | {predicted:.3f} | {measured:.3f} | {100 * (predicted / measured - 1):+.0f}% "
+              f"| {ps / predicted:.2f}x | {ms / measured:.2f}x |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--invocations", type=int, default=1,
+                        help="profiles and runs taken this many times, one after another; the last table is the mean "
+                             "of each column over them (one invocation's noise here is about +-20%%)")
     parser.add_argument("--config", default=str(ROOT / "examples" / "arithmetic_grpo.yaml"))
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        profiles = {}
-        for placement, overrides in {"inline": [], "ray": SEPARATED}.items():
-            path = Path(tmp) / f"profile_{placement}.yaml"
-            subprocess.run([sys.executable, "-m", "asyncflow.cli", "profile", args.config, *overrides, "--threads",
-                            "1", "--out", str(path)], check=True, env=env, capture_output=True)
-            profiles[placement] = Profile.load(path)
-            print(f"profile ({placement}):", json.dumps(profiles[placement].model_dump(exclude={"notes", "hardware"})))
-        print("| workload | mode | predicted s/step | measured s/step | error | predicted vs sync | measured vs sync |")
-        print("|---|---|---:|---:|---:|---:|---:|")
-        for name, overrides in WORKLOADS.items():
-            results = {}
-            for mode, (mode_overrides, k) in MODES.items():
-                out = Path(tmp) / f"{len(results)}_{name[:4]}"
-                run_args = [args.config, *COMMON, *overrides, *mode_overrides, f"train.steps={args.steps}"]
-                rows = train_run(run_args, out, threads=1, timeout_s=1800)
-                measured = window_step_s([r["wall_s"] for r in rows], args.warmup, k)
-                config = json.loads(json.dumps(__import__("yaml").safe_load((out / "config.yaml").read_text())))
-                ro, tr = config["rollout"], config["train"]
-                profile = profiles["inline" if mode == "sync" else "ray"]
-                predicted = predict(profile, rows, mode, k, steps=args.steps, warmup=args.warmup,
-                                    group_size=ro["group_size"], prompts=ro["prompts_per_step"],
-                                    max_new=ro["max_new_tokens"], slots=ro["max_batch_size"],
-                                    micro_batch=tr["micro_batch_size"])
-                results[mode] = (predicted, measured)
-                ps, ms = results["sync"]
-                error = 100 * (predicted / measured - 1)
-                print(f"| {name} | {mode} | {predicted:.3f} | {measured:.3f} | {error:+.0f}% "
-                      f"| {ps / predicted:.2f}x | {ms / measured:.2f}x |", flush=True)
-
+    invocations = []
+    for i in range(args.invocations):
+        with tempfile.TemporaryDirectory() as tmp:
+            invocations.append(invocation(args, Path(tmp)))
+        print(f"invocation {i + 1} of {args.invocations}:")
+        print_table(invocations[-1])
+    if args.invocations > 1:
+        print(f"mean over {args.invocations} invocations:")
+        print_table({key: tuple(float(np.mean([inv[key][j] for inv in invocations])) for j in (0, 1))
+                     for key in invocations[0]})
 
 if __name__ == "__main__":
     main()
