@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from asyncflow.plan.costs import Costs, Profile
 from asyncflow.plan.sim import SimSpec, simulate
@@ -88,7 +89,7 @@ def invocation(args, tmp: Path) -> dict[tuple[str, str], tuple[float, float]]:
             run_args = [args.config, *COMMON, *overrides, *mode_overrides, f"train.steps={args.steps}"]
             rows = train_run(run_args, out, threads=1, timeout_s=1800)
             measured = window_step_s([r["wall_s"] for r in rows], args.warmup, k)
-            config = json.loads(json.dumps(__import__("yaml").safe_load((out / "config.yaml").read_text())))
+            config = yaml.safe_load((out / "config.yaml").read_text())
             ro, tr = config["rollout"], config["train"]
             profile = profiles["inline" if mode == "sync" else "ray"]
             results[name, mode] = (predict(profile, rows, mode, k, steps=args.steps, warmup=args.warmup,
@@ -126,6 +127,7 @@ def main() -> None:
         print(f"mean over {args.invocations} invocations:")
         print_table({key: tuple(float(np.mean([inv[key][j] for inv in invocations])) for j in (0, 1))
                      for key in invocations[0]})
+
 
 if __name__ == "__main__":
     main()

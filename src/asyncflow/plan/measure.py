@@ -191,13 +191,12 @@ def measure_queue_calls(config: Config, queue, cpu_s, *, prompt: int, repeats: i
     return (cpu_s() - t0) / calls
 
 
-def measure_put_prompts(config: Config, queue, *, repeats: int) -> float:
+def measure_put_prompts(config: Config, queue, tokenizer, *, repeats: int) -> float:
     """Wall seconds the trainer takes to put a step's prompts on `queue` as a run does (`PipelineWorkflow.
     put_prompts`: the configured prompt source's next batch, encoded, then its partition created and appended):
     on the trainer's path every step, and several queue calls' worth (its rows travel in one append)."""
     train_set, _ = datasets(config)
-    prompts = prompt_source(config, load_tokenizer(resolve_model_path(config.model.path, seed=config.run.seed)),
-                            train_set)
+    prompts = prompt_source(config, tokenizer, train_set)
     seconds = []
     for step in range(repeats + 1):  # the first is a warm-up
         t0 = time.perf_counter()
@@ -249,7 +248,7 @@ def measure_profile(config: Config, *, repeats: int = 5, name: str = "") -> Prof
             repeats=repeats, vocab=vocab,
         )
         queue_call = measure_queue_calls(config, queue, cpu_s, prompt=prompt, repeats=repeats)
-        put_prompts = measure_put_prompts(config, queue, repeats=repeats)
+        put_prompts = measure_put_prompts(config, queue, load_tokenizer(path), repeats=repeats)
     state = trainer.state_dict()
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     versions = iter(range(1, 10_000))
