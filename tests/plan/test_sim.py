@@ -1,11 +1,20 @@
 """The simulator's pieces: its group choice equals `GroupSampler`'s, its two continuous-batching paths agree,
 the staleness bound holds, sync / stream / async order as they must, and the shipped profiles load."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from asyncflow.plan.costs import Costs, ModelShape, Profile, qwen_like
-from asyncflow.plan.sim import SimSpec, _queued_offsets, generation_offsets, simulate, take_groups
+from asyncflow.plan.sim import (
+    SimSpec,
+    _queued_offsets,
+    generation_offsets,
+    shared_host_stretch,
+    simulate,
+    take_groups,
+)
 from asyncflow.plan.workload import Lengths, Workload
 from asyncflow.transfer.samplers import Candidate, GroupSampler
 
@@ -87,6 +96,27 @@ def test_async_beats_sync_on_a_long_tail_and_stream_sits_between():
         times[mode, k] = simulate(spec).step_time()
     assert times["async", 2] <= times["async", 1] < times["stream", 0]
     assert times["async", 1] < times["sync", 0]
+
+
+def test_a_shared_host_slows_overlapped_roles_by_what_the_runtime_leaves_them():
+    balanced = dataclasses.replace(COSTS, train_token_s=1e-3, train_packed_token_s=None, queue_call_s=0.005)
+    shared = dataclasses.replace(balanced, host_cores=2, background_cores=0.2)
+    # two roles on two cores, 0.2 + 0.2 of them taken by the runtime and the data plane: each role gets 0.8
+    assert shared_host_stretch(shared, replicas=1, queue_cpu_per_s=0.2) == pytest.approx(1.25)
+    assert shared_host_stretch(balanced, replicas=1, queue_cpu_per_s=0.2) == 1.0  # each role on its own devices
+    assert shared_host_stretch(dataclasses.replace(shared, host_cores=8), replicas=1, queue_cpu_per_s=0.2) == 1.0
+    P, L = Workload(prompts_per_step=8, group_size=4, prompt=Lengths(mean=8), response=Lengths(mean=16)).sample(8)
+    runs = {}
+    for costs in (balanced, shared):
+        for mode in ("sync", "async"):
+            spec = SimSpec(mode=mode, prompt_lengths=P, response_lengths=L, group_size=4, costs=costs, slots=32)
+            runs[mode, costs.host_cores] = simulate(spec)
+    assert runs["sync", 2].step_time() == runs["sync", 0].step_time()  # one role at a time: nothing to share
+    # both roles busy ~85% of the time: slower by most of the stretch, never by more
+    alone, shared_run = runs["async", 0], runs["async", 2]
+    s = shared_host_stretch(shared, 1, shared_run.queue_cpu_s / shared_run.total_s)
+    assert min(alone.busy().values()) > 0.75
+    assert alone.step_time() * (1 + 0.7 * (s - 1)) < shared_run.step_time() < alone.step_time() * s
 
 
 def test_shipped_profiles_are_spec_derived_and_shapes_load(tmp_path):

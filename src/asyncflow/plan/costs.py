@@ -19,7 +19,7 @@ record (cheap to pass to the simulator, picklable).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -160,6 +160,13 @@ class Profile(BaseModel):
     put_prompts_s: float | None = None
     """measured: seconds the trainer takes to put a step's prompts (the prompt source's next batch, its partition
     created and appended); None (older profiles): `queue_call_s`."""
+    host_cores: float = 0.0
+    """measured on a CPU with `runtime.kind: ray`: the cores of the one host that the rollout replica, the trainer
+    and the data plane's processes share; 0 (a GPU, the in-process queue, a spec): each role has its own
+    devices."""
+    background_cores: float = 0.0
+    """measured with `host_cores`: cores the runtime's own processes (Ray's GCS, raylet, dashboard and agents, the
+    queue's idle actors) take from that host while nothing is asked of them."""
     threads: int = 1
     notes: str = ""
 
@@ -202,6 +209,22 @@ class Costs:
     switch_s: float = 0.0
     """Colocated `sync` only: seconds per step to switch the devices between inference and training (offload /
     onload of weights and KV cache, resharding), twice per step in total."""
+    host_cores: float = 0.0
+    """`stream` / `async` on one host whose cores the roles share (`Profile.host_cores`); 0: no sharing."""
+    background_cores: float = 0.0
+    """Cores the runtime's own processes take from that host (`Profile.background_cores`)."""
+
+    def stretched(self, rollout: float, train: float) -> Costs:
+        """These costs with the rollout replica's compute (generation, scoring) `rollout` times and the trainer's
+        (micro-batches, optimizer step) `train` times slower."""
+        packed = None if self.train_packed_token_s is None else self.train_packed_token_s * train
+        return replace(
+            self, decode_step_s=self.decode_step_s * rollout, decode_row_s=self.decode_row_s * rollout,
+            decode_row_token_s=self.decode_row_token_s * rollout, prefill_token_s=self.prefill_token_s * rollout,
+            prefill_row_s=self.prefill_row_s * rollout, reward_row_s=self.reward_row_s * rollout,
+            train_micro_batch_s=self.train_micro_batch_s * train, train_token_s=self.train_token_s * train,
+            train_packed_token_s=packed, optimizer_step_s=self.optimizer_step_s * train,
+        )  # fmt: skip
 
     def decode_step(self, active: float, context: float) -> float:
         return self.decode_step_s + active * (self.decode_row_s + context * self.decode_row_token_s)
@@ -233,6 +256,7 @@ class Costs:
             queue_call_s=profile.queue_call_s, prefill_row_s=profile.prefill_row_s,
             train_packed_token_s=profile.train_packed_token_s,
             put_prompts_s=profile.queue_call_s if profile.put_prompts_s is None else profile.put_prompts_s,
+            host_cores=profile.host_cores, background_cores=profile.background_cores,
         )  # fmt: skip
 
     @classmethod

@@ -15,7 +15,9 @@ small grid (median of `repeats`):
 - a weight version: the trainer's `state_dict` loaded into the inference engine (`update_weights`), per byte;
 - the TransferQueue calls of one partition (`measure_queue_calls`), on the configured runtime's queue, and a
   step's prompts put there as the trainer puts them (`measure_put_prompts`);
-- scoring a batch of responses with the configured reward functions (their isolation included), per row.
+- scoring a batch of responses with the configured reward functions (their isolation included), per row;
+- on a CPU with `runtime.kind: ray`, where the roles and the data plane share this host's cores: the cores
+  (`host_cores`) and what the local cluster's processes take of them while idle (`background_cores`).
 
 Invariants: runs in the calling process only (profile in a process of its own, not beside a benchmark: the
 two would share cores); it writes nothing but the returned profile; every coefficient is >= 0 (`nonnegative_fit`).
@@ -26,6 +28,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import itertools
+import os
 import platform
 import time
 from collections.abc import Iterator
@@ -206,6 +209,14 @@ def measure_put_prompts(config: Config, queue, tokenizer, *, repeats: int) -> fl
     return float(np.median(seconds[1:]))
 
 
+def measure_background(cpu_s, seconds: float = 4.0) -> float:
+    """Cores the runtime's processes take while nothing is asked of them: the CPU `cpu_s` counts (this process and
+    the local cluster's, see `run_queue`) over `seconds` of waiting, per second."""
+    t0, c0 = time.perf_counter(), cpu_s()
+    time.sleep(seconds)
+    return (cpu_s() - c0) / (time.perf_counter() - t0)
+
+
 @contextlib.contextmanager
 def run_queue(config: Config) -> Iterator[tuple]:
     """(queue, cpu_s) of the configured runtime: an in-process queue and this process's CPU clock, or for
@@ -249,6 +260,8 @@ def measure_profile(config: Config, *, repeats: int = 5, name: str = "") -> Prof
         )
         queue_call = measure_queue_calls(config, queue, cpu_s, prompt=prompt, repeats=repeats)
         put_prompts = measure_put_prompts(config, queue, load_tokenizer(path), repeats=repeats)
+        shared_host = config.runtime.kind == "ray" and config.model.device == "cpu"
+        background = measure_background(cpu_s) if shared_host else 0.0
     state = trainer.state_dict()
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     versions = iter(range(1, 10_000))
@@ -264,6 +277,7 @@ def measure_profile(config: Config, *, repeats: int = 5, name: str = "") -> Prof
         train_token_s=per_token, train_packed_token_s=per_packed_token,
         optimizer_step_s=optimizer, publish_s=0.0, publish_byte_s=swap / max(nbytes, 1), weight_bytes=nbytes,
         queue_call_s=queue_call, put_prompts_s=put_prompts, reward_row_s=reward_row,
+        host_cores=len(os.sched_getaffinity(0)) if shared_host else 0.0, background_cores=background,
         threads=torch.get_num_threads(),
         notes=f"measured with {torch.get_num_threads()} torch threads on {platform.processor() or platform.machine()}; "
               f"weights {nbytes / 1e6:.1f} MB; generation points {gen_points}; training points {train_points}",
