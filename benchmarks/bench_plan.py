@@ -126,7 +126,7 @@ def build_model(out: Path, *, seed: int = 0) -> Path:
     return out
 
 
-#: `Costs` fields in the order of a step (the rest follow in their own order)
+#: `Costs` fields in the order of a step (its other seconds follow in their own order)
 COEFFICIENTS = ["prefill_token_s", "prefill_row_s", "decode_step_s", "decode_row_s", "decode_row_token_s",
                 "train_micro_batch_s", "train_token_s", "train_packed_token_s", "optimizer_step_s", "publish_s",
                 "swap_s", "put_prompts_s", "queue_call_s", "reward_row_s"]  # fmt: skip
@@ -153,7 +153,8 @@ def print_spec_table(profile: Profile, config, spec_name: str) -> None:
         ratio = f"{m / s:.2f}" if m is not None and s else "-"
         print(f"| {label} | {fmt(m)} | {fmt(s)} | {ratio} |")
 
-    for name in COEFFICIENTS + [f.name for f in dataclasses.fields(Costs) if f.name not in COEFFICIENTS]:
+    seconds = [f.name for f in dataclasses.fields(Costs) if f.name.endswith("_s")]
+    for name in COEFFICIENTS + [name for name in seconds if name not in COEFFICIENTS]:
         m, s = getattr(measured, name), getattr(estimated, name)
         if m or s:
             row(name, m, s)
