@@ -4,8 +4,11 @@ unless packing is off; coefficients fitted >= 0 without clipping."""
 
 import numpy as np
 import pytest
+import torch
 
 from asyncflow.cli import main
+from asyncflow.config import load_config
+from asyncflow.plan import measure
 from asyncflow.plan.costs import Costs, Profile
 from asyncflow.plan.measure import nonnegative_fit
 
@@ -22,7 +25,7 @@ def test_profile_measures_every_role(tmp_path, packing):
     assert profile.kind == "measured" and profile.model == "preset:tiny-llama"
     assert profile.decode_step_s > 0 and profile.train_token_s > 0 and profile.optimizer_step_s > 0
     assert profile.queue_call_s > 0 and profile.reward_row_s > 0 and profile.weight_bytes > 0
-    assert profile.put_prompts_s > 0
+    assert profile.put_prompts_s > 0 and profile.notes.startswith("measured on cpu ")
     assert (profile.train_packed_token_s is None) == (packing == "off")
     costs = Costs.from_profile(profile)
     assert costs.train(1000, packed=True) >= costs.train(0) and costs.prefill(16, 1) > 0
@@ -37,3 +40,41 @@ def test_a_negative_coefficient_is_fixed_at_zero_and_the_others_fitted_again():
     assert intercept == 0.0 and slope == pytest.approx(0.5)
     assert np.abs(slope * x - seconds).max() < np.abs(0.6 * x - seconds).max()
     assert nonnegative_fit([[1.0, v] for v in x], (2 * x + 1).tolist()) == pytest.approx([1.0, 2.0])
+
+
+def test_profile_loads_the_policy_and_the_rollout_engine_on_the_configured_device(monkeypatch):
+    """The policy as a run loads it (`model.dtype`, `model.device`), the rollout engine as a run builds it
+    (`config.rollout_dtype()`: bfloat16 under train.precision=bf16; `model.device`)."""
+    config = load_config("examples/arithmetic_grpo.yaml", ["model.device=cuda:0", "train.precision=bf16"])
+    seen, real_load_model = {}, measure.load_model
+
+    class Stop(Exception):
+        pass
+
+    def load_model(path, **options):
+        seen["policy"] = options
+        return real_load_model(path)  # on the CPU
+
+    def make_inference_engine(name, **options):
+        seen["rollout"] = (name, options)
+        raise Stop  # stop before anything runs on the device
+
+    monkeypatch.setattr(measure, "load_model", load_model)
+    monkeypatch.setattr(measure, "make_inference_engine", make_inference_engine)
+    with pytest.raises(Stop):
+        measure.measure_profile(config, repeats=1)
+    assert seen["policy"] == {"dtype": "float32", "device": "cuda:0"}
+    name, options = seen["rollout"]
+    assert name == "torch" and options["dtype"] == "bfloat16" and options["device"] == "cuda:0"
+    assert options["max_batch_size"] == config.rollout.max_batch_size and options["seed"] == config.run.seed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_profile_on_cuda(tmp_path):
+    out = tmp_path / "profile.yaml"
+    assert main(["profile", "examples/arithmetic_grpo.yaml", *SMALL, "model.device=cuda", "train.precision=bf16",
+                 "--repeats", "2", "--out", str(out)]) == 0  # fmt: skip
+    profile = Profile.load(out)
+    assert profile.notes.startswith(f"measured on cuda ({torch.cuda.get_device_name()})")
+    assert profile.decode_step_s > 0 and profile.train_token_s > 0 and profile.optimizer_step_s > 0

@@ -21,6 +21,8 @@ small grid (median of `repeats`):
 
 Invariants: runs in the calling process only (profile in a process of its own, not beside a benchmark: the
 two would share cores); it writes nothing but the returned profile; every coefficient is >= 0 (`nonnegative_fit`).
+The policy, its trainer and the rollout engine live on `model.device` (the CPU or one CUDA GPU, as in a run), and
+every wall-clock timing waits for the device's queued work before it reads the clock (`_sync`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import numpy as np
 import torch
 
 from asyncflow.config import Config
-from asyncflow.engines.base import GenerationRequest, SamplingParams, make_train_engine
+from asyncflow.engines.base import GenerationRequest, SamplingParams, make_inference_engine, make_train_engine
 from asyncflow.engines.torch_inference import TorchInferenceEngine
 from asyncflow.models.loading import load_model, load_tokenizer, resolve_model_path
 from asyncflow.plan.costs import Profile
@@ -52,11 +54,21 @@ from asyncflow.workflow.setup import datasets, make_reward_worker, prompt_source
 MICRO_BATCHES = 3  # per partition the trainer reads while timing a micro-batch (the loader prefetches the next)
 
 
-def _median_time(fn, repeats: int) -> float:
+def _sync(device) -> None:
+    """Wait for the work queued on `device` (a CUDA device runs kernels after the call that launched them
+    returns): before a clock is read, so a timing holds the work it launched and none from before."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn, repeats: int, device="cpu") -> float:
     times = []
     for _ in range(repeats):
+        _sync(device)
         t0 = time.perf_counter()
         fn()
+        _sync(device)
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
 
@@ -96,7 +108,7 @@ def measure_generation(engine: TorchInferenceEngine, *, prompts: list[int], batc
                     worker.run_partition(queue, name, batch_size=max(batches), timeout=600)
                     queue.clear(name)
 
-                s = _median_time(partition, repeats)
+                s = _median_time(partition, repeats, engine.device)
                 features.append([B * P, B, T, T * B, T * B * (P + T / 2)])
                 seconds.append(s)
                 points.append({"batch": B, "new_tokens": T, "prompt": P, "seconds": round(s, 5)})
@@ -110,7 +122,9 @@ def measure_training(config: Config, policy, model_path, queue, *, prompt: int, 
     run's `PolicyTrainer.train_partition` (its loader prefetching the next micro-batch while one trains; the
     configured loss and engine), `MICRO_BATCHES` per partition, with distinct prompts (unpacked) and with groups
     sharing their prompt (packed as `train.packing` decides), each against the tokens `micro_batch_tokens`
-    counts; and the trainer's `finish_step` (the optimizer step) after each partition."""
+    counts; and the trainer's `finish_step` (the optimizer step) after each partition. On `model.device`, each
+    timing waits for the device's queued work (`_sync`)."""
+    device = config.model.device
     engine = make_train_engine(config.train.engine, **train_engine_options(config, policy, model_path))
     rows, G = config.train.micro_batch_size, config.rollout.group_size
     trainer = PolicyTrainer(engine, config.algo, micro_batch_size=rows, temperature=config.rollout.temperature,
@@ -133,12 +147,14 @@ def measure_training(config: Config, policy, model_path, queue, *, prompt: int, 
                                     "rollout_logprobs": [torch.full((R,), -1.0) for _ in indices],
                                     "reward": torch.from_numpy(rng.standard_normal(total).astype(np.float32))},
                     weight_version=[0] * total)  # fmt: skip
+        _sync(device)
         t0 = time.perf_counter()
         trainer.train_partition(queue, name, policy_version=0, max_staleness=0, group_size=G,
                                 groups_per_batch=max(1, n // G), max_new_tokens=R, timeout=120, sampler=GroupSampler())
+        _sync(device)
         seconds = (time.perf_counter() - t0) / MICRO_BATCHES
         queue.clear(name)
-        optimizer.append(_median_time(trainer.finish_step, 1))
+        optimizer.append(_median_time(trainer.finish_step, 1, device))
         return seconds
 
     train(rows, lengths[0], can_pack)  # warm-up (allocator, lazy initialisation, the loader's first calls)
@@ -242,10 +258,14 @@ def run_queue(config: Config) -> Iterator[tuple]:
 def measure_profile(config: Config, *, repeats: int = 5, name: str = "") -> Profile:
     """This machine's costs for `config`'s model (see the module docstring)."""
     path = resolve_model_path(config.model.path, seed=config.run.seed)
-    model = load_model(path, dtype=config.model.dtype)
+    device = torch.device(config.model.device)
+    model = load_model(path, dtype=config.model.dtype, device=config.model.device)  # the trained policy, as a run's
     vocab = model.get_input_embeddings().num_embeddings
-    inference = TorchInferenceEngine(load_model(path, dtype=config.model.dtype).eval().requires_grad_(False),
-                                     max_batch_size=config.rollout.max_batch_size)
+    # the rollout engine as a run builds its torch engine (`rollout_spec`, `build_rollout_worker`): its dtype
+    # `config.rollout_dtype()` (bfloat16 under `train.precision: bf16`), on `model.device`
+    inference = make_inference_engine("torch", model_path=str(path), dtype=config.rollout_dtype(),
+                                      device=config.model.device, max_batch_size=config.rollout.max_batch_size,
+                                      seed=config.run.seed)
     prompt = 16
     top = config.rollout.max_batch_size
     batches = sorted({1, max(1, top // 8), max(1, top // 2), top})
@@ -265,11 +285,13 @@ def measure_profile(config: Config, *, repeats: int = 5, name: str = "") -> Prof
     state = trainer.state_dict()
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     versions = iter(range(1, 10_000))
-    swap = _median_time(lambda: inference.update_weights(trainer.state_dict(), next(versions)), repeats)
+    swap = _median_time(lambda: inference.update_weights(trainer.state_dict(), next(versions)), repeats,
+                        inference.device)
     rewards = make_reward_worker(config)
     responses = np.random.default_rng(2).integers(3, vocab, (top, 8)).tolist()
     reward_row = _median_time(lambda: rewards.score_ids(responses, [{"answer": "0"}] * top), repeats) / top
     rewards.runner.close()
+    gpu = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
     return Profile(
         kind="measured", name=name or platform.node(), model=str(config.model.path),
         prefill_token_s=float(gen[0]), prefill_row_s=float(gen[1]), decode_step_s=float(gen[2]),
@@ -279,6 +301,8 @@ def measure_profile(config: Config, *, repeats: int = 5, name: str = "") -> Prof
         queue_call_s=queue_call, put_prompts_s=put_prompts, reward_row_s=reward_row,
         host_cores=len(os.sched_getaffinity(0)) if shared_host else 0.0, background_cores=background,
         threads=torch.get_num_threads(),
-        notes=f"measured with {torch.get_num_threads()} torch threads on {platform.processor() or platform.machine()}; "
+        notes=f"measured on {device}{gpu} with {torch.get_num_threads()} torch threads on "
+              f"{platform.processor() or platform.machine()}; "
+              f"rollout weights {config.rollout_dtype()}, training precision {config.train.precision}; "
               f"weights {nbytes / 1e6:.1f} MB; generation points {gen_points}; training points {train_points}",
     )  # fmt: skip
