@@ -19,9 +19,13 @@ On a GPU machine without Ray (`scripts/gpu_plan.sh` runs this):
    `stream` / `async` (by default, `--placement ray`) separated as `benchmarks/bench_workflows.py` runs them (a
    Ray rollout replica on one core, the trainer on the other; on threads of one process instead, the GIL made
    async k=1 on the long tail 2x slower than sync in a first invocation, which the simulator does not model).
+   `async k=1 (2 replicas)` runs two Ray rollout replicas beside the trainer on the same two cores (rolling weight
+   updates: each replica swaps between its own partitions).
 3. The simulator predicts each mode's step time from the profile and the workload's length statistics only (the
    measured run's mean response length per step, geometric, capped at max_new_tokens): no measured timing of
-   the run enters the prediction.
+   the run enters the prediction. The Ray profile records this host's cores and Ray's idle load, so `stream` /
+   `async` are predicted on a shared host (`asyncflow.plan.sim.shared_host_stretch`); the last column predicts
+   them with each role on cores of its own, as before that model.
 
 Step time: mean wall seconds per step over steps `warmup+1 .. steps-1-k` (async's last k steps, where rollout has
 finished, left out), for both. With `--invocations N` all of it is done N times and the last table gives each
@@ -72,7 +76,9 @@ WORKLOADS = {
                                  "rollout.max_batch_size=128", "train.micro_batch_size=64"],
 }
 MODES = {"sync": (["workflow.mode=sync"], 0), "stream": (["workflow.mode=stream"], 0),
-         "async k=1": (["workflow.mode=async", "workflow.max_staleness=1"], 1)}
+         "async k=1": (["workflow.mode=async", "workflow.max_staleness=1"], 1),
+         "async k=1 (2 replicas)": (["workflow.mode=async", "workflow.max_staleness=1", "rollout.replicas=2",
+                                    "runtime.num_cpus=3"], 1)}  # fmt: skip
 PROMPT_TOKENS = 7  # "37+58=" and the BOS of the character tokenizer
 #: `--build-model`: the Qwen2.5-0.5B shape (architecture, hidden, layers, heads, kv heads, intermediate, max
 #: positions), in the layout of `asyncflow.models.presets.PRESETS`
@@ -92,7 +98,7 @@ def pick(names: list[str], wanted: str | None, what: str) -> list[str]:
     for item in wanted.split(","):
         item = item.strip()
         found = [names[int(item)]] if item.isdigit() and int(item) < len(names) else \
-            [n for n in names if n.lower().startswith(item.lower())]
+            [n for n in names if n.lower() == item.lower()] or [n for n in names if n.lower().startswith(item.lower())]
         if len(found) != 1:
             raise SystemExit(f"--{what} {item!r}: choose one of {names} (by index or a prefix)")
         chosen += [n for n in found if n not in chosen]
@@ -178,16 +184,18 @@ def window_step_s(ends: list[float], warmup: int, k: int) -> float:
 
 
 def predict(profile: Profile, rows: list[dict], mode: str, k: int, *, steps: int, warmup: int, group_size: int,
-            prompts: int, max_new: int, slots: int, micro_batch: int) -> float:
+            prompts: int, max_new: int, slots: int, micro_batch: int, replicas: int) -> tuple[float, float]:
+    """(predicted step time, and the same without the shared-host stretch: each role on its own cores)."""
     mean = float(np.mean([r["response_length/mean"] for r in rows]))
     workload = Workload(prompts_per_step=prompts, group_size=group_size, prompt=Lengths(mean=PROMPT_TOKENS),
                         response=Lengths.truncated_geometric(mean, max_new))
     P, L = workload.sample(steps)
     costs = Costs.from_profile(profile)
     spec = SimSpec(mode=mode.split()[0], prompt_lengths=P, response_lengths=L, group_size=group_size, costs=costs,
-                   max_staleness=max(k, 1), replicas=1, slots=slots, micro_batch_groups=micro_batch // group_size,
-                   sync_micro_batch_rows=micro_batch)  # fmt: skip
-    return window_step_s(simulate(spec).step_end_s.tolist(), warmup, k)
+                   max_staleness=max(k, 1), replicas=replicas, slots=slots,
+                   micro_batch_groups=micro_batch // group_size, sync_micro_batch_rows=micro_batch)  # fmt: skip
+    own_cores = dataclasses.replace(spec, costs=dataclasses.replace(costs, host_cores=0.0))
+    return tuple(window_step_s(simulate(s).step_end_s.tolist(), warmup, k) for s in (spec, own_cores))
 
 
 def invocation(args, tmp: Path) -> dict[tuple[str, str], tuple[float, float]]:
@@ -214,30 +222,33 @@ def invocation(args, tmp: Path) -> dict[tuple[str, str], tuple[float, float]]:
         for mode in pick(list(MODES), args.modes, "modes"):
             mode_overrides, k = MODES[mode]
             out = tmp / f"{len(results)}_{name[:4]}"
-            run_args = [args.config, *COMMON, *WORKLOADS[name], *mode_overrides,
-                        *placement_overrides(args.placement, mode), f"train.steps={args.steps}", *args.set]
+            run_args = [args.config, *COMMON, *WORKLOADS[name], *placement_overrides(args.placement, mode),
+                        *mode_overrides, f"train.steps={args.steps}", *args.set]
             rows = train_run(run_args, out, threads=1, timeout_s=1800)
             measured = window_step_s([r["wall_s"] for r in rows], args.warmup, k)
             config = yaml.safe_load((out / "config.yaml").read_text())
             ro, tr = config["rollout"], config["train"]
             profile = profiles["inline" if mode == "sync" or args.placement == "inline" else "ray"]
-            results[name, mode] = (predict(profile, rows, mode, k, steps=args.steps, warmup=args.warmup,
+            predicted, own_cores = predict(profile, rows, mode, k, steps=args.steps, warmup=args.warmup,
                                            group_size=ro["group_size"], prompts=ro["prompts_per_step"],
                                            max_new=ro["max_new_tokens"], slots=ro["max_batch_size"],
-                                           micro_batch=tr["micro_batch_size"]), measured)  # fmt: skip
-            print(f"{name} / {mode}: predicted {results[name, mode][0]:.3f} s/step, measured {measured:.3f}",
-                  flush=True)
+                                           micro_batch=tr["micro_batch_size"], replicas=ro["replicas"])  # fmt: skip
+            results[name, mode] = (predicted, measured, own_cores)
+            print(f"{name} / {mode}: predicted {predicted:.3f} s/step ({own_cores:.3f} without the shared host), "
+                  f"measured {measured:.3f}", flush=True)
     return results
 
 
-def print_table(results: dict[tuple[str, str], tuple[float, float]]) -> None:
-    print("| workload | mode | predicted s/step | measured s/step | error | predicted vs sync | measured vs sync |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for (name, mode), (predicted, measured) in results.items():
-        ps, ms = results.get((name, "sync"), (None, None))
+def print_table(results: dict[tuple[str, str], tuple[float, float, float]]) -> None:
+    """`results`: (predicted, measured, predicted without the shared host) per (workload, mode)."""
+    print("| workload | mode | predicted s/step | measured s/step | error | predicted vs sync | measured vs sync "
+          "| without the shared host: predicted (error) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for (name, mode), (predicted, measured, own_cores) in results.items():
+        ps, ms, _ = results.get((name, "sync"), (None, None, None))
         vs_sync = f"{ps / predicted:.2f}x | {ms / measured:.2f}x" if ps else "- | -"
         print(f"| {name} | {mode} | {predicted:.3f} | {measured:.3f} | {100 * (predicted / measured - 1):+.0f}% "
-              f"| {vs_sync} |", flush=True)
+              f"| {vs_sync} | {own_cores:.3f} ({100 * (own_cores / measured - 1):+.0f}%) |", flush=True)
 
 
 def main() -> None:
@@ -275,7 +286,7 @@ def main() -> None:
         print_table(invocations[-1])
     if args.invocations > 1 and not args.profile_only:
         print(f"mean over {args.invocations} invocations:")
-        print_table({key: tuple(float(np.mean([inv[key][j] for inv in invocations])) for j in (0, 1))
+        print_table({key: tuple(float(np.mean([inv[key][j] for inv in invocations])) for j in range(3))
                      for key in invocations[0]})
 
 
