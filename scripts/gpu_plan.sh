@@ -3,10 +3,11 @@
 # device, the trainer in bf16 autocast (float32 master weights, `model.dtype=float32`) and the rollout engine in
 # bfloat16 (`rollout.dtype: auto` under `train.precision=bf16`), as runs on a GPU use them.
 #   1. base-llama (13.8M params), main job only: `asyncflow profile`, its costs beside the spec profile h100's for
-#      the same shape (--spec h100), then sync / stream / async k=1 for 8 steps each, predicted vs measured.
+#      the same shape (--spec h100), then sync and async k=1 for 40 steps each, predicted vs measured over steps
+#      21-39 (the built-in engine meets new prefill shapes for the first ~20 steps on a GPU: BENCHMARKS.md).
 #   2. a random-init model of the Qwen2.5-0.5B shape (~360M params with the character tokenizer), built by the
-#      benchmark (--build-model) outside $OUT: its profile and --spec h100 table, then a short sync run.
-# Each part runs under its own `timeout`, all of them within BUDGET_S seconds (default 340), so a part that fails or
+#      benchmark (--build-model) outside $OUT: its profile and --spec h100 table, then a 20-step sync run.
+# Each part runs under its own `timeout`, all of them within BUDGET_S seconds (default 420), so a part that fails or
 # hangs loses only its own output. Everything printed also goes to ${OUT:-/tmp/gpu_plan}/*.log. DEVICE=cpu (with a
 # small BUDGET_S) tries the script itself on a machine without a GPU.
 #   PYTHON=python3 bash scripts/gpu_plan.sh
@@ -17,7 +18,7 @@ OUT=${OUT:-/tmp/gpu_plan}
 MODEL_DIR=${MODEL_DIR:-/tmp/gpu_plan_qwen05b}  # ~0.7 GB: not under $OUT
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-DEADLINE=$((SECONDS + ${BUDGET_S:-340}))
+DEADLINE=$((SECONDS + ${BUDGET_S:-420}))
 GPU=(--placement inline --set "model.device=${DEVICE:-cuda}" --set model.dtype=float32 --set train.precision=bf16
      --set rollout.dtype=auto --invocations 1 --repeats 3 --spec h100 --workloads main)
 
@@ -46,7 +47,9 @@ print('python', platform.python_version(), 'torch', torch.__version__, 'transfor
       'pydantic', pydantic.VERSION)
 print('cuda', torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else '-')
 "
-part base_llama 190 130 "$PY" benchmarks/bench_plan.py "${GPU[@]}" --steps 8 --set model.path=preset:base-llama
-part build_qwen05b 60 90 "$PY" benchmarks/bench_plan.py --build-model "$MODEL_DIR"
-part qwen05b 200 0 "$PY" benchmarks/bench_plan.py "${GPU[@]}" --modes sync --steps 6 --set "model.path=$MODEL_DIR"
+part base_llama 220 170 "$PY" benchmarks/bench_plan.py "${GPU[@]}" --modes "sync,async k=1" --steps 40 --warmup 20 \
+  --set model.path=preset:base-llama
+part build_qwen05b 60 130 "$PY" benchmarks/bench_plan.py --build-model "$MODEL_DIR"
+part qwen05b 200 0 "$PY" benchmarks/bench_plan.py "${GPU[@]}" --modes sync --steps 20 --warmup 10 \
+  --set "model.path=$MODEL_DIR"
 echo "== done in $SECONDS s; logs in $OUT" | tee -a "$OUT/all.log"

@@ -99,7 +99,7 @@ def test_async_beats_sync_on_a_long_tail_and_stream_sits_between():
 
 
 def test_a_shared_host_slows_overlapped_roles_by_what_the_runtime_leaves_them():
-    balanced = dataclasses.replace(COSTS, train_token_s=1e-3, train_packed_token_s=None, queue_call_s=0.005)
+    balanced = dataclasses.replace(COSTS, train_token_s=1e-3, train_packed_token_s=None, queue_beside_call_s=0.005)
     shared = dataclasses.replace(balanced, host_cores=2, background_cores=0.2)
     # two roles on two cores, 0.2 + 0.2 of them taken by the runtime and the data plane: each role gets 0.8
     assert shared_host_stretch(shared, replicas=1, queue_cpu_per_s=0.2) == pytest.approx(1.25)

@@ -167,6 +167,9 @@ class Profile(BaseModel):
     background_cores: float = 0.0
     """measured with `host_cores`: cores the runtime's own processes (Ray's GCS, raylet, dashboard and agents, the
     queue's idle actors) take from that host while nothing is asked of them."""
+    queue_beside_call_s: float = 0.0
+    """measured with `host_cores`: of `queue_call_s`, the CPU seconds the local cluster's processes (the queue's
+    actors) spend beside the caller: taken from the cores the roles share."""
     threads: int = 1
     notes: str = ""
 
@@ -213,6 +216,8 @@ class Costs:
     """`stream` / `async` on one host whose cores the roles share (`Profile.host_cores`); 0: no sharing."""
     background_cores: float = 0.0
     """Cores the runtime's own processes take from that host (`Profile.background_cores`)."""
+    queue_beside_call_s: float = 0.0
+    """CPU seconds of a queue call spent beside its caller, on that host (`Profile.queue_beside_call_s`)."""
 
     def stretched(self, rollout: float, train: float) -> Costs:
         """These costs with the rollout replica's compute (generation, scoring) `rollout` times and the trainer's
@@ -257,6 +262,7 @@ class Costs:
             train_packed_token_s=profile.train_packed_token_s,
             put_prompts_s=profile.queue_call_s if profile.put_prompts_s is None else profile.put_prompts_s,
             host_cores=profile.host_cores, background_cores=profile.background_cores,
+            queue_beside_call_s=profile.queue_beside_call_s,
         )  # fmt: skip
 
     @classmethod

@@ -173,13 +173,12 @@ def measure_training(config: Config, policy, model_path, queue, *, prompt: int, 
             float(np.median(optimizer)), points, engine)
 
 
-def measure_queue_calls(config: Config, queue, cpu_s, *, prompt: int, repeats: int) -> float:
+def measure_queue_calls(config: Config, queue, cpu_s, *, prompt: int, repeats: int) -> tuple[float, float]:
     """CPU seconds one TransferQueue call of a partition's life costs on `queue` (the configured runtime's, see
     `run_queue`): a step's prompts appended, read by the rollout `rollout.max_batch_size` at a time, its responses
     written `WRITE_ROWS` at a time while the trainer waits for `train.micro_batch_size` complete rows at a time
-    (each write wakes its request), as in a run. `cpu_s`: the CPU of this process's threads and, for
-    `runtime.kind: ray`, of the local cluster's processes (the queue's actors, Ray's own): on a machine whose
-    cores the roles share with the data plane, that is what a call takes from them."""
+    (each write wakes its request), as in a run. Returns (all of it, the local cluster's processes' share: what
+    the queue's actors and Ray's own processes spend beside the caller, on cores a shared host's roles want)."""
     rows, G = config.rollout.prompts_per_step * config.rollout.group_size, config.rollout.group_size
     rng = np.random.default_rng(3)
 
@@ -205,9 +204,10 @@ def measure_queue_calls(config: Config, queue, cpu_s, *, prompt: int, repeats: i
         return calls
 
     partition("warm-up")
-    t0 = cpu_s()
+    own0, cluster0 = cpu_s()
     calls = sum(partition(f"p{i}") for i in range(repeats))
-    return (cpu_s() - t0) / calls
+    own, cluster = cpu_s()
+    return (own - own0 + cluster - cluster0) / calls, (cluster - cluster0) / calls
 
 
 def measure_put_prompts(config: Config, queue, tokenizer, *, repeats: int) -> float:
@@ -228,28 +228,28 @@ def measure_put_prompts(config: Config, queue, tokenizer, *, repeats: int) -> fl
 def measure_background(cpu_s, seconds: float = 4.0) -> float:
     """Cores the runtime's processes take while nothing is asked of them: the CPU `cpu_s` counts (this process and
     the local cluster's, see `run_queue`) over `seconds` of waiting, per second."""
-    t0, c0 = time.perf_counter(), cpu_s()
+    t0, c0 = time.perf_counter(), sum(cpu_s())
     time.sleep(seconds)
-    return (cpu_s() - c0) / (time.perf_counter() - t0)
+    return (sum(cpu_s()) - c0) / (time.perf_counter() - t0)
 
 
 @contextlib.contextmanager
 def run_queue(config: Config) -> Iterator[tuple]:
-    """(queue, cpu_s) of the configured runtime: an in-process queue and this process's CPU clock, or for
-    `runtime.kind: ray` the queue's actors on a Ray session and a clock that adds the local cluster's
-    processes."""
+    """(queue, cpu_s) of the configured runtime. `cpu_s()`: (this process's CPU seconds, the local cluster's
+    processes' CPU seconds): an in-process queue (the second always 0), or for `runtime.kind: ray` the queue's
+    actors on a Ray session."""
     tasks = ["rollout", "train"]
     if config.runtime.kind != "ray":
-        yield TransferQueue.local(tasks=tasks), time.process_time
+        yield TransferQueue.local(tasks=tasks), lambda: (time.process_time(), 0.0)
         return
     import psutil
 
     from asyncflow.runtime.ray_runtime import ray_session
     from asyncflow.transfer.ray_queue import RayTransferQueue
 
-    def with_cluster_cpu_s() -> float:  # this process and its descendants: the local cluster's processes
+    def with_cluster_cpu_s() -> tuple[float, float]:  # this process, and its descendants: the local cluster's
         children = psutil.Process().children(recursive=True)
-        return time.process_time() + sum(sum(child.cpu_times()[:2]) for child in children)
+        return time.process_time(), sum(sum(child.cpu_times()[:2]) for child in children)
 
     with ray_session(address=config.runtime.address, num_cpus=config.runtime.num_cpus):
         yield RayTransferQueue.create(num_storage_units=config.runtime.storage_units, tasks=tasks), with_cluster_cpu_s
@@ -278,7 +278,7 @@ def measure_profile(config: Config, *, repeats: int = 5, name: str = "") -> Prof
             config, model, path, queue, prompt=prompt, lengths=sorted({4, max(8, config.rollout.max_new_tokens)}),
             repeats=repeats, vocab=vocab,
         )
-        queue_call = measure_queue_calls(config, queue, cpu_s, prompt=prompt, repeats=repeats)
+        queue_call, queue_beside = measure_queue_calls(config, queue, cpu_s, prompt=prompt, repeats=repeats)
         put_prompts = measure_put_prompts(config, queue, load_tokenizer(path), repeats=repeats)
         shared_host = config.runtime.kind == "ray" and config.model.device == "cpu"
         background = measure_background(cpu_s) if shared_host else 0.0
@@ -300,6 +300,7 @@ def measure_profile(config: Config, *, repeats: int = 5, name: str = "") -> Prof
         optimizer_step_s=optimizer, publish_s=0.0, publish_byte_s=swap / max(nbytes, 1), weight_bytes=nbytes,
         queue_call_s=queue_call, put_prompts_s=put_prompts, reward_row_s=reward_row,
         host_cores=len(os.sched_getaffinity(0)) if shared_host else 0.0, background_cores=background,
+        queue_beside_call_s=queue_beside if shared_host else 0.0,
         threads=torch.get_num_threads(),
         notes=f"measured on {device}{gpu} with {torch.get_num_threads()} torch threads on "
               f"{platform.processor() or platform.machine()}; "

@@ -97,7 +97,8 @@ class SimResult:
     replicas: int
     samples: int
     queue_cpu_s: float = 0.0
-    """CPU seconds of the data plane's calls over the run (`stream` / `async`)."""
+    """CPU seconds the data plane's processes spent beside the callers over the run (`stream` / `async`: each
+    call's `Costs.queue_beside_call_s`)."""
     trained_order: list[list[int]] = field(default_factory=list)
     """Per step, the group indices in the order the trainer read them (kept for small runs only)."""
     events: list[dict] = field(default_factory=list)
@@ -364,9 +365,9 @@ def _simulate_overlapped(spec: SimSpec) -> SimResult:
         rows_of = np.arange(spec.rows).reshape(groups, G)
         unread = np.ones(groups, dtype=bool)
         order = []
-        queue_cpu_s += R * queue_calls(n, spec) * c.queue_call_s + c.put_prompts_s
+        queue_cpu_s += (R * queue_calls(n, spec) + 2) * c.queue_beside_call_s  # and the put: a create, an append
         while unread.any():
-            queue_cpu_s += c.queue_call_s
+            queue_cpu_s += c.queue_beside_call_s
             asked = trainer_t
             taken, trainer_t = take_groups(group_done, unread, trainer_t, spec.micro_batch_groups)
             trace.span("trainer", "wait_rows", asked, trainer_t, partition=f"step_{s}")
