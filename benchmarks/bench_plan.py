@@ -23,9 +23,10 @@ On a GPU machine without Ray (`scripts/gpu_plan.sh` runs this):
    updates: each replica swaps between its own partitions).
 3. The simulator predicts each mode's step time from the profile and the workload's length statistics only (the
    measured run's mean response length per step, geometric, capped at max_new_tokens): no measured timing of
-   the run enters the prediction. The Ray profile records this host's cores and Ray's idle load, so `stream` /
-   `async` are predicted on a shared host (`asyncflow.plan.sim.shared_host_stretch`); the last column predicts
-   them with each role on cores of its own, as before that model.
+   the run enters the prediction. The Ray profile records this host's cores, Ray's idle load and the queue
+   actors' CPU per call, so `stream` / `async` are predicted on a shared host
+   (`asyncflow.plan.sim.shared_host_stretch`); the last column predicts them with each role on cores of its own,
+   as before that model.
 
 Step time: mean wall seconds per step over steps `warmup+1 .. steps-1-k` (async's last k steps, where rollout has
 finished, left out), for both. With `--invocations N` all of it is done N times and the last table gives each

@@ -17,7 +17,8 @@ small grid (median of `repeats`):
   step's prompts put there as the trainer puts them (`measure_put_prompts`);
 - scoring a batch of responses with the configured reward functions (their isolation included), per row;
 - on a CPU with `runtime.kind: ray`, where the roles and the data plane share this host's cores: the cores
-  (`host_cores`) and what the local cluster's processes take of them while idle (`background_cores`).
+  (`host_cores`), what the local cluster's processes take of them while idle (`background_cores`) and per queue
+  call beside its caller (`queue_beside_call_s`).
 
 Invariants: runs in the calling process only (profile in a process of its own, not beside a benchmark: the
 two would share cores); it writes nothing but the returned profile; every coefficient is >= 0 (`nonnegative_fit`).
