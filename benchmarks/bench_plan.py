@@ -38,7 +38,7 @@ stops after the profiles; `--repeats` is the profile's timings per point. `--spe
 profile, its `Costs.from_profile` coefficients beside `Costs.from_spec` of the shipped spec profile NAME (`h100`)
 for the profiled model's shape (its `config.json`, at the rollout engine's bytes per parameter), each with the
 ratio measured / spec, and a few composite costs at the config's sizes. `--build-model DIR` only writes a
-random-init model folder of the Qwen2.5-0.5B shape with the built-in character tokenizer (bf16 safetensors,
+random-init model folder of the Qwen2.5-0.5B shape with the built-in character tokenizer (fp32 safetensors,
 ~360M parameters: the small vocabulary leaves out most of the real model's embedding) and exits; profile and
 train it with `--set model.path=DIR`.
 """
@@ -108,29 +108,11 @@ def pick(names: list[str], wanted: str | None, what: str) -> list[str]:
 
 def build_model(out: Path, *, seed: int = 0) -> Path:
     """A random-init Hugging Face folder of `QWEN_05B_SHAPE` with the built-in character tokenizer (so the
-    built-in tasks run on it), bf16 safetensors; made with the presets' own tokenizer and config builders.
-    Reused when its stamp matches."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    built-in tasks run on it): `build_preset` with that shape as one more preset. Reused when its stamp matches."""
+    from asyncflow.models.presets import PRESETS, build_preset
 
-    from asyncflow.models.presets import PRESETS, build_char_tokenizer, preset_config
-
-    stamp = {"shape": list(QWEN_05B_SHAPE), "seed": seed, "dtype": "bfloat16"}
-    stamp_file = out / "bench_model.json"
-    if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp:
-        return out
-    tokenizer = build_char_tokenizer()
     with mock.patch.dict(PRESETS, {"bench-qwen2-0.5b": QWEN_05B_SHAPE}):
-        config = preset_config("bench-qwen2-0.5b", len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id,
-                               tokenizer.eos_token_id)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    stamp_file.write_text(json.dumps(stamp))
-    print(f"built {out}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, bf16")
-    return out
+        return build_preset("bench-qwen2-0.5b", out, seed=seed)
 
 
 #: `Costs` fields in the order of a step (its other seconds follow in their own order)

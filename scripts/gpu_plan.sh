@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gpu_plan}
-MODEL_DIR=${MODEL_DIR:-/tmp/gpu_plan_qwen05b}  # ~0.7 GB: not under $OUT
+MODEL_DIR=${MODEL_DIR:-/tmp/gpu_plan_qwen05b}  # ~1.4 GB (fp32): not under $OUT
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 DEADLINE=$((SECONDS + ${BUDGET_S:-420}))
