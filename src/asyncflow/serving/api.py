@@ -94,21 +94,22 @@ class ServedModel:
     recomputes log-probs at that temperature), and at most its `max_new_tokens` per call."""
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
+    """OpenAI's error shape."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type=type, param=param, code=code), status)
+def error_response(status: int, message: str, **fields) -> JSONResponse:
+    return JSONResponse(error_body(message, **fields), status)
+
+
+class APIError(Exception):
+    """A request refused with `status` and an `error_body(message, **fields)`."""
+
+    def __init__(self, status: int, message: str, **fields):
+        super().__init__(message)
+        self.status, self.body = status, error_body(message, **fields)
 
 
 # ---------------------------------------------------------------- requests
@@ -203,7 +204,7 @@ def make_app(served: ServedModel, *, api_key: str, recorder: EpisodeRecorder | N
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
-        return error_response(err.status, err.message, type=err.type, param=err.param, code=err.code)
+        return JSONResponse(err.body, err.status)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError):
@@ -228,12 +229,6 @@ def make_app(served: ServedModel, *, api_key: str, recorder: EpisodeRecorder | N
     return app
 
 
-class _BodyRefused(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status, self.message = status, message
-
-
 class BufferedBody:
     """ASGI middleware: read an HTTP request's body whole before the app runs, at most `max_bytes` (413) and
     waiting at most `timeout_s` for each piece (408), then hand the app that body; later `receive` calls (a
@@ -247,9 +242,8 @@ class BufferedBody:
             return await self.app(scope, receive, send)
         try:
             body = await self._read(scope, receive)
-        except _BodyRefused as err:
-            code = {413: "body_too_large", 408: "body_timeout"}.get(err.status)
-            response = error_response(err.status, err.message, param="body", code=code)
+        except APIError as err:
+            response = JSONResponse(err.body, err.status)
             response.headers["connection"] = "close"
             return await response(scope, receive, send)
         replayed = False
@@ -266,21 +260,22 @@ class BufferedBody:
     async def _read(self, scope, receive) -> bytes:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            raise _BodyRefused(413, f"body: {int(declared)} bytes is over the limit of {self.max_bytes} "
-                                    "(limits.max_body_bytes)")
+            raise APIError(413, f"body: {int(declared)} bytes is over the limit of {self.max_bytes} "
+                           "(limits.max_body_bytes)", param="body", code="body_too_large")
         chunks, size = [], 0
         while True:
             try:
                 message = await asyncio.wait_for(receive(), self.timeout_s)
             except asyncio.TimeoutError:
-                raise _BodyRefused(408, f"body: nothing arrived for {self.timeout_s:g} s "
-                                        "(limits.body_timeout_s)") from None
+                raise APIError(408, f"body: nothing arrived for {self.timeout_s:g} s (limits.body_timeout_s)",
+                               param="body", code="body_timeout") from None
             if message["type"] == "http.disconnect":
-                raise _BodyRefused(400, "body: the client went away")
+                raise APIError(400, "body: the client went away", param="body")
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                raise _BodyRefused(413, f"body: over the limit of {self.max_bytes} bytes (limits.max_body_bytes)")
+                raise APIError(413, f"body: over the limit of {self.max_bytes} bytes (limits.max_body_bytes)",
+                               param="body", code="body_too_large")
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
@@ -423,18 +418,16 @@ class _API:
 
     def _completion_prompt(self, prompt: str | list[int], episode_id: str | None) -> tuple[list[int], str]:
         tokenizer = self.served.tokenizer
-        if isinstance(prompt, str):
-            ids = self._continued(episode_id, "completion", prompt)
-            if ids is None:
-                bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-                ids = bos + self._encode(prompt)
-            text = prompt
-        else:
+        if not isinstance(prompt, str):
             ids = list(prompt)
             self._check_ids(ids, "prompt")  # before decoding: a tokenizer may raise on ids outside its vocabulary
             return ids, tokenizer.decode(ids, skip_special_tokens=True)
+        ids = self._continued(episode_id, "completion", prompt)
+        if ids is None:
+            bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+            ids = bos + self._encode(prompt)
         self._check_ids(ids, "prompt")
-        return ids, text
+        return ids, prompt
 
     def _chat_prompt(self, messages: list[ChatMessage], episode_id: str | None) -> tuple[list[int], str]:
         tokenizer = self.served.tokenizer
@@ -552,33 +545,30 @@ class _API:
                 "prompt_token_ids": list(completion.prompt_ids), "weight_version": completion.weight_version}
 
     # ------------------------------------------------------------ responses
-    def _pieces(self, ids: list[int]) -> list[str]:
-        """Each token's share of the decoded text (pieces join to the whole text)."""
-        tokenizer, pieces, before = self.served.tokenizer, [], ""
+    def _text_offsets(self, ids: list[int]) -> list[int]:
+        """Where each token's share of the decoded text starts (the shares join to the whole text)."""
+        offsets, at, before = [], 0, ""
         for end in range(1, len(ids) + 1):
-            now = tokenizer.decode(ids[:end], skip_special_tokens=True)
-            pieces.append(now[len(before) :] if now.startswith(before) else now)
+            offsets.append(at)
+            now = self.served.tokenizer.decode(ids[:end], skip_special_tokens=True)
+            at += len(now) - len(before) if now.startswith(before) else len(now)
             before = now
-        return pieces
+        return offsets
 
     def _logprobs(self, kind: str, ids: list[int], logprobs: list[float]) -> dict:
         tokens = [self.served.tokenizer.decode([i]) for i in ids]
         if kind == "chat":
-            return {"content": [
-                {"token": t, "logprob": lp, "bytes": list(t.encode()),
-                 "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}]}
-                for t, lp in zip(tokens, logprobs)]}
-        offsets, at = [], 0
-        for piece in self._pieces(ids):
-            offsets.append(at)
-            at += len(piece)
-        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": [{t: lp} for t, lp in
-                                                                                     zip(tokens, logprobs)],
-                "text_offset": offsets}
+            entries = [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in zip(tokens, logprobs)]
+            return {"content": [{**entry, "top_logprobs": [entry]} for entry in entries]}
+        return {"tokens": tokens, "token_logprobs": list(logprobs),
+                "top_logprobs": [{t: lp} for t, lp in zip(tokens, logprobs)], "text_offset": self._text_offsets(ids)}
+
+    def _envelope(self, kind: str, object_name: str) -> dict:
+        """The fields every response (and every chunk of one stream) starts with."""
+        return {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", "object": object_name,
+                "created": int(time.time()), "model": self.served.name}
 
     def _respond(self, body: _Sampling, object_name: str, choices: list[dict], *, kind: str, logprobs: bool):
-        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        created = int(time.time())
         prompt_tokens = sum(len(c["prompt_token_ids"]) for c in choices[:: body.n])
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": sum(len(c["token_ids"]) for c in choices)}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
@@ -593,8 +583,7 @@ class _API:
             else:
                 choice["text"] = c["text"]
             out.append(choice)
-        return {"id": rid, "object": object_name, "created": created, "model": self.served.name, "choices": out,
-                "usage": usage}
+        return {**self._envelope(kind, object_name), "choices": out, "usage": usage}
 
     def _stream(self, body: _Sampling, rendered: list[tuple[list[int], str]], params: SamplingParams, kind: str,
                 episode_id: str | None, *, logprobs: bool) -> StreamingResponse:
@@ -614,14 +603,10 @@ class _API:
         if not self.served.service.streams_tokens and not self.told_choice_streaming:
             self.told_choice_streaming = True
             log.warning("this engine cannot stream tokens: a streamed choice is sent once it has finished")
-        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        created, object_name = int(time.time()), "chat.completion.chunk" if kind == "chat" else "text_completion"
-        tokenizer = self.served.tokenizer
+        envelope = self._envelope(kind, "chat.completion.chunk" if kind == "chat" else "text_completion")
 
         def event(choices: list[dict], **extra) -> str:
-            chunk = {"id": rid, "object": object_name, "created": created, "model": self.served.name,
-                     "choices": choices, **extra}
-            return f"data: {json.dumps(chunk)}\n\n"
+            return f"data: {json.dumps({**envelope, 'choices': choices, **extra})}\n\n"
 
         def piece(index: int, text: str, ids: list[int], lps: list[float], finish: str | None = None, **extra) -> str:
             body_part = {"delta": {"content": text} if text else {}} if kind == "chat" else {"text": text}
@@ -631,7 +616,7 @@ class _API:
 
         async def events():
             nonlocal abandoned
-            streams = [TextStream(tokenizer, body.stop) for _ in futures]
+            streams = [TextStream(self.served.tokenizer, body.stop) for _ in futures]
             usage = {"prompt_tokens": sum(len(ids) for ids, _ in rendered), "completion_tokens": 0}
             deadline = loop.time() + self.timeout_s
             try:
@@ -674,7 +659,7 @@ class _API:
                     yield event([], usage=usage)
                 yield "data: [DONE]\n\n"
             except APIError as err:
-                yield f"data: {json.dumps(error_body(err.message, type=err.type, param=err.param, code=err.code))}\n\n"
+                yield f"data: {json.dumps(err.body)}\n\n"
             except Exception as err:  # a bug here: end the stream in OpenAI's shape, not as a cut connection
                 log.exception("a streamed response failed")
                 yield f"data: {json.dumps(error_body(f'internal error: {err!r}', type='server_error'))}\n\n"
@@ -742,10 +727,10 @@ class TextStream:
             settled = len(self._text)  # a stop string not found before now can only end in the text added after
             pending = self._pending_text()
             text = self._text + pending
-            cut = _stop_at(text, self.stops, max(0, settled - longest)) if self.stops else -1
+            cut = _stop_at(text, self.stops, max(0, settled - longest))
             if cut >= 0:
                 self.stopped, self._text = True, text[:cut]
-        return self._release(self._text if self.stopped else self._safe(pending)), ids[:taken], logprobs[:taken]
+        return self.rest(self._text if self.stopped else self._safe(pending)), ids[:taken], logprobs[:taken]
 
     def _pending_text(self) -> str:
         """The text of the ids after `read` (moving the window on when it decodes cleanly)."""
@@ -758,16 +743,14 @@ class TextStream:
         self._prefix, self._read = self._read, len(self.ids)
         return ""
 
-    def rest(self, final_text: str) -> str:
-        return self._release(final_text)
-
     def _safe(self, pending: str) -> str:
         """The text so far (`pending`: the window's unsettled part) less what must be held back."""
         text = (self._text + pending).rstrip("\ufffd").rstrip()  # U+FFFD: the end of a multi-byte character is due
         hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
         return text[: len(text) - hold]
 
-    def _release(self, text: str) -> str:
+    def rest(self, text: str) -> str:
+        """What of `text` (the text so far, or the choice's final text) has not been sent yet; it now has."""
         if self._sent.startswith(text):  # nothing new (or more held back than before)
             return ""
         if not text.startswith(self._sent):

@@ -68,13 +68,6 @@ def episode_row(calls: list[CallRecord]) -> EpisodeRow | None:
     return row
 
 
-@dataclass
-class _Context:
-    kind: str  # "chat" or "completion": contexts are reused only by a call of the same kind
-    ids: list[int]
-    text: str
-
-
 class UnknownEpisodeError(KeyError):
     """A call names an episode that is not open."""
 
@@ -84,7 +77,7 @@ class EpisodeRecorder:
 
     def __init__(self):
         self._calls: dict[str, list[CallRecord]] = {}
-        self._contexts: dict[str, _Context] = {}
+        self._contexts: dict[str, tuple[str, list[int], str]] = {}  # (kind, ids, text) of the latest call
         self._lock = threading.Lock()
 
     def open(self, episode_id: str) -> None:
@@ -103,13 +96,14 @@ class EpisodeRecorder:
             if episode_id not in self._calls:
                 raise UnknownEpisodeError(episode_id)
             self._calls[episode_id].append(call)
-            self._contexts[episode_id] = _Context(kind, call.prompt_ids + call.response_ids, text)
+            self._contexts[episode_id] = (kind, call.prompt_ids + call.response_ids, text)
 
     def context(self, episode_id: str, kind: str) -> tuple[list[int], str] | None:
-        """(ids, text) of the episode's latest context, if its latest call was of `kind`."""
+        """(ids, text) of the episode's latest context, if its latest call was of `kind` ("chat" or "completion":
+        a context is reused only by a call of the same kind)."""
         with self._lock:
-            context = self._contexts.get(episode_id)
-            return (list(context.ids), context.text) if context is not None and context.kind == kind else None
+            latest_kind, ids, text = self._contexts.get(episode_id, (None, [], ""))
+            return (list(ids), text) if latest_kind == kind else None
 
     def close(self, episode_id: str) -> list[CallRecord]:
         """End the episode (later calls to it are refused) and return its calls in order."""
