@@ -189,7 +189,6 @@ class ProcessPool:
         self.max_workers = max_workers
         self.timeout_s = timeout_s
         self.kills = 0  # worker processes killed for running past the timeout
-        self.deaths = 0  # worker processes that died on their own
         self._fn_bytes = pickle.dumps(fn)
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
@@ -295,7 +294,6 @@ class ProcessPool:
         if kind == "timeout":
             self.kills += 1
         else:
-            self.deaths += 1
             position = int(worker.slot[0])
         self._workers[self._workers.index(worker)] = _Worker(self._fn_bytes, self.fn_name)
         if worker.chunk is None:  # died while idle

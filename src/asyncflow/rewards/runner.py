@@ -223,7 +223,6 @@ class RewardRunner:
             self.fn = CompositeReward(resolved)
             self.name = " + ".join(f"{w:g} * {display_name(spec)}" for spec, w in pairs)
         self.timeout_s = float(timeout_s)
-        self.max_workers = max_workers
         self.isolation = isolation
         self.last_failure: str | None = None  # the latest failing batch's first failure, in words
         self._warned: set[tuple[str, str]] = set()
