@@ -48,10 +48,7 @@ def validate_data_file(
 ) -> int:
     """Check every row of a data file without keeping it (as `load_examples` would, so a run can fail
     before loading a model); returns the number of rows. Raises `DatasetError` at the first bad row."""
-    count = 0
-    for _ in iter_examples(path, prompt_field, answer_field, split):
-        count += 1
-    return count
+    return sum(1 for _ in iter_examples(path, prompt_field, answer_field, split))
 
 
 def iter_examples(

@@ -15,7 +15,6 @@ data's fingerprint (count and sha256 of the examples), so a resume can tell that
 from __future__ import annotations
 
 import hashlib
-import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -46,9 +45,6 @@ class TrainSet:
                 digest.update(f"{len(example.prompt)}:{example.prompt}{len(example.answer)}:{example.answer}".encode())
             self._fingerprint = {"examples": len(self.examples), "sha256": digest.hexdigest()}
         return dict(self._fingerprint)
-
-    def sample(self, rng: random.Random) -> Example:
-        return self.examples[rng.randrange(len(self.examples))]
 
     def at(self, position: int) -> Example:
         """The example served at global position `position` (epochs reshuffled by seed)."""

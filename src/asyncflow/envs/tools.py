@@ -133,8 +133,7 @@ class ToolBox:
         except Exception as err:  # noqa: BLE001 -- any failure of a tool is an observation for the model
             message = str(err) if isinstance(err, (ToolLimitError, CalculatorError)) else f"{type(err).__name__}: {err}"
             return ToolResult(f"error: {message}"[: self.max_output_chars], error=True)
-        if not isinstance(text, str):
-            text = str(text)
+        text = str(text)
         if len(text) > self.max_output_chars:
             text = text[: self.max_output_chars] + "...[truncated]"
         return ToolResult(text)

@@ -56,10 +56,6 @@ class VerifiersMissing(EnvironmentSpecError):
     """`env.name: verifiers:...` without the `verifiers` extra installed."""
 
 
-def is_verifiers_env(name: str | None) -> bool:
-    return bool(name) and name.startswith(PREFIX)
-
-
 def require_verifiers(name: str = PREFIX + "...") -> Any:
     """The `verifiers` package, or a one-line `VerifiersMissing` naming the extra."""
     try:

@@ -1,7 +1,7 @@
 """PNG plots of logged metrics: one run's curves (`plot_metrics`) and several runs compared on one
 axis (`plot_curves`, e.g. sync vs stream vs async reward against samples or wall time).
 
-Owns: `plot_metrics`, `plot_curves`.
+Owns: `plot_metrics`, `plot_curves`, `save_png` (also the timeline's).
 Invariants:
 - matplotlib is imported on first plot, not at import time (it costs about a second).
 - Figures are built with `matplotlib.figure.Figure` and rendered by Agg: no pyplot global state,
@@ -54,7 +54,7 @@ def plot_metrics(
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("step")
-    return _save(figure, out_png)
+    return save_png(figure, out_png)
 
 
 def plot_curves(
@@ -82,7 +82,7 @@ def plot_curves(
     ax.set_title(title or f"{y_key} vs {x_key}")
     ax.grid(alpha=0.3)
     ax.legend()
-    return _save(figure, out_png)
+    return save_png(figure, out_png)
 
 
 def _points(rows: Sequence[Mapping[str, Any]], x_key: str, y_key: str) -> list[tuple[float, float]]:
@@ -95,8 +95,8 @@ def _points(rows: Sequence[Mapping[str, Any]], x_key: str, y_key: str) -> list[t
     return sorted(points)
 
 
-def _save(figure: Figure, out_png: str | Path) -> Path:
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out_png, dpi=110)
-    return out_png
+def save_png(figure: Figure, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    return path

@@ -33,6 +33,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncflow.observe.plots import save_png
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
@@ -221,7 +223,7 @@ class Timeline:
             figure = Figure(figsize=(10, 1.0 + 0.5 * max(len(workers), 1)), layout="constrained")
             ax = figure.subplots()
             ax.set_title(f"{title} (no spans recorded)")
-            return _save(figure, path)
+            return save_png(figure, path)
         run_start, run_end = _extent(spans)
         zoom_steps_found, zoom = self.zoom_window(zoom_steps)
         show_zoom = zoom[1] - zoom[0] < _ZOOM_AT_MOST * (run_end - run_start)
@@ -252,7 +254,7 @@ class Timeline:
         handles, labels = overview.get_legend_handles_labels()
         figure.legend(handles, labels, loc="outside right upper", fontsize="small", title="span (wait* = idle)",
                       title_fontsize="small")
-        return _save(figure, path)
+        return save_png(figure, path)
 
     def utilization(
         self, bins: int | None = None, window: tuple[float, float] | None = None,
@@ -265,10 +267,7 @@ class Timeline:
         spans = self._spans()
         if not spans:
             raise ValueError("utilization: no spans recorded")
-        window_start, window_end = _extent(spans) if window is None else window
-        if not window_end > window_start:
-            window = (window_start, window_end)
-            raise ValueError(f"utilization: window {window} has no length (end must be after start)")
+        window_start, window_end = _window(spans, window, "utilization")
         if bins is None:
             steps = len(self.step_windows())
             bins = min(100, max(10, steps // 2)) if steps else 100
@@ -293,7 +292,7 @@ class Timeline:
         if not run_end > run_start:
             figure = Figure(figsize=(10, 1.5), layout="constrained")
             figure.subplots().set_title(f"{title} (no spans with a length recorded)")
-            return _save(figure, path)
+            return save_png(figure, path)
         edges, busy = self.utilization(bins)
         idle = self.idle_fractions()
         figure = Figure(figsize=(13, 0.9 + 0.95 * len(busy)), layout="constrained")
@@ -313,7 +312,7 @@ class Timeline:
         axes[0].set_title(f"{title}: busy fraction per {edges[1] - edges[0]:.3g} s bin (busy = inside a span not named "
                           "wait*)", loc="left")
         axes[-1].set_xlabel("seconds since the first span")
-        return _save(figure, path)
+        return save_png(figure, path)
 
     def idle_fractions(self, window: tuple[float, float] | None = None) -> dict[str, float]:
         """Per worker with spans: 1 - (union of its non-wait spans inside the window) / window length.
@@ -321,10 +320,7 @@ class Timeline:
         spans = self._spans()
         if not spans:
             return {}
-        window_start, window_end = _extent(spans) if window is None else window
-        if not window_end > window_start:
-            window = (window_start, window_end)
-            raise ValueError(f"idle_fractions: window {window} has no length (end must be after start)")
+        window_start, window_end = _window(spans, window, "idle_fractions")
         fractions = {}
         for worker in dict.fromkeys(span["worker"] for span in spans):
             busy = sum(max(0.0, min(end, window_end) - max(start, window_start))
@@ -354,6 +350,14 @@ def _event(kind: str, worker: str, name: str, start_s: float, end_s: float, args
 
 def _extent(spans: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
     return min(span["start_s"] for span in spans), max(span["end_s"] for span in spans)
+
+
+def _window(spans: Sequence[Mapping[str, Any]], window: tuple[float, float] | None, what: str) -> tuple[float, float]:
+    """`window`, or the spans' extent when None; ValueError when it has no length."""
+    start, end = _extent(spans) if window is None else window
+    if not end > start:
+        raise ValueError(f"{what}: window {(start, end)} has no length (end must be after start)")
+    return start, end
 
 
 def _busy_intervals(spans: Sequence[Mapping[str, Any]], worker: str) -> list[tuple[float, float]]:
@@ -442,10 +446,3 @@ def _step_axis(ax: Axes, windows: Mapping[int, tuple[float, float]], origin: flo
     top.set_xticks([windows[number][1] - origin for number in ticks], labels=[str(number) for number in ticks])
     top.tick_params(labelsize="small")
     top.set_xlabel("step (where its last span ended)", fontsize="small")
-
-
-def _save(figure: Any, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    return path

@@ -61,11 +61,6 @@ class WandbWriter:
             options["dir"] = str(run_dir)
         self._run = wandb.init(**options)
 
-    @property
-    def run_path(self) -> Path:
-        """The W&B run's folder (e.g. RUN_DIR/wandb/offline-run-DATE-ID)."""
-        return Path(self._run.dir).parent
-
     def write(self, step: int, values: Mapping[str, float]) -> None:
         self._run.log(dict(values), step=step)
 
