@@ -70,8 +70,11 @@ class ReasoningGymScore:
         self.reward_name = f"{PREFIX}{name}"
         self.partial_credit = partial_credit
 
+    def dataset(self):
+        return _dataset(self.name, self.options_json)
+
     def __call__(self, completion: str, ground_truth: str, **metadata) -> float:
-        dataset = _dataset(self.name, self.options_json)
+        dataset = self.dataset()
         entry = dataset[metadata["reasoning_gym_index"]]
         if str(entry["answer"]) != ground_truth:
             raise ValueError(f"{self.reward_name}: the row's answer {ground_truth!r} is not its item's "
@@ -93,14 +96,13 @@ class ReasoningGymTask(Task):
 
     def __init__(self, name: str, options: dict[str, Any] | None = None, seed: int = 0, partial_credit: bool = True):
         self.name = f"{PREFIX}{name}"
-        self.dataset_name = name
         self.verifier = ReasoningGymScore(name, options, partial_credit)
-        _dataset(name, self.verifier.options_json)  # an unknown name or option fails here, not at the first sample
+        self.verifier.dataset()  # an unknown name or option fails here, not at the first sample
         super().__init__(seed=seed)
         digest = hashlib.blake2b(self.verifier.options_json.encode(), digest_size=4).hexdigest()
         self.label = f"{self.name}-{digest}-s{seed}"  # the split streams' seeds: distinct per options and seed
 
     def sample(self, rng: random.Random) -> tuple[str, str, dict[str, Any]]:
         index = rng.randrange(_INDEX_RANGE)
-        item = _dataset(self.dataset_name, self.verifier.options_json)[index]
+        item = self.verifier.dataset()[index]
         return item["question"], str(item["answer"]), {"reasoning_gym_index": index}

@@ -37,6 +37,7 @@ import functools
 import hashlib
 import itertools
 import json
+import operator
 import random
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -60,12 +61,7 @@ TASK_ALPHABET = "".join(sorted(set("0123456789+-*/=:,>()" + "".join(_KEYWORDS)))
 
 _EXPRESSION_CHARS = frozenset("0123456789+-*/() ")
 _MAX_EXPRESSION_CHARS = 200  # bounds parsing work (and nesting depth) on arbitrary completions
-_BINARY_OPERATORS = {
-    ast.Add: lambda a, b: a + b,
-    ast.Sub: lambda a, b: a - b,
-    ast.Mult: lambda a, b: a * b,
-    ast.Div: lambda a, b: a / b,
-}
+_BINARY_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
 
 def _bucket(prompt: str) -> int:

@@ -56,7 +56,7 @@ class VerifiersMissing(EnvironmentSpecError):
     """`env.name: verifiers:...` without the `verifiers` extra installed."""
 
 
-def require_verifiers(name: str = PREFIX + "...") -> Any:
+def require_verifiers(name: str) -> Any:
     """The `verifiers` package, or a one-line `VerifiersMissing` naming the extra."""
     try:
         import verifiers

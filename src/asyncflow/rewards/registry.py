@@ -92,9 +92,7 @@ def check_reward_specs(
     specs = list(specs)
     if not specs:
         raise RewardSpecError("no reward function given (reward.fns is empty)")
-    if weights is None:
-        weights = [1.0] * len(specs)
-    weights = list(weights)
+    weights = [1.0] * len(specs) if weights is None else list(weights)
     if len(weights) != len(specs):
         raise RewardSpecError(f"{len(weights)} reward weights for {len(specs)} reward functions")
     if isolation not in ("thread", "process"):

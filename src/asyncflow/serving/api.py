@@ -246,14 +246,10 @@ class BufferedBody:
             response = JSONResponse(err.body, err.status)
             response.headers["connection"] = "close"
             return await response(scope, receive, send)
-        replayed = False
+        first = [{"type": "http.request", "body": body, "more_body": False}]
 
         async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
+            return first.pop() if first else await receive()
 
         await self.app(scope, replay, send)
 
@@ -330,20 +326,7 @@ class _API:
             return rendered, self._params(body, body.max_tokens, [len(ids) for ids, _ in rendered], episode_id)
 
         rendered, params = await asyncio.to_thread(prepare)
-        if body.stream:
-            return self._stream(body, rendered, params, "completion", episode_id, logprobs=body.logprobs is not None)
-        results = await self._generate([ids for ids, _ in rendered], params, body.n)
-
-        def respond():
-            choices = []
-            for p, ((_ids, text), completions) in enumerate(zip(rendered, results)):
-                for c, completion in enumerate(completions):
-                    out = self._finish(completion, body.stop, episode_id, "completion", text)
-                    choices.append({"index": p * body.n + c, **out})
-            return self._respond(body, "text_completion", choices, kind="completion",
-                                 logprobs=body.logprobs is not None)
-
-        return await asyncio.to_thread(respond)
+        return await self._answer(body, rendered, params, "completion", episode_id, body.logprobs is not None)
 
     async def chat(self, body: ChatRequest, episode_id: str | None = None):
         self._check_model(body.model)
@@ -357,16 +340,22 @@ class _API:
             return ids, text, self._params(body, body.max_completion_tokens or body.max_tokens, [len(ids)], episode_id)
 
         ids, text, params = await asyncio.to_thread(prepare)
+        return await self._answer(body, [(ids, text)], params, "chat", episode_id, body.logprobs)
+
+    async def _answer(self, body: _Sampling, rendered: list[tuple[list[int], str]], params: SamplingParams, kind: str,
+                      episode_id: str | None, logprobs: bool):
+        """Generate `body.n` choices per rendered (ids, text) prompt: streamed, or as one response."""
         if body.stream:
-            return self._stream(body, [(ids, text)], params, "chat", episode_id, logprobs=body.logprobs)
-        [completions] = await self._generate([ids], params, body.n)
+            return self._stream(body, rendered, params, kind, episode_id, logprobs=logprobs)
+        results = await self._generate([ids for ids, _ in rendered], params, body.n)
 
         def respond():
             choices = []
-            for c, completion in enumerate(completions):
-                out = self._finish(completion, body.stop, episode_id, "chat", text)
-                choices.append({"index": c, **out})
-            return self._respond(body, "chat.completion", choices, kind="chat", logprobs=body.logprobs)
+            for p, ((_ids, text), completions) in enumerate(zip(rendered, results)):
+                for c, completion in enumerate(completions):
+                    out = self._finish(completion, body.stop, episode_id, kind, text)
+                    choices.append({"index": p * body.n + c, **out})
+            return self._respond(body, choices, kind=kind, logprobs=logprobs)
 
         return await asyncio.to_thread(respond)
 
@@ -568,7 +557,7 @@ class _API:
         return {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", "object": object_name,
                 "created": int(time.time()), "model": self.served.name}
 
-    def _respond(self, body: _Sampling, object_name: str, choices: list[dict], *, kind: str, logprobs: bool):
+    def _respond(self, body: _Sampling, choices: list[dict], *, kind: str, logprobs: bool):
         prompt_tokens = sum(len(c["prompt_token_ids"]) for c in choices[:: body.n])
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": sum(len(c["token_ids"]) for c in choices)}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
@@ -583,6 +572,7 @@ class _API:
             else:
                 choice["text"] = c["text"]
             out.append(choice)
+        object_name = "chat.completion" if kind == "chat" else "text_completion"
         return {**self._envelope(kind, object_name), "choices": out, "usage": usage}
 
     def _stream(self, body: _Sampling, rendered: list[tuple[list[int], str]], params: SamplingParams, kind: str,
