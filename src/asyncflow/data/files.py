@@ -63,17 +63,16 @@ def iter_examples(
         raise DatasetError(f"{path}: no such file or folder")
     if path.is_dir():
         rows = _hf_rows(path, split)
+    elif split is not None:
+        raise DatasetError(f"{path}: split={split!r} only applies to a saved HF dataset folder, not a file")
+    elif path.suffix == ".jsonl":
+        rows = _jsonl_rows(path)
+    elif path.suffix == ".parquet":
+        rows = _parquet_rows(path)
     else:
-        if split is not None:
-            raise DatasetError(f"{path}: split={split!r} only applies to a saved HF dataset folder, not a file")
-        if path.suffix == ".jsonl":
-            rows = _jsonl_rows(path)
-        elif path.suffix == ".parquet":
-            rows = _parquet_rows(path)
-        else:
-            raise DatasetError(
-                f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl, .parquet or a saved HF dataset folder"
-            )
+        raise DatasetError(
+            f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl, .parquet or a saved HF dataset folder"
+        )
     count = 0
     for row, where in rows:
         yield _to_example(row, where, prompt_field, answer_field)

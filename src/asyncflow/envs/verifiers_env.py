@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import importlib.util
 import json
@@ -116,28 +117,27 @@ def _load_file(name: str, path: Path, kwargs: dict):
     return load(**kwargs)
 
 
-class _own_signal_handlers:
+_SIGNAL_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _own_signal_handlers():
     """Keep the process's SIGINT / SIGTERM handlers across the library's `Environment.__init__` (which installs
     its own, and can only do so on the main thread: elsewhere its calls are skipped)."""
-
-    _lock = threading.Lock()
-
-    def __enter__(self):
-        self._main = threading.current_thread() is threading.main_thread()
-        if self._main:
-            self._saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-        else:
-            self._lock.acquire()
-            self._signal = signal.signal
-            signal.signal = lambda signum, handler: None  # off the main thread: nothing to install
-
-    def __exit__(self, *exc):
-        if self._main:
-            for s, handler in self._saved.items():
+    if threading.current_thread() is threading.main_thread():
+        saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in saved.items():
                 signal.signal(s, handler)
-        else:
-            signal.signal = self._signal
-            self._lock.release()
+        return
+    with _SIGNAL_LOCK:
+        install, signal.signal = signal.signal, lambda signum, handler: None  # off the main thread: nothing to install
+        try:
+            yield
+        finally:
+            signal.signal = install
 
 
 def absolute_env_name(name: str) -> str:

@@ -221,8 +221,7 @@ class ProcessPool:
                         worker.chunk = None
                         pending.extendleft(reversed(indices))
                         self._recover(worker, "died", rewards, failures, pending)
-            now = time.monotonic()
-            deadline = now + self.timeout_s
+            deadline = time.monotonic() + self.timeout_s
             for worker in self._workers:
                 if worker.chunk is not None:
                     deadline = min(deadline, worker.slot[1] + self.timeout_s)
