@@ -31,8 +31,7 @@ class ToolEnv:
         self.toolbox = toolbox
         self.verifier = verifier
         self.tools = tuple(toolbox.tools) if tools is None else tools
-        self.row: dict[str, Any] = {}
-        self.counts = dict.fromkeys(COUNTERS, 0)
+        self.reset({})
 
     def reset(self, row: dict[str, Any]) -> None:
         self.row = row

@@ -87,8 +87,7 @@ class Timeline:
         source = other_events.events if isinstance(other_events, Timeline) else other_events
         checked = []
         for index, raw in enumerate(source):
-            missing = [key for key in _REQUIRED_KEYS if key not in raw] if isinstance(raw, Mapping) else None
-            if missing is None or missing:
+            if not isinstance(raw, Mapping) or any(key not in raw for key in _REQUIRED_KEYS):
                 raise ValueError(f"timeline event {index} must be a dict with keys {_REQUIRED_KEYS}; got {raw!r}")
             try:
                 checked.append(_event(raw["kind"], raw["worker"], raw["name"], raw["start_s"], raw["end_s"],
