@@ -77,7 +77,7 @@ def preset_config(name: str, vocab_size: int, pad_id: int, bos_id: int, eos_id: 
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
     arch, hidden, layers, heads, kv_heads, inter, max_pos = PRESETS[name]
-    common = dict(
+    return {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch](
         vocab_size=vocab_size,
         hidden_size=hidden,
         num_hidden_layers=layers,
@@ -91,8 +91,6 @@ def preset_config(name: str, vocab_size: int, pad_id: int, bos_id: int, eos_id: 
         tie_word_embeddings=True,
         rope_theta=10_000.0,
     )
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
-    return cls(**common)
 
 
 def build_preset(name: str, out_dir: str | Path, *, seed: int = 0, alphabet: str = DEFAULT_ALPHABET) -> Path:

@@ -44,30 +44,20 @@ class TriLogProbs:
     old_values: torch.Tensor | None = None  # [N, L] no grad: the critic's values before this step's update
 
 
-def packing_token_saving(samples: list[TrainSample]) -> float:
-    """Fraction of the unpacked path's tokens (padding included) that packing does not run.
-
-    Raises `PackingError` when the samples cannot be packed (see `group_runs`).
-    """
-    runs = group_runs(samples)
-    packed = sum(len(s.response_ids) for s in samples) + sum(len(samples[start].prompt_ids) for start, _ in runs)
-    unpacked = len(samples) * max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    return 1.0 - packed / unpacked
-
-
 def should_pack(samples: list[TrainSample]) -> bool:
     """The packing rule of the module docstring; False for samples that cannot be packed."""
     try:
-        return packing_token_saving(samples) >= PACK_MIN_TOKEN_SAVING
+        runs = group_runs(samples)
     except PackingError:
         return False  # the unpacked path is always correct; packing="on" reports the reason
+    packed = sum(len(s.response_ids) for s in samples) + sum(len(samples[start].prompt_ids) for start, _ in runs)
+    unpacked = len(samples) * max(len(s.prompt_ids) + len(s.response_ids) for s in samples)  # padding included
+    return 1.0 - packed / unpacked >= PACK_MIN_TOKEN_SAVING
 
 
 def make_reference(policy: torch.nn.Module) -> torch.nn.Module:
     """A frozen deep copy of `policy` (eval mode, no parameter requires grad)."""
-    reference = copy.deepcopy(policy).eval()
-    reference.requires_grad_(False)
-    return reference
+    return copy.deepcopy(policy).eval().requires_grad_(False)
 
 
 def _logprobs_fn(samples: list[TrainSample], packing: Packing, device: torch.device):
@@ -93,11 +83,12 @@ def _critic_values(critic: torch.nn.Module, samples: list[TrainSample], current,
         hidden = current.hidden if critic.train_trunk else current.hidden.detach()
         return critic(hidden).masked_fill(~current.mask, 0.0)
     layout = getattr(logprobs_fn, "layout", None)
-    if layout is not None and next(critic.parameters()).device == layout.input_ids.device:
-        return packed_response_values(critic, layout)
-    if layout is not None:
-        return packed_response_values(critic, plan_shared_prompt(samples, next(critic.parameters()).device))
-    return response_values(critic, samples)
+    if layout is None:
+        return response_values(critic, samples)
+    device = next(critic.parameters()).device
+    if layout.input_ids.device != device:
+        layout = plan_shared_prompt(samples, device)
+    return packed_response_values(critic, layout)
 
 
 def tri_model_logprobs(
