@@ -204,24 +204,10 @@ class TorchTrainEngine(TrainEngineBase):
             ).policy.logprobs
 
     def optimizer_step(self, grad_scale: float = 1.0) -> dict[str, float]:
-        """Scale the accumulated gradients by `grad_scale` (the loss normaliser of the whole batch,
-        known only once every micro-batch has been seen), clip, step, and zero them."""
-        params, critic_params = critic_parameters(self.model)
-        if grad_scale != 1.0:
-            for p in params + critic_params:
-                if p.grad is not None:
-                    p.grad.mul_(grad_scale)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip))
-        extra = {}
-        if critic_params:  # clipped on its own: the value loss's scale does not shrink the policy's update
-            extra["value/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(critic_params, self.grad_clip))
-        skipped = self._nonfinite_in_step or not all(map(math.isfinite, [grad_norm, *extra.values()]))
-        if not skipped:
-            self.optimizer.step()
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        stats = clip_and_step(self.model, self.optimizer, self.scheduler, grad_scale, self.grad_clip,
+                              skip=self._nonfinite_in_step)
         self._nonfinite_in_step = False
-        return {"grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "skipped": float(skipped), **extra}
+        return stats
 
     @property
     def device(self) -> torch.device:
@@ -278,12 +264,11 @@ class TorchTrainEngine(TrainEngineBase):
         return state
 
     def load_training_state(self, state: dict) -> None:
-        if (self.adapted is None) != ("adapter" not in state):
-            raise ValueError("the checkpoint was written " + ("without" if self.adapted is not None else "with")
-                             + " LoRA (train.lora.rank) and cannot resume this run's engine")
-        if (self.critic is None) != ("critic" not in state):
-            raise ValueError("the checkpoint was written " + ("without" if self.critic is not None else "with")
-                             + " a critic (algo.advantage: gae) and cannot resume this run's engine")
+        for present, key, what in ((self.adapted is not None, "adapter", "LoRA (train.lora.rank)"),
+                                   (self.critic is not None, "critic", "a critic (algo.advantage: gae)")):
+            if present != (key in state):
+                raise ValueError(f"the checkpoint was written {'without' if present else 'with'} {what} "
+                                 "and cannot resume this run's engine")
         if self.critic is not None:
             self.critic.load_state_dict(state["critic"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -309,6 +294,30 @@ class TorchTrainEngine(TrainEngineBase):
                     f"LoRA checkpoint: the base model's {key} plus the saved adapter does not give the checkpoint's "
                     "weights; was model.path changed after the run started?"
                 )
+
+
+def clip_and_step(model: torch.nn.Module, optimizer, scheduler, grad_scale: float, grad_clip: float, *,
+                  skip: bool) -> dict[str, float]:
+    """Scale the accumulated gradients by `grad_scale` (the loss normaliser of the whole batch, known only once every
+    micro-batch has been seen), clip the policy's and the critic's each on its own (the value loss's scale does not
+    shrink the policy's update), step optimizer and schedule unless `skip` or a norm is not finite, zero them."""
+    params, critic_params = critic_parameters(model)
+    for p in params + critic_params:
+        if p.grad is not None:
+            p.grad.mul_(grad_scale)  # under FSDP2 a local op on this rank's shard
+
+    def clip(group: list[torch.nn.Parameter]) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(group, grad_clip)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: the global norm
+
+    grad_norm = clip(params)
+    extra = {"value/grad_norm": clip(critic_params)} if critic_params else {}
+    skipped = skip or not all(map(math.isfinite, [grad_norm, *extra.values()]))
+    if not skipped:
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0], "skipped": float(skipped), **extra}
 
 
 def optimizer_groups(model: torch.nn.Module, critic: CriticSpec | None) -> list[dict]:
