@@ -51,8 +51,7 @@ from asyncflow.engines.torch_train import (
     check_precision,
     clip_and_step,
     enable_activation_checkpointing,
-    lr_lambda,
-    optimizer_groups,
+    make_optimizer,
 )
 from asyncflow.models.loading import load_model
 from asyncflow.models.logprobs import TrainSample
@@ -129,16 +128,6 @@ class RankSpec:
     critic: CriticSpec | None = None  # PPO's value model, attached to the policy (`asyncflow.models.value`)
 
 
-def mixed_precision_options(precision: str) -> dict:
-    """`fully_shard` keyword arguments for `train.precision`: bf16 parameters in forward/backward, float32 gradient
-    reduction (the shards, and so AdamW's master weights, stay float32); none for fp32."""
-    if precision != "bf16":
-        return {}
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-
-
 def shard_model(model: torch.nn.Module, mesh, **options) -> torch.nn.Module:
     """FSDP2: one unit per decoder layer (the classes HF lists in `_no_split_modules`), the critic (when attached:
     it runs outside the policy's forward), then the root (embeddings, final norm, head). Returns the same module,
@@ -162,7 +151,7 @@ class RankTrainer:
     def __init__(self, rank: int, world: int, master_addr: str, master_port: int, spec: RankSpec):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
         self.rank, self.world, self.spec = rank, world, spec
         if spec.device == "cpu":
@@ -188,7 +177,9 @@ class RankTrainer:
             enable_activation_checkpointing(policy, spec.packing)
         if spec.critic is not None:
             attach_critic(policy, spec.critic)
-        precision = mixed_precision_options(spec.precision)
+        # bf16 parameters in forward/backward, float32 gradient reduction: the shards (AdamW's master weights) stay fp32
+        bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        precision = {"mp_policy": bf16} if spec.precision == "bf16" else {}
         self.model = shard_model(policy, self.mesh, **precision)
         for module in self.model.modules():  # the ranks' gradient sums add up; the driver normalises them
             if isinstance(module, FSDPModule):
@@ -198,11 +189,9 @@ class RankTrainer:
         self.reference = shard_model(reference, self.mesh, **precision) if reference is not None else None
         # The optimizer is built after sharding: over the DTensor shards (built before, it would not train).
         self.critic = critic_of(self.model)
-        self.optimizer = torch.optim.AdamW(
-            optimizer_groups(self.model, spec.critic), lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(spec.lr_schedule, spec.warmup_steps, spec.total_steps)
+        self.optimizer, self.scheduler = make_optimizer(
+            self.model, spec.critic, spec.lr, spec.betas, spec.weight_decay, spec.lr_schedule, spec.warmup_steps,
+            spec.total_steps,
         )
         self.nonfinite = False
         self._payloads: list[torch.Tensor] = []  # shared-memory payloads of `full_weights`, newest first

@@ -160,11 +160,8 @@ class TorchTrainEngine(TrainEngineBase):
         self.model.train()
         self.packing = packing
         self.grad_clip = grad_clip
-        self.optimizer = torch.optim.AdamW(
-            optimizer_groups(model, critic), lr=lr, betas=betas, weight_decay=weight_decay
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(lr_schedule, warmup_steps, total_steps)
+        self.optimizer, self.scheduler = make_optimizer(
+            model, critic, lr, betas, weight_decay, lr_schedule, warmup_steps, total_steps
         )
         self._nonfinite_in_step = False
 
@@ -320,13 +317,13 @@ def clip_and_step(model: torch.nn.Module, optimizer, scheduler, grad_scale: floa
     return {"grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0], "skipped": float(skipped), **extra}
 
 
-def optimizer_groups(model: torch.nn.Module, critic: CriticSpec | None) -> list[dict]:
-    """AdamW parameter groups: the policy's trainable parameters, then the critic's at `critic.lr`."""
+def make_optimizer(model: torch.nn.Module, critic: CriticSpec | None, lr: float, betas: tuple[float, float],
+                   weight_decay: float, lr_schedule: str, warmup_steps: int, total_steps: int):
+    """-> (AdamW, its LR schedule): over the policy's trainable parameters, then the critic's at `critic.lr`."""
     policy, critic_params = critic_parameters(model)
-    groups = [{"params": policy}]
-    if critic_params:
-        groups.append({"params": critic_params, "lr": critic.lr})
-    return groups
+    groups = [{"params": policy}] + ([{"params": critic_params, "lr": critic.lr}] if critic_params else [])
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(lr_schedule, warmup_steps, total_steps))
 
 
 def _adapted_names(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
