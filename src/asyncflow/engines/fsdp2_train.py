@@ -201,7 +201,7 @@ class RankTrainer:
         `samples` empty: a forward on a dummy row with zero weight, so the collectives stay in step."""
         rows = samples or [TrainSample([0], [0])]
         out = tri_model_logprobs(
-            self.model, rows, reference=self.reference, old_policy=None, packing=self.spec.packing,
+            self.model, rows, reference=self.reference, packing=self.spec.packing,
             temperature=temperature, with_entropy=True, critic=self.critic,
         )
         if not samples:
@@ -219,8 +219,8 @@ class RankTrainer:
     def logprobs(self, samples: list[TrainSample], temperature: float) -> torch.Tensor:
         """Policy log-probs `[n, L]` (float32, on CPU) of this rank's rows, without gradient; a rank with no rows runs
         the dummy row (every rank must join the forward's all-gathers) and returns `[0, 0]`."""
-        out = tri_model_logprobs(self.model, samples or [TrainSample([0], [0])], reference=None, old_policy=None,
-                                 packing=self.spec.packing, temperature=temperature)
+        out = tri_model_logprobs(self.model, samples or [TrainSample([0], [0])], packing=self.spec.packing,
+                                 temperature=temperature)
         return out.policy.logprobs.cpu() if samples else torch.zeros(0, 0)
 
     def step(self, grad_scale: float) -> dict[str, float]:

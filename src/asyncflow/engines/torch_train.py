@@ -88,15 +88,6 @@ def compute_precision(precision: str, device: torch.device) -> contextlib.Abstra
     return contextlib.nullcontext()
 
 
-def return_freed_memory() -> None:
-    """Give the C heap's free memory back to the OS (glibc's `malloc_trim`; nothing where there is none). Freed
-    CPU tensors otherwise stay resident, and what a run does next (plots: Python objects) does not reuse them."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def enable_activation_checkpointing(model: torch.nn.Module, packing: str) -> None:
     """Recompute every decoder layer's activations during the backward (Hugging Face gradient checkpointing,
     non-reentrant: frozen or adapter-only parameters and keyword inputs pass through). Same gradients, less memory
@@ -177,7 +168,6 @@ class TorchTrainEngine(TrainEngineBase):
                 self.model,
                 samples,
                 reference=self.reference,
-                old_policy=None,
                 packing=self.packing,
                 temperature=temperature,
                 with_entropy=True,
@@ -196,9 +186,8 @@ class TorchTrainEngine(TrainEngineBase):
     def logprobs(self, samples: list[TrainSample], *, temperature: float = 1.0) -> torch.Tensor:
         """Policy log-probs `[N, L]` without gradient (for a separate old-policy pass)."""
         with compute_precision(self.precision, self.device):
-            return tri_model_logprobs(
-                self.model, samples, reference=None, old_policy=None, packing=self.packing, temperature=temperature
-            ).policy.logprobs
+            out = tri_model_logprobs(self.model, samples, packing=self.packing, temperature=temperature)
+        return out.policy.logprobs
 
     def optimizer_step(self, grad_scale: float = 1.0) -> dict[str, float]:
         stats = clip_and_step(self.model, self.optimizer, self.scheduler, grad_scale, self.grad_clip,
@@ -216,7 +205,12 @@ class TorchTrainEngine(TrainEngineBase):
         self.optimizer.state.clear()
         self.model.zero_grad(set_to_none=True)
         self.reference = None
-        return_freed_memory()
+        # Give the C heap's free memory back to the OS (glibc's malloc_trim): freed CPU tensors otherwise stay
+        # resident, and what a run does next (plots: Python objects) does not reuse them.
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass  # no glibc
 
     def policy_module(self) -> torch.nn.Module:
         return self.model  # under LoRA the adapted model: its forward is the merged policy
