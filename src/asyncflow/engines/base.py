@@ -247,18 +247,17 @@ def register_train_engine(name: str):
     return decorator
 
 
-def _lookup(registry: dict, kind: str, name: str):
-    if ":" in name and name not in registry:  # a user adapter given as "package.module:factory"
+def _make(registry: dict, kind: str, protocol: type, base: type, name: str, kwargs: dict):
+    if name in registry:
+        factory = registry[name]
+    elif ":" in name:  # a user adapter given as "package.module:factory"
         import importlib
 
         module_name, _, attr = name.partition(":")
-        return getattr(importlib.import_module(module_name), attr)
-    if name not in registry:
+        factory = getattr(importlib.import_module(module_name), attr)
+    else:
         raise ValueError(f"unknown {kind} engine {name!r}; registered: {sorted(registry)} (or give 'module:factory')")
-    return registry[name]
-
-
-def _checked(engine, protocol: type, base: type, name: str):
+    engine = factory(**kwargs)
     if not isinstance(engine, protocol):
         members = set(protocol.__annotations__) | {n for n, v in vars(protocol).items()
                                                    if callable(v) and not n.startswith("_")}
@@ -269,10 +268,8 @@ def _checked(engine, protocol: type, base: type, name: str):
 
 
 def make_inference_engine(name: str, **kwargs) -> InferenceEngine:
-    engine = _lookup(INFERENCE_ENGINES, "inference", name)(**kwargs)
-    return _checked(engine, InferenceEngine, InferenceEngineBase, name)
+    return _make(INFERENCE_ENGINES, "inference", InferenceEngine, InferenceEngineBase, name, kwargs)
 
 
 def make_train_engine(name: str, **kwargs) -> TrainEngine:
-    engine = _lookup(TRAIN_ENGINES, "train", name)(**kwargs)
-    return _checked(engine, TrainEngine, TrainEngineBase, name)
+    return _make(TRAIN_ENGINES, "train", TrainEngine, TrainEngineBase, name, kwargs)

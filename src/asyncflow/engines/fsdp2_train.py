@@ -36,12 +36,10 @@ Invariants:
 
 from __future__ import annotations
 
-import logging
-import math
 import os
 import socket
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
@@ -49,9 +47,16 @@ from typing import Any, Protocol
 import torch
 
 from asyncflow.engines.base import RowLoss, TrainEngineBase, register_train_engine
-from asyncflow.engines.torch_train import check_precision, enable_activation_checkpointing, lr_lambda
+from asyncflow.engines.torch_train import (
+    check_precision,
+    clip_and_step,
+    enable_activation_checkpointing,
+    make_optimizer,
+)
+from asyncflow.models.loading import load_model
 from asyncflow.models.logprobs import TrainSample
-from asyncflow.models.value import CriticSpec
+from asyncflow.models.tri_model import make_reference, tri_model_logprobs
+from asyncflow.models.value import CriticSpec, attach_critic, critic_of, policy_weights
 from asyncflow.transfer.samplers import karmarkar_karp
 from asyncflow.weights.buckets import (
     DEFAULT_BUCKET_BYTES,
@@ -62,8 +67,6 @@ from asyncflow.weights.buckets import (
     plan_buckets,
     unpack,
 )
-
-log = logging.getLogger(__name__)
 
 
 class RankFailedError(ChildProcessError):
@@ -125,23 +128,11 @@ class RankSpec:
     critic: CriticSpec | None = None  # PPO's value model, attached to the policy (`asyncflow.models.value`)
 
 
-def mixed_precision_options(precision: str) -> dict:
-    """`fully_shard` keyword arguments for `train.precision`: bf16 parameters in forward/backward, float32 gradient
-    reduction (the shards, and so AdamW's master weights, stay float32); none for fp32."""
-    if precision != "bf16":
-        return {}
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-
-
 def shard_model(model: torch.nn.Module, mesh, **options) -> torch.nn.Module:
     """FSDP2: one unit per decoder layer (the classes HF lists in `_no_split_modules`), the critic (when attached:
     it runs outside the policy's forward), then the root (embeddings, final norm, head). Returns the same module,
     now sharded."""
     from torch.distributed.fsdp import fully_shard
-
-    from asyncflow.models.value import critic_of
 
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     for module in model.modules():
@@ -160,12 +151,7 @@ class RankTrainer:
     def __init__(self, rank: int, world: int, master_addr: str, master_port: int, spec: RankSpec):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import FSDPModule
-
-        from asyncflow.engines.torch_train import optimizer_groups
-        from asyncflow.models.loading import load_model
-        from asyncflow.models.tri_model import make_reference
-        from asyncflow.models.value import attach_critic, critic_of
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
         self.rank, self.world, self.spec = rank, world, spec
         if spec.device == "cpu":
@@ -191,7 +177,9 @@ class RankTrainer:
             enable_activation_checkpointing(policy, spec.packing)
         if spec.critic is not None:
             attach_critic(policy, spec.critic)
-        precision = mixed_precision_options(spec.precision)
+        # bf16 parameters in forward/backward, float32 gradient reduction: the shards (AdamW's master weights) stay fp32
+        bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        precision = {"mp_policy": bf16} if spec.precision == "bf16" else {}
         self.model = shard_model(policy, self.mesh, **precision)
         for module in self.model.modules():  # the ranks' gradient sums add up; the driver normalises them
             if isinstance(module, FSDPModule):
@@ -201,11 +189,9 @@ class RankTrainer:
         self.reference = shard_model(reference, self.mesh, **precision) if reference is not None else None
         # The optimizer is built after sharding: over the DTensor shards (built before, it would not train).
         self.critic = critic_of(self.model)
-        self.optimizer = torch.optim.AdamW(
-            optimizer_groups(self.model, spec.critic), lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(spec.lr_schedule, spec.warmup_steps, spec.total_steps)
+        self.optimizer, self.scheduler = make_optimizer(
+            self.model, spec.critic, spec.lr, spec.betas, spec.weight_decay, spec.lr_schedule, spec.warmup_steps,
+            spec.total_steps,
         )
         self.nonfinite = False
         self._payloads: list[torch.Tensor] = []  # shared-memory payloads of `full_weights`, newest first
@@ -213,11 +199,9 @@ class RankTrainer:
     def backward(self, samples: list[TrainSample], loss_fn: RowLoss | None, temperature: float) -> dict[str, float]:
         """Forward + backward this rank's rows; -> the loss function's stats plus `loss` (sums over these rows).
         `samples` empty: a forward on a dummy row with zero weight, so the collectives stay in step."""
-        from asyncflow.models.tri_model import tri_model_logprobs
-
         rows = samples or [TrainSample([0], [0])]
         out = tri_model_logprobs(
-            self.model, rows, reference=self.reference, old_policy=None, packing=self.spec.packing,
+            self.model, rows, reference=self.reference, packing=self.spec.packing,
             temperature=temperature, with_entropy=True, critic=self.critic,
         )
         if not samples:
@@ -235,46 +219,26 @@ class RankTrainer:
     def logprobs(self, samples: list[TrainSample], temperature: float) -> torch.Tensor:
         """Policy log-probs `[n, L]` (float32, on CPU) of this rank's rows, without gradient; a rank with no rows runs
         the dummy row (every rank must join the forward's all-gathers) and returns `[0, 0]`."""
-        from asyncflow.models.tri_model import tri_model_logprobs
-
-        out = tri_model_logprobs(self.model, samples or [TrainSample([0], [0])], reference=None, old_policy=None,
-                                 packing=self.spec.packing, temperature=temperature)
+        out = tri_model_logprobs(self.model, samples or [TrainSample([0], [0])], packing=self.spec.packing,
+                                 temperature=temperature)
         return out.policy.logprobs.cpu() if samples else torch.zeros(0, 0)
 
     def step(self, grad_scale: float) -> dict[str, float]:
         """Scale the summed gradient shards, clip by the global norm, step (all ranks skip together)."""
         import torch.distributed as dist
 
-        from asyncflow.models.value import critic_parameters
-
-        params, critic_params = critic_parameters(self.model)
-        for p in params + critic_params:
-            if p.grad is not None:
-                p.grad.mul_(grad_scale)  # a local op on this rank's shard
-
-        def clip(group: list[torch.nn.Parameter]) -> float:
-            norm = torch.nn.utils.clip_grad_norm_(group, self.spec.grad_clip)
-            return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-
-        grad_norm = clip(params)
-        extra = {"value/grad_norm": clip(critic_params)} if critic_params else {}  # each clipped on its own
         flag = torch.tensor([1.0 if self.nonfinite else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        skipped = bool(flag.item()) or not all(map(math.isfinite, [grad_norm, *extra.values()]))
-        if not skipped:
-            self.optimizer.step()
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        stats = clip_and_step(self.model, self.optimizer, self.scheduler, grad_scale, self.spec.grad_clip,
+                              skip=bool(flag.item()))
         self.nonfinite = False
-        return {"grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "skipped": float(skipped), **extra}
+        return stats
 
     def full_weights(self, share: bool = False) -> tuple[Manifest, torch.Tensor] | None:
         """Gather the full state dict to rank 0 and pack it into one payload of buckets; -> (manifest, payload)
         on rank 0, None elsewhere. `share`: two payloads in shared memory are reused in turn, so the driver reads
         version v without a copy while version v + 1 is written into the other one."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        from asyncflow.models.value import policy_weights
 
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
@@ -412,15 +376,9 @@ class FSDP2TrainEngine(TrainEngineBase):
         device = next(self.model.parameters()).device if self.model is not None else torch.device("cpu")
         self.model = None  # the ranks hold the policy; the driver keeps no reference to its copy
         threads = self.threads_per_rank or max(1, torch.get_num_threads() // self.world_size)
-        spec = RankSpec(
-            model_path=str(self.model_path), dtype=self.dtype, device=device.type, lr=self.lr,
-            weight_decay=self.weight_decay, betas=tuple(self.betas), grad_clip=self.grad_clip,
-            lr_schedule=self.lr_schedule, warmup_steps=self.warmup_steps, total_steps=self.total_steps,
-            use_reference=self.use_reference, packing=self.packing, threads=threads, timeout_s=self.timeout_s,
-            bucket_bytes=self.bucket_bytes, precision=self.precision,
-            activation_checkpointing=self.activation_checkpointing, teacher_path=self.teacher_path,
-            critic=self.critic,
-        )
+        shared = {f.name: getattr(self, f.name) for f in fields(RankSpec) if f.name != "threads"}  # same names
+        spec = RankSpec(**{**shared, "model_path": str(self.model_path), "device": device.type,
+                           "betas": tuple(self.betas), "threads": threads})
         if self.launcher is None:
             raise ValueError("train.engine=fsdp2 needs a launcher for its ranks (a runtime's: "
                              "asyncflow.runtime.inline.ProcessRanks or the Ray runtime's)")

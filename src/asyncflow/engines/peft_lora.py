@@ -51,10 +51,9 @@ def add_adapters(model: torch.nn.Module, settings: LoRASettings):
     try:
         with warnings.catch_warnings():  # peft asks transformers 5 about gradient checkpointing the old way
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-            wrapper = get_peft_model(model, settings.peft_config())
+            return get_peft_model(model, settings.peft_config())
     except ValueError as err:
         raise ValueError(f"train.lora.target_modules={settings.target_modules!r}: {err}") from None
-    return wrapper
 
 
 def lora_layers(model: torch.nn.Module) -> dict[str, LoraLayer]:
@@ -66,14 +65,8 @@ def lora_layers(model: torch.nn.Module) -> dict[str, LoraLayer]:
 def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The weights of the adapted `model` as one plain model of its architecture: for every LoRA layer
     `weight = base_weight + alpha/r * B @ A`; every other tensor as it is. Keys as before `add_adapters`."""
-    layers = lora_layers(model)
-    merged: dict[str, torch.Tensor] = {}
-    for key, value in model.state_dict().items():
-        if ".lora_" in key:
-            continue
-        key = key.replace(".base_layer.", ".")
-        merged[key] = value.detach()
-    for name, layer in layers.items():
+    merged = {k.replace(".base_layer.", "."): v.detach() for k, v in model.state_dict().items() if ".lora_" not in k}
+    for name, layer in lora_layers(model).items():
         weight = layer.get_base_layer().weight
         merged[f"{name}.weight"] = weight + layer.get_delta_weight(ADAPTER).to(weight.dtype)
     return merged

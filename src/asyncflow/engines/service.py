@@ -96,10 +96,6 @@ class EngineService:
         return self._thread.is_alive() and not self._closed and self._error is None
 
     @property
-    def weight_version(self) -> int:
-        return self.engine.weight_version
-
-    @property
     def streams_tokens(self) -> bool:
         """Whether `on_tokens` sees tokens as they are sampled (else all of them when the completion is done)."""
         return self.engine.streams_tokens

@@ -107,10 +107,8 @@ class SlotKVCache(Cache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if layer_idx == len(self.keys):
-            self.keys.append(key_states.new_zeros(self.rows, key_states.shape[1], self.capacity, key_states.shape[3]))
-            self.values.append(
-                value_states.new_zeros(self.rows, value_states.shape[1], self.capacity, value_states.shape[3])
-            )
+            for tensors, states in ((self.keys, key_states), (self.values, value_states)):
+                tensors.append(states.new_zeros(self.rows, states.shape[1], self.capacity, states.shape[3]))
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         if self._positions is None:  # fresh prompts have no past: they attend to their own keys only
             end, q = self._start + key_states.shape[0], key_states.shape[2]
@@ -146,6 +144,14 @@ def check_sampling_params(params: SamplingParams) -> None:
         raise ValueError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
     if params.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+
+
+def check_prompt(request: GenerationRequest, vocab_size: int) -> None:
+    ids = request.prompt_ids
+    if not ids:
+        raise ValueError(f"request {request.request_id!r} has an empty prompt")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise ValueError(f"request {request.request_id!r} has token ids outside [0, {vocab_size})")
 
 
 def sample_tokens(
@@ -326,11 +332,7 @@ class TorchInferenceEngine(InferenceEngineBase):
         return new, False
 
     def _checked(self, request: GenerationRequest, params: SamplingParams) -> _Slot:
-        ids = request.prompt_ids
-        if not ids:
-            raise ValueError(f"request {request.request_id!r} has an empty prompt")
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise ValueError(f"request {request.request_id!r} has token ids outside [0, {self.vocab_size})")
+        check_prompt(request, self.vocab_size)
         if request.params is not None:
             check_sampling_params(request.params)
         return _Slot(request, request.params or params)
@@ -360,56 +362,44 @@ class TorchInferenceEngine(InferenceEngineBase):
     # leak inference mode into the consumer's code (e.g. a trainer working between completions).
     @torch.inference_mode()
     def _prefill(self, cache: SlotKVCache, start: int, new: list[_Slot]) -> None:
-        """Run fresh prompts (right-padded to q) into cache rows `start ..`; sample their first token."""
-        lengths = [len(s.request.prompt_ids) for s in new]
-        q = max(lengths)
-        input_ids = torch.zeros(len(new), q, dtype=torch.long)
-        for row, s in enumerate(new):
-            input_ids[row, : lengths[row]] = torch.tensor(s.request.prompt_ids)
-        cache.reserve(q + max(s.params.max_new_tokens for s in new))
-        cache.prefill_rows(start)
-        causal = torch.ones(q, q, dtype=torch.bool, device=self.device).tril()
-        last = torch.tensor(lengths, device=self.device)[:, None] - 1  # [m, 1] each prompt's last position
-
-        def forward(logits_to_keep):
-            return self.model(
-                input_ids=input_ids.to(self.device),
-                position_ids=torch.arange(q, device=self.device)[None],
-                attention_mask=self._additive(causal[None, None]),
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=logits_to_keep,
-            ).logits
-
-        logits = forward(last) if self._per_row_logits else None
+        """Run fresh prompts into cache rows `start ..`; sample their first token."""
+        prompts = [s.request.prompt_ids for s in new]
+        cache.reserve(max(map(len, prompts)) + max(s.params.max_new_tokens for s in new))
+        last = torch.tensor([len(ids) - 1 for ids in prompts], device=self.device)[:, None]  # [m, 1]
+        logits = self._forward_rows(cache, start, prompts, last) if self._per_row_logits else None
         if logits is not None and logits.ndim == 3 and logits.shape[:2] == (len(new), 1):
             logits = logits[:, -1]
         else:
             # transformers releases without per-row `logits_to_keep` positions: project every prompt position
             # (the prefill is re-run; it writes the same keys/values to the same cache rows).
             self._per_row_logits = False
-            logits = forward(0)[torch.arange(len(new), device=self.device), last[:, 0]]
+            rows = torch.arange(len(new), device=self.device)
+            logits = self._forward_rows(cache, start, prompts, 0)[rows, last[:, 0]]
         self._append(new, logits)
 
     @torch.inference_mode()
     def _recompute(self, cache: SlotKVCache, slots: list[_Slot]) -> None:
         """Rewrite the keys/values of the in-flight slots (rows 0..n-1: prompt and every sampled token but the
         last, which the next decode step feeds) under the current weights. Nothing is sampled."""
-        sequences = [s.request.prompt_ids + s.response_ids[:-1] for s in slots]
-        q = max(len(ids) for ids in sequences)
-        input_ids = torch.zeros(len(slots), q, dtype=torch.long)
+        self._forward_rows(cache, 0, [s.request.prompt_ids + s.response_ids[:-1] for s in slots], 1)
+
+    def _forward_rows(self, cache: SlotKVCache, start: int, sequences: list[list[int]], logits_to_keep) -> torch.Tensor:
+        """Run `sequences` (right-padded to q, causal: a real token never sees the padding after it) into cache rows
+        `start ..` from position 0; -> the logits `logits_to_keep` selects."""
+        q = max(map(len, sequences))
+        input_ids = torch.zeros(len(sequences), q, dtype=torch.long)
         for row, ids in enumerate(sequences):
             input_ids[row, : len(ids)] = torch.tensor(ids)
-        cache.prefill_rows(0)
+        cache.prefill_rows(start)
         causal = torch.ones(q, q, dtype=torch.bool, device=self.device).tril()
-        self.model(
+        return self.model(
             input_ids=input_ids.to(self.device),
             position_ids=torch.arange(q, device=self.device)[None],
             attention_mask=self._additive(causal[None, None]),
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=1,
-        )
+            logits_to_keep=logits_to_keep,
+        ).logits
 
     @torch.inference_mode()
     def _decode(self, cache: SlotKVCache, slots: list[_Slot]) -> None:

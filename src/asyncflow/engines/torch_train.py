@@ -88,15 +88,6 @@ def compute_precision(precision: str, device: torch.device) -> contextlib.Abstra
     return contextlib.nullcontext()
 
 
-def return_freed_memory() -> None:
-    """Give the C heap's free memory back to the OS (glibc's `malloc_trim`; nothing where there is none). Freed
-    CPU tensors otherwise stay resident, and what a run does next (plots: Python objects) does not reuse them."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def enable_activation_checkpointing(model: torch.nn.Module, packing: str) -> None:
     """Recompute every decoder layer's activations during the backward (Hugging Face gradient checkpointing,
     non-reentrant: frozen or adapter-only parameters and keyword inputs pass through). Same gradients, less memory
@@ -160,11 +151,8 @@ class TorchTrainEngine(TrainEngineBase):
         self.model.train()
         self.packing = packing
         self.grad_clip = grad_clip
-        self.optimizer = torch.optim.AdamW(
-            optimizer_groups(model, critic), lr=lr, betas=betas, weight_decay=weight_decay
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(lr_schedule, warmup_steps, total_steps)
+        self.optimizer, self.scheduler = make_optimizer(
+            model, critic, lr, betas, weight_decay, lr_schedule, warmup_steps, total_steps
         )
         self._nonfinite_in_step = False
 
@@ -180,7 +168,6 @@ class TorchTrainEngine(TrainEngineBase):
                 self.model,
                 samples,
                 reference=self.reference,
-                old_policy=None,
                 packing=self.packing,
                 temperature=temperature,
                 with_entropy=True,
@@ -199,29 +186,14 @@ class TorchTrainEngine(TrainEngineBase):
     def logprobs(self, samples: list[TrainSample], *, temperature: float = 1.0) -> torch.Tensor:
         """Policy log-probs `[N, L]` without gradient (for a separate old-policy pass)."""
         with compute_precision(self.precision, self.device):
-            return tri_model_logprobs(
-                self.model, samples, reference=None, old_policy=None, packing=self.packing, temperature=temperature
-            ).policy.logprobs
+            out = tri_model_logprobs(self.model, samples, packing=self.packing, temperature=temperature)
+        return out.policy.logprobs
 
     def optimizer_step(self, grad_scale: float = 1.0) -> dict[str, float]:
-        """Scale the accumulated gradients by `grad_scale` (the loss normaliser of the whole batch,
-        known only once every micro-batch has been seen), clip, step, and zero them."""
-        params, critic_params = critic_parameters(self.model)
-        if grad_scale != 1.0:
-            for p in params + critic_params:
-                if p.grad is not None:
-                    p.grad.mul_(grad_scale)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip))
-        extra = {}
-        if critic_params:  # clipped on its own: the value loss's scale does not shrink the policy's update
-            extra["value/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(critic_params, self.grad_clip))
-        skipped = self._nonfinite_in_step or not all(map(math.isfinite, [grad_norm, *extra.values()]))
-        if not skipped:
-            self.optimizer.step()
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        stats = clip_and_step(self.model, self.optimizer, self.scheduler, grad_scale, self.grad_clip,
+                              skip=self._nonfinite_in_step)
         self._nonfinite_in_step = False
-        return {"grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "skipped": float(skipped), **extra}
+        return stats
 
     @property
     def device(self) -> torch.device:
@@ -233,7 +205,12 @@ class TorchTrainEngine(TrainEngineBase):
         self.optimizer.state.clear()
         self.model.zero_grad(set_to_none=True)
         self.reference = None
-        return_freed_memory()
+        # Give the C heap's free memory back to the OS (glibc's malloc_trim): freed CPU tensors otherwise stay
+        # resident, and what a run does next (plots: Python objects) does not reuse them.
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass  # no glibc
 
     def policy_module(self) -> torch.nn.Module:
         return self.model  # under LoRA the adapted model: its forward is the merged policy
@@ -278,12 +255,11 @@ class TorchTrainEngine(TrainEngineBase):
         return state
 
     def load_training_state(self, state: dict) -> None:
-        if (self.adapted is None) != ("adapter" not in state):
-            raise ValueError("the checkpoint was written " + ("without" if self.adapted is not None else "with")
-                             + " LoRA (train.lora.rank) and cannot resume this run's engine")
-        if (self.critic is None) != ("critic" not in state):
-            raise ValueError("the checkpoint was written " + ("without" if self.critic is not None else "with")
-                             + " a critic (algo.advantage: gae) and cannot resume this run's engine")
+        for present, key, what in ((self.adapted is not None, "adapter", "LoRA (train.lora.rank)"),
+                                   (self.critic is not None, "critic", "a critic (algo.advantage: gae)")):
+            if present != (key in state):
+                raise ValueError(f"the checkpoint was written {'without' if present else 'with'} {what} "
+                                 "and cannot resume this run's engine")
         if self.critic is not None:
             self.critic.load_state_dict(state["critic"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -311,13 +287,37 @@ class TorchTrainEngine(TrainEngineBase):
                 )
 
 
-def optimizer_groups(model: torch.nn.Module, critic: CriticSpec | None) -> list[dict]:
-    """AdamW parameter groups: the policy's trainable parameters, then the critic's at `critic.lr`."""
+def clip_and_step(model: torch.nn.Module, optimizer, scheduler, grad_scale: float, grad_clip: float, *,
+                  skip: bool) -> dict[str, float]:
+    """Scale the accumulated gradients by `grad_scale` (the loss normaliser of the whole batch, known only once every
+    micro-batch has been seen), clip the policy's and the critic's each on its own (the value loss's scale does not
+    shrink the policy's update), step optimizer and schedule unless `skip` or a norm is not finite, zero them."""
+    params, critic_params = critic_parameters(model)
+    for p in params + critic_params:
+        if p.grad is not None:
+            p.grad.mul_(grad_scale)  # under FSDP2 a local op on this rank's shard
+
+    def clip(group: list[torch.nn.Parameter]) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(group, grad_clip)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: the global norm
+
+    grad_norm = clip(params)
+    extra = {"value/grad_norm": clip(critic_params)} if critic_params else {}
+    skipped = skip or not all(map(math.isfinite, [grad_norm, *extra.values()]))
+    if not skipped:
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0], "skipped": float(skipped), **extra}
+
+
+def make_optimizer(model: torch.nn.Module, critic: CriticSpec | None, lr: float, betas: tuple[float, float],
+                   weight_decay: float, lr_schedule: str, warmup_steps: int, total_steps: int):
+    """-> (AdamW, its LR schedule): over the policy's trainable parameters, then the critic's at `critic.lr`."""
     policy, critic_params = critic_parameters(model)
-    groups = [{"params": policy}]
-    if critic_params:
-        groups.append({"params": critic_params, "lr": critic.lr})
-    return groups
+    groups = [{"params": policy}] + ([{"params": critic_params, "lr": critic.lr}] if critic_params else [])
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(lr_schedule, warmup_steps, total_steps))
 
 
 def _adapted_names(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -72,7 +72,7 @@ from asyncflow.engines.base import (
     SamplingParams,
     register_inference_engine,
 )
-from asyncflow.engines.torch_inference import check_sampling_params
+from asyncflow.engines.torch_inference import check_prompt, check_sampling_params
 from asyncflow.models.loading import ModelLoadError, resolve_model_path
 from asyncflow.weights.base import WeightSyncError
 from asyncflow.weights.buckets import DEFAULT_BUCKET_BYTES, Manifest, allocate_payload, bucket_views, pack, plan_buckets
@@ -300,15 +300,11 @@ class VLLMInferenceEngine(InferenceEngineBase):
         return converted
 
     def _checked(self, request: GenerationRequest) -> None:
-        ids = request.prompt_ids
-        if not ids:
-            raise ValueError(f"request {request.request_id!r} has an empty prompt")
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise ValueError(f"request {request.request_id!r} has token ids outside [0, {self.vocab_size})")
-        if len(ids) >= self.max_model_len:
+        check_prompt(request, self.vocab_size)
+        if len(request.prompt_ids) >= self.max_model_len:
             raise ValueError(
-                f"request {request.request_id!r}: prompt of {len(ids)} tokens does not fit vLLM's max_model_len "
-                f"{self.max_model_len}"
+                f"request {request.request_id!r}: prompt of {len(request.prompt_ids)} tokens does not fit vLLM's "
+                f"max_model_len {self.max_model_len}"
             )
 
     # ---------------------------------------------------------------- generation
@@ -361,11 +357,9 @@ class VLLMInferenceEngine(InferenceEngineBase):
 
     def _submit(self, request: GenerationRequest, params: SamplingParams, finished: queue.Queue) -> str:
         self._checked(request)
-        own = getattr(request, "params", None)  # a per-request override, where GenerationRequest has one
-        on_tokens = getattr(request, "on_tokens", None)
-        sampling = self.vllm_sampling_params(own if own is not None else params, streamed=on_tokens is not None)
+        sampling = self.vllm_sampling_params(request.params or params, streamed=request.on_tokens is not None)
         key = f"{self._id_prefix}{next(self._ids)}"
-        self._loop.submit(self._run_one(key, request.prompt_ids, sampling, finished, on_tokens))
+        self._loop.submit(self._run_one(key, request.prompt_ids, sampling, finished, request.on_tokens))
         return key
 
     async def _run_one(self, key: str, prompt_ids: list[int], sampling, finished: queue.Queue, on_tokens) -> None:

@@ -38,12 +38,7 @@ class WeightSyncExtension:
 
         with safe_open(path, framework="pt") as f:
             names = list(f.keys())
-
-            def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-                for name in names:
-                    yield name, f.get_tensor(name)
-
-            self.reload_weights(weights_iterator=tensors())
+            self.reload_weights(weights_iterator=((name, f.get_tensor(name)) for name in names))
         return len(names)
 
     def asyncflow_join_weight_group(self, host: str, port: int, world_size: int, timeout_s: float) -> int:

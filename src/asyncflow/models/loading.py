@@ -26,15 +26,12 @@ class ModelLoadError(ValueError):
     """A model reference that cannot be resolved or loaded."""
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("ASYNCFLOW_CACHE", Path.home() / ".cache" / "asyncflow"))
-
-
 def resolve_model_path(ref: str, *, seed: int = 0, cache_dir: str | Path | None = None) -> Path:
     """Turn `preset:NAME` or a local folder into a local HF folder, checking it exists."""
     if ref.startswith(PRESET_PREFIX):
         name = ref[len(PRESET_PREFIX) :]
-        return build_preset(name, Path(cache_dir or default_cache_dir()) / "presets" / f"{name}-seed{seed}", seed=seed)
+        cache = Path(cache_dir or os.environ.get("ASYNCFLOW_CACHE", Path.home() / ".cache" / "asyncflow"))
+        return build_preset(name, cache / "presets" / f"{name}-seed{seed}", seed=seed)
     path = Path(ref).expanduser()
     if not path.is_dir():
         raise ModelLoadError(

@@ -76,15 +76,28 @@ def lm_head_input(model: torch.nn.Module, enabled: bool = True):
         handle.remove()
 
 
-def padded_rows(samples: list[TrainSample], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded prompt + response ids `[N, T]` and their attention mask `[N, T]` (1 on real tokens)."""
+def padded_rows(samples: list[TrainSample], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded prompt + response ids `[N, T]`, their attention mask `[N, T]` (1 on real tokens), the trained
+    response tokens `[N, L]` (`response_mask`) and the position predicting each response token `[N, L]`: response
+    token j of sample i sits at position P_i + j and is predicted by position P_i + j - 1 (clamped below T)."""
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     input_ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
     attention = torch.zeros_like(input_ids)
     for i, seq in enumerate(seqs):
         input_ids[i, : len(seq)] = torch.tensor(seq)
         attention[i, : len(seq)] = 1
-    return input_ids.to(device), attention.to(device)
+    mask = response_mask(samples, device)
+    prompt_lens = torch.tensor([len(s.prompt_ids) for s in samples], device=device)
+    positions = prompt_lens[:, None] - 1 + torch.arange(mask.shape[1], device=device)[None, :]
+    return input_ids.to(device), attention.to(device), mask, positions.clamp(max=input_ids.shape[1] - 1)
+
+
+def masked_logprobs(logits, targets, mask, temperature: float, with_entropy: bool, hidden=None) -> LogProbs:
+    """`LogProbs` of `targets [N, L]` under `logits [N, L, V]`, 0 where `mask [N, L]` is false."""
+    logprobs, entropy = gather_token_logprobs(logits, targets, temperature, with_entropy)
+    if entropy is not None:
+        entropy = entropy.masked_fill(~mask, 0.0)
+    return LogProbs(logprobs.masked_fill(~mask, 0.0), mask, entropy, hidden)
 
 
 def response_logprobs(
@@ -102,14 +115,7 @@ def response_logprobs(
     """
     if not samples:
         raise ValueError("response_logprobs needs at least one sample")
-    device = next(model.parameters()).device
-    input_ids, attention = padded_rows(samples, device)
-    T = input_ids.shape[1]
-    mask = response_mask(samples, device)
-    L = mask.shape[1]
-    # Response token j of sample i sits at position P_i + j and is predicted by position P_i + j - 1.
-    prompt_lens = torch.tensor([len(s.prompt_ids) for s in samples], device=device)
-    positions = (prompt_lens[:, None] - 1 + torch.arange(L, device=device)[None, :]).clamp(max=T - 1)
+    input_ids, attention, mask, positions = padded_rows(samples, next(model.parameters()).device)
     with lm_head_input(model, with_hidden) as captured:
         logits = model(input_ids=input_ids, attention_mask=attention).logits  # [N, T, V]
     hidden = None
@@ -117,9 +123,5 @@ def response_logprobs(
         h = captured["hidden"]
         hidden = h.gather(1, positions.unsqueeze(-1).expand(-1, -1, h.shape[-1]))  # [N, L, H]
     picked = logits.gather(1, positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [N, L, V]
-    targets = input_ids.gather(1, (positions + 1).clamp(max=T - 1))
-    logprobs, entropy = gather_token_logprobs(picked, targets, temperature, with_entropy)
-    logprobs = logprobs.masked_fill(~mask, 0.0)
-    if entropy is not None:
-        entropy = entropy.masked_fill(~mask, 0.0)
-    return LogProbs(logprobs, mask, entropy, hidden)
+    targets = input_ids.gather(1, (positions + 1).clamp(max=input_ids.shape[1] - 1))
+    return masked_logprobs(picked, targets, mask, temperature, with_entropy, hidden)

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from asyncflow.models.logprobs import LogProbs, TrainSample, gather_token_logprobs, lm_head_input
+from asyncflow.models.logprobs import LogProbs, TrainSample, lm_head_input, masked_logprobs
 from asyncflow.models.logprobs import response_mask as trained_token_mask
 
 try:  # CUDA-only varlen kernel; absent on CPU machines.
@@ -108,10 +108,6 @@ class SharedPromptLayout:
     cu_seqlens_k: torch.Tensor  # [segments + 1] int32
     max_seqlen_q: int
     max_seqlen_k: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.shape[1]
 
 
 def plan_shared_prompt(samples: list[TrainSample], device: torch.device | str = "cpu") -> SharedPromptLayout:
@@ -232,8 +228,9 @@ def shared_prompt_attention(
     if layout is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if query.shape[0] != 1 or query.shape[2] != layout.num_tokens:
-        raise RuntimeError(f"packed attention expects one row of {layout.num_tokens} tokens, got {tuple(query.shape)}")
+    if query.shape[0] != 1 or query.shape[2] != layout.input_ids.shape[1]:
+        raise RuntimeError(f"packed attention expects one row of {layout.input_ids.shape[1]} tokens, "
+                           f"got {tuple(query.shape)}")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
     if flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         keys = layout.varlen_key_index
@@ -277,10 +274,6 @@ def _attention_implementation(model: torch.nn.Module, name: str):
         model.set_attn_implementation(previous)
 
 
-def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
-
-
 def packed_response_logprobs(
     model: torch.nn.Module,
     samples: list[TrainSample],
@@ -302,7 +295,7 @@ def packed_response_logprobs(
     elif layout.input_ids.device != device or layout.targets.shape[0] != len(samples):
         raise ValueError("layout was planned for other samples or another device than the model's")
     n, length = layout.targets.shape
-    keep = _accepts_logits_to_keep(model)
+    keep = "logits_to_keep" in inspect.signature(model.forward).parameters
     with _attention_implementation(model, ATTENTION_NAME), lm_head_input(model, with_hidden) as captured:
         if keep:
             logits = model(
@@ -319,8 +312,4 @@ def packed_response_logprobs(
     if with_hidden:
         h = captured["hidden"]
         hidden = h.view(n, length, -1) if keep else h[0, layout.predictor_index]  # [N, L, H]
-    logprobs, entropy = gather_token_logprobs(logits, layout.targets, temperature, with_entropy)
-    logprobs = logprobs.masked_fill(~layout.mask, 0.0)
-    if entropy is not None:
-        entropy = entropy.masked_fill(~layout.mask, 0.0)
-    return LogProbs(logprobs, layout.mask, entropy, hidden)
+    return masked_logprobs(logits, layout.targets, layout.mask, temperature, with_entropy, hidden)

@@ -77,7 +77,7 @@ def preset_config(name: str, vocab_size: int, pad_id: int, bos_id: int, eos_id: 
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
     arch, hidden, layers, heads, kv_heads, inter, max_pos = PRESETS[name]
-    common = dict(
+    return {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch](
         vocab_size=vocab_size,
         hidden_size=hidden,
         num_hidden_layers=layers,
@@ -91,21 +91,19 @@ def preset_config(name: str, vocab_size: int, pad_id: int, bos_id: int, eos_id: 
         tie_word_embeddings=True,
         rope_theta=10_000.0,
     )
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
-    return cls(**common)
 
 
-def build_preset(name: str, out_dir: str | Path, *, seed: int = 0, alphabet: str = DEFAULT_ALPHABET) -> Path:
+def build_preset(name: str, out_dir: str | Path, *, seed: int = 0) -> Path:
     """Create preset `name` with random weights and save model + tokenizer to `out_dir`.
 
     Returns `out_dir`. Existing folders with a matching `asyncflow_preset.json` stamp are reused.
     """
     out = Path(out_dir)
-    stamp = {"preset": name, "seed": seed, "alphabet": alphabet}
+    stamp = {"preset": name, "seed": seed, "alphabet": DEFAULT_ALPHABET}
     stamp_file = out / "asyncflow_preset.json"
     if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp:
         return out
-    tokenizer = build_char_tokenizer(alphabet, PRESET_EXTRA_TOKENS.get(name, ()))
+    tokenizer = build_char_tokenizer(extra_tokens=PRESET_EXTRA_TOKENS.get(name, ()))
     config = preset_config(name, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

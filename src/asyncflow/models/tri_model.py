@@ -44,60 +44,34 @@ class TriLogProbs:
     old_values: torch.Tensor | None = None  # [N, L] no grad: the critic's values before this step's update
 
 
-def packing_token_saving(samples: list[TrainSample]) -> float:
-    """Fraction of the unpacked path's tokens (padding included) that packing does not run.
-
-    Raises `PackingError` when the samples cannot be packed (see `group_runs`).
-    """
-    runs = group_runs(samples)
-    packed = sum(len(s.response_ids) for s in samples) + sum(len(samples[start].prompt_ids) for start, _ in runs)
-    unpacked = len(samples) * max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    return 1.0 - packed / unpacked
-
-
 def should_pack(samples: list[TrainSample]) -> bool:
     """The packing rule of the module docstring; False for samples that cannot be packed."""
     try:
-        return packing_token_saving(samples) >= PACK_MIN_TOKEN_SAVING
+        runs = group_runs(samples)
     except PackingError:
         return False  # the unpacked path is always correct; packing="on" reports the reason
+    packed = sum(len(s.response_ids) for s in samples) + sum(len(samples[start].prompt_ids) for start, _ in runs)
+    unpacked = len(samples) * max(len(s.prompt_ids) + len(s.response_ids) for s in samples)  # padding included
+    return 1.0 - packed / unpacked >= PACK_MIN_TOKEN_SAVING
 
 
 def make_reference(policy: torch.nn.Module) -> torch.nn.Module:
     """A frozen deep copy of `policy` (eval mode, no parameter requires grad)."""
-    reference = copy.deepcopy(policy).eval()
-    reference.requires_grad_(False)
-    return reference
+    return copy.deepcopy(policy).eval().requires_grad_(False)
 
 
-def _logprobs_fn(samples: list[TrainSample], packing: Packing, device: torch.device):
-    """(log-prob function for this micro-batch, packed?); packed ones share one plan (for models on `device`)."""
-    if packing not in ("auto", "on", "off"):
-        raise ValueError(f"packing must be 'auto', 'on' or 'off', got {packing!r}")
-    if packing == "on" or (packing == "auto" and should_pack(samples)):
-        layout = plan_shared_prompt(samples, device)
-
-        def packed(model, samples, **kwargs):
-            same_device = next(model.parameters()).device == device
-            return packed_response_logprobs(model, samples, layout=layout if same_device else None, **kwargs)
-
-        packed.layout = layout  # a separate critic runs on the same plan
-        return packed, True
-    return response_logprobs, False
-
-
-def _critic_values(critic: torch.nn.Module, samples: list[TrainSample], current, logprobs_fn) -> torch.Tensor:
+def _critic_values(critic: torch.nn.Module, samples: list[TrainSample], current, layout) -> torch.Tensor:
     """Values `[N, L]` of `critic`: a `ValueHead` reads the policy forward's hidden states (`current.hidden`), a
     `ValueModel` runs its own forward on the same layout (packed or not) as the policy."""
     if isinstance(critic, ValueHead):
         hidden = current.hidden if critic.train_trunk else current.hidden.detach()
         return critic(hidden).masked_fill(~current.mask, 0.0)
-    layout = getattr(logprobs_fn, "layout", None)
-    if layout is not None and next(critic.parameters()).device == layout.input_ids.device:
-        return packed_response_values(critic, layout)
-    if layout is not None:
-        return packed_response_values(critic, plan_shared_prompt(samples, next(critic.parameters()).device))
-    return response_values(critic, samples)
+    if layout is None:
+        return response_values(critic, samples)
+    device = next(critic.parameters()).device
+    if layout.input_ids.device != device:
+        layout = plan_shared_prompt(samples, device)
+    return packed_response_values(critic, layout)
 
 
 def tri_model_logprobs(
@@ -117,18 +91,23 @@ def tri_model_logprobs(
     (`asyncflow.models.value`: a head on the policy's trunk or a separate model) adds its values with grad and,
     detached, as the old values (the engines take one update per step: the critic before it is the critic now).
     """
+    if packing not in ("auto", "on", "off"):
+        raise ValueError(f"packing must be 'auto', 'on' or 'off', got {packing!r}")
     device = next(policy.parameters()).device
-    logprobs_fn, packed = _logprobs_fn(samples, packing, device)
+    packed = packing == "on" or (packing == "auto" and should_pack(samples))
+    layout = plan_shared_prompt(samples, device) if packed else None  # one plan for every model on `device`
+
+    def logprobs(model: torch.nn.Module, **kwargs) -> LogProbs:
+        if layout is None:
+            return response_logprobs(model, samples, temperature=temperature, **kwargs)
+        own_plan = layout if next(model.parameters()).device == device else None
+        return packed_response_logprobs(model, samples, temperature=temperature, layout=own_plan, **kwargs)
+
     with torch.no_grad():
-        ref = None
-        if reference is not None:
-            ref = logprobs_fn(reference, samples, temperature=temperature).logprobs.to(device)
-        old = None
-        if old_policy is not None and old_policy is not policy:
-            old = logprobs_fn(old_policy, samples, temperature=temperature).logprobs.to(device)
-    with_hidden = isinstance(critic, ValueHead)
-    current = logprobs_fn(policy, samples, temperature=temperature, with_entropy=with_entropy, with_hidden=with_hidden)
-    values = None if critic is None else _critic_values(critic, samples, current, logprobs_fn).to(device)
+        ref = None if reference is None else logprobs(reference).logprobs.to(device)
+        old = None if old_policy is None or old_policy is policy else logprobs(old_policy).logprobs.to(device)
+    current = logprobs(policy, with_entropy=with_entropy, with_hidden=isinstance(critic, ValueHead))
+    values = None if critic is None else _critic_values(critic, samples, current, layout).to(device)
     return TriLogProbs(policy=current, old=current.logprobs.detach() if old is None else old, ref=ref, packed=packed,
                        values=values, old_values=None if values is None else values.detach())
 

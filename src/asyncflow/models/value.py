@@ -23,7 +23,7 @@ from typing import Literal
 
 import torch
 
-from asyncflow.models.logprobs import TrainSample, padded_rows, response_mask
+from asyncflow.models.logprobs import TrainSample, padded_rows
 from asyncflow.models.packing import ATTENTION_NAME, SharedPromptLayout, _attention_implementation
 
 CRITIC = "critic"  # the critic's submodule name on the policy module (its state-dict prefix is "critic.")
@@ -72,19 +72,18 @@ class ValueModel(torch.nn.Module):
 
 def attach_critic(policy: torch.nn.Module, spec: CriticSpec) -> torch.nn.Module:
     """Add the critic of `spec` to `policy` as its submodule `CRITIC` (trainable); returns the critic."""
+    weight = next(policy.parameters())
     if spec.kind == "head":
-        critic = ValueHead(policy.config.hidden_size, next(policy.parameters()).dtype, spec.train_trunk)
+        critic = ValueHead(policy.config.hidden_size, weight.dtype, spec.train_trunk)
     elif spec.kind == "separate":
         from asyncflow.models.loading import load_model
 
         if spec.path is None:
             raise ValueError("a separate critic needs a model path")
-        device = next(policy.parameters()).device
-        critic = ValueModel(load_model(spec.path, dtype=spec.dtype, device=str(device)))
+        critic = ValueModel(load_model(spec.path, dtype=spec.dtype, device=str(weight.device)))
     else:
         raise ValueError(f"unknown critic kind {spec.kind!r}; expected 'head' or 'separate'")
-    critic.to(next(policy.parameters()).device).train()
-    critic.requires_grad_(True)
+    critic.to(weight.device).train().requires_grad_(True)
     policy.add_module(CRITIC, critic)
     return critic
 
@@ -114,12 +113,7 @@ def critic_parameters(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter],
 
 def response_values(critic: ValueModel, samples: list[TrainSample]) -> torch.Tensor:
     """Values `[N, L]` of a separate critic on right-padded prompt + response rows (the unpacked path)."""
-    device = next(critic.parameters()).device
-    input_ids, attention = padded_rows(samples, device)
-    T = input_ids.shape[1]
-    mask = response_mask(samples, device)
-    prompt_lens = torch.tensor([len(s.prompt_ids) for s in samples], device=device)
-    positions = (prompt_lens[:, None] - 1 + torch.arange(mask.shape[1], device=device)[None, :]).clamp(max=T - 1)
+    input_ids, attention, mask, positions = padded_rows(samples, next(critic.parameters()).device)
     values = critic(input_ids, attention_mask=attention)  # [N, T]
     return values.gather(1, positions).masked_fill(~mask, 0.0)
 
