@@ -275,6 +275,11 @@ def test_make_task_errors_and_metadata():
     example = make_task("sort", difficulty=2, seed=5).examples("test", 1)[0]
     assert example.metadata == {"task": "sort", "difficulty": 2, "split": "test"}
     assert example.source == "sort-d2-s5/test[0]"
+    train = make_task("sort", difficulty=2, seed=5).examples("train", 3)
+    assert [e.metadata for e in train] == [{"task": "sort", "difficulty": 2, "split": "train"}] * 3
+    assert train[0].metadata is train[2].metadata  # one dict for a split's examples, not one per example
+    countdown = make_task("countdown", seed=2).examples("train", 2)
+    assert countdown[0].metadata["solution"] != countdown[1].metadata["solution"]  # fields of their own: own dicts
 
 
 def test_task_pickles_for_remote_workers():

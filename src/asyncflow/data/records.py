@@ -6,6 +6,7 @@ Invariants:
   ground truth handed to a reward verifier, never shown to the policy.
 - `source` says where the example came from ("train.jsonl:12", "data.parquet[3]",
   "arithmetic-d2-s0/test[5]") so that an error about an example can point at its origin.
+- `metadata` is read, never changed in place (examples may share one dict): copy it to add fields.
 """
 
 from __future__ import annotations
