@@ -339,32 +339,29 @@ class RayRuntime:
                         return
                     try:
                         self._recover(name, err)
-                    except Exception as recovery_error:  # noqa: BLE001 - e.g. the queue's node is gone too
+                    except Exception as recovery_error:  # noqa: BLE001 - no restart, or e.g. the queue's node is gone
                         self.error = recovery_error
                         return
                 except BaseException as err:  # noqa: BLE001 - re-raised in the driver by check()
                     self.error = err
                     return
-            if self.error is not None:
-                return
 
     def _node(self, name: str) -> Node | str:
         return self.nodes.get(name, "an unknown node")
 
     def _recover(self, name: str, err: BaseException) -> None:
-        """`name` died: release the rows it held, wait until Ray has restarted it, and run its loop again."""
+        """`name` died: release the rows it held, wait until Ray has restarted it, and run its loop again. Raises
+        (the run's error, see `_supervise`) when it cannot be restarted."""
         self.restarts += 1
         if self.weight_sync == "torch_distributed":
-            self.error = RuntimeError(
+            raise RuntimeError(
                 f"rollout replica {name} on {self._node(name)} died ({_first_line(err)}); "
                 "runtime.weight_sync=torch_distributed cannot take a restarted replica back into its process group: "
                 "use shared_memory (one machine) or ray to survive restarts"
             )
-            return
         if self.restarts > self.config.runtime.max_restarts:
-            self.error = RuntimeError(f"rollout replicas died {self.restarts} times (runtime.max_restarts); last: "
-                                      f"{name} on {self._node(name)}: {_first_line(err)}")
-            return
+            raise RuntimeError(f"rollout replicas died {self.restarts} times (runtime.max_restarts); last: "
+                               f"{name} on {self._node(name)}: {_first_line(err)}")
         released = self.queue.release(ROLLOUT_TASK, name, RESPONSE_COLUMNS)
         count = sum(len(rows) for rows in released.values())
         log.warning("rollout replica %s on %s died (%s); %d rows it held are released; restarting it", name,
@@ -377,13 +374,11 @@ class RayRuntime:
                 break
             except (RayActorError, GetTimeoutError) as retry_err:
                 if time.monotonic() >= deadline or self._stop.is_set():
-                    self.error = RuntimeError(
+                    raise RuntimeError(
                         f"rollout replica {name!r} (on {self._node(name)}) did not come back "
                         f"within {self.start_timeout:.0f} s (runtime.start_timeout_s): no live node has room for it "
                         "(runtime.rollout_cpus, rollout_gpus, rollout_resources); resume with --resume once it has"
-                    )
-                    self.error.__cause__ = retry_err
-                    return
+                    ) from retry_err
                 time.sleep(0.2)
         with self._lock:
             self.calls[name] = self.actors[name].run.remote(*self._loop_args[name])
