@@ -90,9 +90,9 @@ class StepAccumulator:
     sequences: int = 0
     stats: dict[str, float] = field(default_factory=dict)
 
-    def add(self, stats: dict[str, float], weight: float) -> None:
+    def add(self, stats: dict[str, float]) -> None:
         for k, v in stats.items():
-            self.stats[k] = self.stats.get(k, 0.0) + v * weight
+            self.stats[k] = self.stats.get(k, 0.0) + v
 
 
 def distilled_advantages(
@@ -342,11 +342,9 @@ class PolicyTrainer:
         loss_fn = PolicyLoss(advantages, rollout_logprobs, stale, current, [len(r.response_ids) for r in batch], algo,
                              rewards)
         stats = self.engine.backward_micro_batch(samples, loss_fn, temperature=self.temperature)
-        n_tokens = sum(len(r.response_ids) if r.loss_mask is None else sum(r.loss_mask) for r in batch)
-        self.acc.tokens += n_tokens
+        self.acc.tokens += sum(len(r.response_ids) if r.loss_mask is None else sum(r.loss_mask) for r in batch)
         self.acc.sequences += len(batch)
-        self.acc.add({k: v for k, v in stats.items() if k != "loss"}, 1.0)
-        self.acc.add({"loss": stats["loss"]}, 1.0)
+        self.acc.add(stats)
 
     def finish_step(self) -> dict[str, float]:
         """Apply the batch normaliser, take one optimizer step, and report per-token averages."""
