@@ -493,15 +493,11 @@ class RayRanks:
         pending = list(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.05)
-            failed = []
-            for ref in ready:
-                try:
-                    ray.get(ref, timeout=timeout)
-                except (RayActorError, RayTaskError) as err:
-                    failed.append((refs.index(ref), err))
+            failed = [(refs.index(ref), err) for ref, err in self._failures(ready, timeout)]
             if failed:  # a dead rank is the cause of its peers' failed collectives: name it first
                 time.sleep(1.0)
-                failed.extend((refs.index(ref), err) for ref, err in self._failures(pending))
+                late, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+                failed += [(refs.index(ref), err) for ref, err in self._failures(late, 1.0)]
                 rank, err = min(failed, key=lambda f: (not isinstance(f[1], RayActorError), f[0]))
                 reason = "died" if isinstance(err, RayActorError) else "failed"
                 detail = (str(err.cause if isinstance(err, RayTaskError) else err).strip().splitlines() or [""])[-1]
@@ -518,12 +514,12 @@ class RayRanks:
         return ray.get(refs, timeout=timeout)
 
     @staticmethod
-    def _failures(pending: list) -> list:
-        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+    def _failures(ready: list, timeout: float) -> list:
+        """(ref, error) of each finished call in `ready` whose rank died or raised."""
         out = []
         for ref in ready:
             try:
-                ray.get(ref, timeout=1.0)
+                ray.get(ref, timeout=timeout)
             except (RayActorError, RayTaskError) as err:
                 out.append((ref, err))
         return out

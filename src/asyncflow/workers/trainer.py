@@ -115,14 +115,13 @@ def distilled_advantages(
 @dataclass
 class PolicyLoss:
     """`rl_objective` of one micro-batch as a picklable `RowLoss` (an engine on several ranks ships each rank
-    the `select` of its rows). advantages, rollout_logprobs [N, L] (right-padded), stale [N] bool,
-    lengths [N] response lengths; moved to the log-probs' device when called."""
+    the `select` of its rows); the tensors are right-padded and moved to the log-probs' device when called."""
 
     advantages: torch.Tensor  # [N, L]
     rollout_logprobs: torch.Tensor  # [N, L]
     stale: torch.Tensor | None  # [N, L] bool: tokens whose PPO old log-prob is their sampling log-prob
     current: torch.Tensor  # [N, L] bool: tokens sampled by the weights the trainer holds
-    lengths: list[int]
+    lengths: list[int]  # [N] response lengths
     algo: AlgoConfig
     rewards: torch.Tensor | None = None  # [N] with a critic (`algo.advantage: gae`): GAE is computed here
 
