@@ -41,7 +41,6 @@ class InlineRuntime:
     def __init__(self, config, spec: RolloutSpec, scorer: RewardWorker):
         self.config = config
         self.spec = spec
-        self.scorer = scorer
         self.local_rollout = build_rollout_worker(spec, scorer)
         self.thread: BackgroundThread | None = None
         self.receiver = None
@@ -217,12 +216,10 @@ class ProcessRanks:
                 pass
         for process in self.processes:
             process.join(timeout=5.0)
-            if process.is_alive():
-                process.terminate()
-                process.join(timeout=5.0)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5.0)
+            for stop in (process.terminate, process.kill):
+                if process.is_alive():
+                    stop()
+                    process.join(timeout=5.0)
         for conn in self.conns:
             conn.close()
         self.conns, self.processes = [], []

@@ -60,30 +60,45 @@ START_ATTEMPTS = 2
 START_RETRY_PAUSE_S = 2.0
 
 
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
 def start_ray(*, address: str | None, num_cpus: int | None) -> None:
     """`ray.init`, tried `START_ATTEMPTS` times (a local cluster's start-up can time out on a loaded machine);
     then `RayStartError` with a one-line message naming the address. `address=None` always starts a new local
     cluster (Ray alone would join one that `ray start` left on this machine, even a dead one)."""
-    attempts = START_ATTEMPTS
-    for attempt in range(1, attempts + 1):
+    for attempt in range(1, START_ATTEMPTS + 1):
         try:
             ray.init(address=address or "local", num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
             return
         except Exception as err:  # noqa: BLE001 - ray.init raises plain Exception too (a node's start-up timeout)
-            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            log.warning("Ray did not start (attempt %d of %d): %s", attempt, attempts, reason)
+            reason = _first_line(err)
+            log.warning("Ray did not start (attempt %d of %d): %s", attempt, START_ATTEMPTS, reason)
             log.debug("ray.init failed", exc_info=True)
             try:
                 ray.shutdown()  # leaves no half-started local cluster behind
             except Exception:  # noqa: BLE001 - best effort before the retry or the error
                 log.debug("ray.shutdown after a failed start", exc_info=True)
-            if attempt == attempts:
+            if attempt == START_ATTEMPTS:
                 where = f"join the Ray cluster at runtime.address={address}" if address else "start a local Ray cluster"
                 raise RayStartError(
-                    f"could not {where} ({attempts} attempts): {reason}; check free memory and /tmp/ray for a local "
-                    "cluster, that the head node is up for an address, or run without Ray (runtime.kind=inline)"
+                    f"could not {where} ({START_ATTEMPTS} attempts): {reason}; check free memory and /tmp/ray for a "
+                    "local cluster, that the head node is up for an address, or run without Ray (runtime.kind=inline)"
                 ) from err
             time.sleep(START_RETRY_PAUSE_S)
+
+
+def start_ray_unless_running(rt) -> bool:
+    """`start_ray` with the `runtime` config's address unless Ray runs already; True when it started it."""
+    if ray.is_initialized():
+        return False
+    if rt.address is None:
+        # Ray starts worker processes at nice 15, below the driver and everything else on the host;
+        # rollout replicas are on the critical path, so a local cluster runs them at normal priority.
+        os.environ.setdefault("RAY_worker_niceness", "0")
+    start_ray(address=rt.address, num_cpus=rt.num_cpus if rt.address is None else None)
+    return True
 
 
 @contextlib.contextmanager
@@ -175,10 +190,6 @@ class RolloutFailedError(ChildProcessError):
     command line reports it in one line)."""
 
 
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
-
-
 def _keep_taking(receiver, period_s: float = 0.05) -> None:
     """After this replica's last partition: keep taking part in a collective transport's publishes (versions the
     trainer publishes before it learns rollout is done) until the publisher closes or the actor is stopped."""
@@ -215,13 +226,7 @@ class RayRuntime:
         self.weight_sync = rt.weight_sync
         if self.weight_sync == "inprocess":
             raise ValueError("runtime.weight_sync=inprocess needs runtime.kind=inline: Ray actors are other processes")
-        self.started_ray = not ray.is_initialized()
-        if self.started_ray:
-            if rt.address is None:
-                # Ray starts worker processes at nice 15, below the driver and everything else on the host;
-                # rollout replicas are on the critical path, so a local cluster runs them at normal priority.
-                os.environ.setdefault("RAY_worker_niceness", "0")
-            start_ray(address=rt.address, num_cpus=rt.num_cpus if rt.address is None else None)
+        self.started_ray = start_ray_unless_running(rt)
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(max(1, int(rt.trainer_cpus)))
         self.trainer_cores: CoreLending | None = None
@@ -334,33 +339,33 @@ class RayRuntime:
                         return
                     try:
                         self._recover(name, err)
-                    except Exception as recovery_error:  # noqa: BLE001 - e.g. the queue's node is gone too
+                    except Exception as recovery_error:  # noqa: BLE001 - no restart, or e.g. the queue's node is gone
                         self.error = recovery_error
                         return
                 except BaseException as err:  # noqa: BLE001 - re-raised in the driver by check()
                     self.error = err
                     return
-            if self.error is not None:
-                return
+
+    def _node(self, name: str) -> Node | str:
+        return self.nodes.get(name, "an unknown node")
 
     def _recover(self, name: str, err: BaseException) -> None:
-        """`name` died: release the rows it held, wait until Ray has restarted it, and run its loop again."""
+        """`name` died: release the rows it held, wait until Ray has restarted it, and run its loop again. Raises
+        (the run's error, see `_supervise`) when it cannot be restarted."""
         self.restarts += 1
         if self.weight_sync == "torch_distributed":
-            self.error = RuntimeError(
-                f"rollout replica {name} on {self.nodes.get(name, 'an unknown node')} died ({_first_line(err)}); "
+            raise RuntimeError(
+                f"rollout replica {name} on {self._node(name)} died ({_first_line(err)}); "
                 "runtime.weight_sync=torch_distributed cannot take a restarted replica back into its process group: "
                 "use shared_memory (one machine) or ray to survive restarts"
             )
-            return
         if self.restarts > self.config.runtime.max_restarts:
-            self.error = RuntimeError(f"rollout replicas died {self.restarts} times (runtime.max_restarts); last: "
-                                      f"{name} on {self.nodes.get(name, 'an unknown node')}: {_first_line(err)}")
-            return
+            raise RuntimeError(f"rollout replicas died {self.restarts} times (runtime.max_restarts); last: "
+                               f"{name} on {self._node(name)}: {_first_line(err)}")
         released = self.queue.release(ROLLOUT_TASK, name, RESPONSE_COLUMNS)
         count = sum(len(rows) for rows in released.values())
         log.warning("rollout replica %s on %s died (%s); %d rows it held are released; restarting it", name,
-                    self.nodes.get(name, "an unknown node"), type(err).__name__, count)
+                    self._node(name), type(err).__name__, count)
         self.timeline.instant(name, "restart", released=count)
         deadline = time.monotonic() + self.start_timeout
         while True:  # calls fail fast with ActorUnavailableError while Ray restarts the process
@@ -369,13 +374,11 @@ class RayRuntime:
                 break
             except (RayActorError, GetTimeoutError) as retry_err:
                 if time.monotonic() >= deadline or self._stop.is_set():
-                    self.error = RuntimeError(
-                        f"rollout replica {name!r} (on {self.nodes.get(name, 'an unknown node')}) did not come back "
+                    raise RuntimeError(
+                        f"rollout replica {name!r} (on {self._node(name)}) did not come back "
                         f"within {self.start_timeout:.0f} s (runtime.start_timeout_s): no live node has room for it "
                         "(runtime.rollout_cpus, rollout_gpus, rollout_resources); resume with --resume once it has"
-                    )
-                    self.error.__cause__ = retry_err
-                    return
+                    ) from retry_err
                 time.sleep(0.2)
         with self._lock:
             self.calls[name] = self.actors[name].run.remote(*self._loop_args[name])
@@ -490,15 +493,11 @@ class RayRanks:
         pending = list(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.05)
-            failed = []
-            for ref in ready:
-                try:
-                    ray.get(ref, timeout=timeout)
-                except (RayActorError, RayTaskError) as err:
-                    failed.append((refs.index(ref), err))
+            failed = [(refs.index(ref), err) for ref, err in self._failures(ready, timeout)]
             if failed:  # a dead rank is the cause of its peers' failed collectives: name it first
                 time.sleep(1.0)
-                failed.extend((refs.index(ref), err) for ref, err in self._failures(pending))
+                late, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+                failed += [(refs.index(ref), err) for ref, err in self._failures(late, 1.0)]
                 rank, err = min(failed, key=lambda f: (not isinstance(f[1], RayActorError), f[0]))
                 reason = "died" if isinstance(err, RayActorError) else "failed"
                 detail = (str(err.cause if isinstance(err, RayTaskError) else err).strip().splitlines() or [""])[-1]
@@ -515,12 +514,12 @@ class RayRanks:
         return ray.get(refs, timeout=timeout)
 
     @staticmethod
-    def _failures(pending: list) -> list:
-        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+    def _failures(ready: list, timeout: float) -> list:
+        """(ref, error) of each finished call in `ready` whose rank died or raised."""
         out = []
         for ref in ready:
             try:
-                ray.get(ref, timeout=1.0)
+                ray.get(ref, timeout=timeout)
             except (RayActorError, RayTaskError) as err:
                 out.append((ref, err))
         return out
@@ -539,10 +538,7 @@ def ray_rank_launcher(config):
     starts or joins the cluster like `RayRuntime`; each rank gets an equal share of `runtime.trainer_cpus` and
     `runtime.trainer_gpus`."""
     rt = config.runtime
-    if not ray.is_initialized():
-        if rt.address is None:
-            os.environ.setdefault("RAY_worker_niceness", "0")
-        start_ray(address=rt.address, num_cpus=rt.num_cpus if rt.address is None else None)
+    start_ray_unless_running(rt)
     world = config.train.world_size
 
     def launch(world_size: int, spec, timeout: float) -> RayRanks:

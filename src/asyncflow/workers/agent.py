@@ -121,14 +121,13 @@ class _Episode:
                 result, outcome.scores = _scored(result)
                 if outcome.scores is None:
                     outcome.error = f"the agent returned {result!r:.60}, not {{'reward': number, 'scores': {{...}}}}"
-            if error is None and outcome.error is None:
-                if isinstance(result, bool) or not isinstance(result, (int, float, str)) or (
-                        not isinstance(result, str) and not math.isfinite(result)):
-                    outcome.error = f"the agent returned {result!r:.60}, not a finite number or a string"
-                elif isinstance(result, str):
+            if outcome.error is None:
+                if isinstance(result, str):
                     outcome.answer = result
-                else:
+                elif isinstance(result, (int, float)) and not isinstance(result, bool) and math.isfinite(result):
                     outcome.reward = float(result)
+                else:
+                    outcome.error = f"the agent returned {result!r:.60}, not a finite number or a string"
             self.done.set_result(outcome)
 
 

@@ -93,20 +93,22 @@ def check_updates_in_flight(engine) -> None:
 
 class InFlightUpdates:
     """While a partition generates (`with InFlightUpdates(...):`), a thread polls the weight receiver every
-    `poll_s` seconds and hands each newer version to `engine.update_weights`, which an engine with
+    `POLL_S` seconds and hands each newer version to `engine.update_weights`, which an engine with
     `updates_in_flight` applies at its next decode step. Leaving the block stops the thread (joined within
     `timeout`) and re-raises its failure (a broken transport)."""
 
-    def __init__(self, engine, receiver, *, timeout: float, poll_s: float = 0.05, timeline=None, name: str = ""):
+    POLL_S = 0.05
+
+    def __init__(self, engine, receiver, *, timeout: float, timeline, name: str):
         check_updates_in_flight(engine)
-        self.engine, self.receiver, self.timeout, self.poll_s = engine, receiver, timeout, poll_s
+        self.engine, self.receiver, self.timeout = engine, receiver, timeout
         self.timeline, self.name = timeline, name
         self._stop = threading.Event()
         self._thread: BackgroundThread | None = None
 
     def _watch(self) -> None:
         handed = self.engine.weight_version
-        while not self._stop.wait(self.poll_s):
+        while not self._stop.wait(self.POLL_S):
             newest = self.receiver.poll(handed)
             if newest is not None:
                 handed = newest[0]
@@ -134,48 +136,38 @@ def rollout_loop(worker, queue, receiver, steps: range, *, max_staleness: int, b
     responses in place (see `RolloutWorker.run_partition`); `cores` (a `CoreLending`) is told when
     this replica waits for weights, so another role may use its cores meanwhile; `history` records the
     engine's generator state after each partition."""
+    engine = worker.engine
+    generated = 0
     try:
-        in_flight = None
+        in_flight = contextlib.nullcontext()
         if on_weight_update == "resume":
-            in_flight = InFlightUpdates(worker.engine, receiver, timeout=timeout, timeline=timeline, name=name)
-        return _rollout_loop(
-            worker, queue, receiver, steps, max_staleness=max_staleness, batch_size=batch_size, timeout=timeout,
-            timeline=timeline, name=name, consumer=consumer, scorer=scorer, cores=cores, history=history,
-            in_flight=in_flight,
-        )
+            in_flight = InFlightUpdates(engine, receiver, timeout=timeout, timeline=timeline, name=name)
+        for step in steps:
+            t0 = time.time()
+            newest = receiver.poll(engine.weight_version)
+            needed = oldest_admissible_version(step, max_staleness)
+            if engine.weight_version < needed:
+                if cores is not None:
+                    cores.idle()
+                newest = receiver.wait_for(needed, timeout)
+            if cores is not None:
+                cores.busy()
+            t1 = time.time()
+            if newest is not None:
+                engine.update_weights(newest[1], newest[0])
+            t2 = time.time()
+            with in_flight:
+                generated += worker.run_partition(queue, partition_name(step), batch_size=batch_size,
+                                                  timeout=timeout, consumer=consumer, scorer=scorer)
+            if history is not None:
+                history.record(step, engine)
+            if timeline is not None:
+                timeline.add_span(name, "wait_weights", t0, t1, step=step)
+                timeline.add_span(name, "weight_swap", t1, t2, version=engine.weight_version)
+                timeline.add_span(name, "generate", t2, time.time(), step=step)
     finally:
         if history is not None:
             history.end()
-
-
-def _rollout_loop(worker, queue, receiver, steps, *, max_staleness, batch_size, timeout, timeline, name, consumer,
-                  scorer, cores, history, in_flight) -> int:
-    engine = worker.engine
-    generated = 0
-    for step in steps:
-        t0 = time.time()
-        newest = receiver.poll(engine.weight_version)
-        needed = oldest_admissible_version(step, max_staleness)
-        if engine.weight_version < needed:
-            if cores is not None:
-                cores.idle()
-            newest = receiver.wait_for(needed, timeout)
-        if cores is not None:
-            cores.busy()
-        t1 = time.time()
-        if newest is not None:
-            engine.update_weights(newest[1], newest[0])
-        t2 = time.time()
-        with in_flight or contextlib.nullcontext():
-            generated += worker.run_partition(
-                queue, partition_name(step), batch_size=batch_size, timeout=timeout, consumer=consumer, scorer=scorer
-            )
-        if history is not None:
-            history.record(step, engine)
-        if timeline is not None:
-            timeline.add_span(name, "wait_weights", t0, t1, step=step)
-            timeline.add_span(name, "weight_swap", t1, t2, version=engine.weight_version)
-            timeline.add_span(name, "generate", t2, time.time(), step=step)
     return generated
 
 
@@ -192,11 +184,10 @@ class BackgroundThread:
 
     def __init__(self, name: str, fn, *args, **kwargs):
         self.error: BaseException | None = None
-        self.result = None
 
         def target():
             try:
-                self.result = fn(*args, **kwargs)
+                fn(*args, **kwargs)
             except BaseException as err:  # noqa: BLE001 - surfaced in join()
                 self.error = err
 
@@ -207,9 +198,8 @@ class BackgroundThread:
         if self.error is not None:
             raise RuntimeError(f"worker thread {self.thread.name!r} failed: {self.error!r}") from self.error
 
-    def join(self, timeout: float):
+    def join(self, timeout: float) -> None:
         self.thread.join(timeout)
         self.check()
         if self.thread.is_alive():
             raise TimeoutError(f"worker thread {self.thread.name!r} did not finish within {timeout:.0f} s")
-        return self.result

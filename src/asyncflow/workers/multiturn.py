@@ -64,12 +64,8 @@ class TurnTemplate:
         `<tool_response>` when the template has no tool role), or plain `<tool_response>` text."""
         if use_chat_template is None:
             use_chat_template = bool(getattr(tokenizer, "chat_template", None))
-        if not use_chat_template:
-            return cls(tuple(tokenizer.encode("<tool_response>", add_special_tokens=False)),
-                       tuple(tokenizer.encode("</tool_response>", add_special_tokens=False)))
-        before, after = _chat_pieces(tokenizer)
-        return cls(tuple(tokenizer.encode(before, add_special_tokens=False)),
-                   tuple(tokenizer.encode(after, add_special_tokens=False)))
+        before, after = _chat_pieces(tokenizer) if use_chat_template else ("<tool_response>", "</tool_response>")
+        return cls(*(tuple(tokenizer.encode(text, add_special_tokens=False)) for text in (before, after)))
 
 
 def _chat_pieces(tokenizer) -> tuple[str, str]:
@@ -247,10 +243,9 @@ class MultiTurnRolloutWorker:
     def _episodes(self, items: Iterable[tuple[Any, list[int], dict]]) -> Iterator[tuple[Any, Episode]]:
         """(key, prompt ids, row) -> (key, episode) in completion order, at most `concurrency` in flight."""
         service = EngineService(self.engine, self.params, name="multiturn-engine")
-        timeout = self.turn_timeout_s
 
         def generate(ids: list[int], params: SamplingParams) -> Completion:
-            return service.generate(ids, params, timeout=timeout)
+            return service.generate(ids, params, timeout=self.turn_timeout_s)
 
         running: dict[Future, Any] = {}
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="episode")

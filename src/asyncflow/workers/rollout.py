@@ -116,11 +116,6 @@ class FinishedRow:
     loss_mask: list[int] | None = None
     trained_prompt_ids: list[int] | None = None
 
-    @classmethod
-    def of(cls, index: int, completion: Completion) -> FinishedRow:
-        version, meta = row_fields(completion)
-        return cls(index, completion.response_ids, completion.logprobs, version, meta, loss_mask=completion.loss_mask)
-
 
 class RowWriter:
     """Writes a partition's finished rows in writes of `max(WRITE_ROWS, group_size)` rows, so a remote queue
@@ -215,7 +210,8 @@ class RolloutWorker:
 
         with RowWriter(queue, partition, group_size=self.group_size, scorer=scorer, row_meta=metadata) as writer:
             for completion in self.engine.generate(requests(), self.params):
-                writer.add(FinishedRow.of(completion.request_id, completion))
+                writer.add(FinishedRow(completion.request_id, completion.response_ids, completion.logprobs,
+                                       *row_fields(completion), loss_mask=completion.loss_mask))
         return writer.written
 
     def generate(self, prompts: Iterable[Prompt]) -> Iterator[Rollout]:

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from asyncflow.workers.loops import partition_name
+
 StageFn = Callable[["StageBatch"], dict[str, list[float]]]
 
 
@@ -82,7 +84,5 @@ class StageWorker:
 
 def stage_loop(worker: StageWorker, queue, steps: range, *, timeout: float, timeline=None) -> None:
     """The stage over partitions `steps`, in order (the long-running side, as `reward_loop`)."""
-    from asyncflow.workers.loops import partition_name
-
     for step in steps:
         worker.run_partition(queue, partition_name(step), timeout=timeout, timeline=timeline)

@@ -90,9 +90,9 @@ class StepAccumulator:
     sequences: int = 0
     stats: dict[str, float] = field(default_factory=dict)
 
-    def add(self, stats: dict[str, float], weight: float) -> None:
+    def add(self, stats: dict[str, float]) -> None:
         for k, v in stats.items():
-            self.stats[k] = self.stats.get(k, 0.0) + v * weight
+            self.stats[k] = self.stats.get(k, 0.0) + v
 
 
 def distilled_advantages(
@@ -115,14 +115,13 @@ def distilled_advantages(
 @dataclass
 class PolicyLoss:
     """`rl_objective` of one micro-batch as a picklable `RowLoss` (an engine on several ranks ships each rank
-    the `select` of its rows). advantages, rollout_logprobs [N, L] (right-padded), stale [N] bool,
-    lengths [N] response lengths; moved to the log-probs' device when called."""
+    the `select` of its rows); the tensors are right-padded and moved to the log-probs' device when called."""
 
     advantages: torch.Tensor  # [N, L]
     rollout_logprobs: torch.Tensor  # [N, L]
     stale: torch.Tensor | None  # [N, L] bool: tokens whose PPO old log-prob is their sampling log-prob
     current: torch.Tensor  # [N, L] bool: tokens sampled by the weights the trainer holds
-    lengths: list[int]
+    lengths: list[int]  # [N] response lengths
     algo: AlgoConfig
     rewards: torch.Tensor | None = None  # [N] with a critic (`algo.advantage: gae`): GAE is computed here
 
@@ -342,11 +341,9 @@ class PolicyTrainer:
         loss_fn = PolicyLoss(advantages, rollout_logprobs, stale, current, [len(r.response_ids) for r in batch], algo,
                              rewards)
         stats = self.engine.backward_micro_batch(samples, loss_fn, temperature=self.temperature)
-        n_tokens = sum(len(r.response_ids) if r.loss_mask is None else sum(r.loss_mask) for r in batch)
-        self.acc.tokens += n_tokens
+        self.acc.tokens += sum(len(r.response_ids) if r.loss_mask is None else sum(r.loss_mask) for r in batch)
         self.acc.sequences += len(batch)
-        self.acc.add({k: v for k, v in stats.items() if k != "loss"}, 1.0)
-        self.acc.add({"loss": stats["loss"]}, 1.0)
+        self.acc.add(stats)
 
     def finish_step(self) -> dict[str, float]:
         """Apply the batch normaliser, take one optimizer step, and report per-token averages."""

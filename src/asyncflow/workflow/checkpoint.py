@@ -170,35 +170,40 @@ def verify_checkpoint(checkpoint: Path, files: tuple[str, ...] = FILES) -> None:
 
 
 def load_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    checkpoint = Path(checkpoint)
     verify_checkpoint(checkpoint, files=("model.safetensors",))
-    return _read(checkpoint / "model.safetensors", lambda path: load_file(str(path)))
+    return _read(checkpoint, "model.safetensors")
 
 
 def load_training_state(checkpoint: Path) -> dict:
-    checkpoint = Path(checkpoint)
     verify_checkpoint(checkpoint, files=("training_state.pt",))
-    return _read(checkpoint / "training_state.pt", lambda path: torch.load(path, weights_only=False))
+    return _read(checkpoint, "training_state.pt")
 
 
 def load_checkpoint(checkpoint: Path) -> tuple[dict[str, torch.Tensor], dict, dict, dict]:
     """-> (weights, training_state, state, rng); restores the global RNGs as a side effect, once every file
     has been verified and read."""
-    checkpoint = Path(checkpoint)
     verify_checkpoint(checkpoint)
-    weights = _read(checkpoint / "model.safetensors", lambda path: load_file(str(path)))
-    training_state = _read(checkpoint / "training_state.pt", lambda path: torch.load(path, weights_only=False))
-    state = _read(checkpoint / "state.json", lambda path: json.loads(path.read_text()))
-    rng = _read(checkpoint / "rng.pt", lambda path: torch.load(path, weights_only=False))
+    weights, training_state, state, rng = (
+        _read(checkpoint, name) for name in ("model.safetensors", "training_state.pt", "state.json", "rng.pt")
+    )
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
     return weights, training_state, state, rng
 
 
-def _read(path: Path, load: Callable[[Path], object]):
+_READERS: dict[str, Callable[[Path], object]] = {
+    "model.safetensors": lambda path: load_file(str(path)),
+    "training_state.pt": lambda path: torch.load(path, weights_only=False),
+    "rng.pt": lambda path: torch.load(path, weights_only=False),
+    "state.json": lambda path: json.loads(path.read_text()),
+}
+
+
+def _read(checkpoint: Path, name: str):
+    path = Path(checkpoint) / name
     try:
-        return load(path)
+        return _READERS[name](path)
     except Exception as err:  # safetensors, pickle, zip and JSON each raise their own kind
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"{path}: cannot be read ({reason})") from err

@@ -72,20 +72,8 @@ def compare(
     with tempfile.TemporaryDirectory(prefix="asyncflow-bench-") as tmp:
         if sft_first:
             sft_dir = Path(tmp) / "sft"
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "asyncflow.cli",
-                    "sft",
-                    *base_args,
-                    "run.progress=false",
-                    f"sft.output={sft_dir}",
-                ],
-                check=True,
-                capture_output=True,
-                timeout=3600,
-            )
+            subprocess.run([sys.executable, "-m", "asyncflow.cli", "sft", *base_args, "run.progress=false",
+                            f"sft.output={sft_dir}"], check=True, capture_output=True, timeout=3600)
             base_args = [*base_args, f"model.path={sft_dir}"]
         for rep in range(repeats):
             for mode in modes:

@@ -277,7 +277,7 @@ class PipelineWorkflow:
             rollouts, stats = self._overlapped_step(step, version)
         stats.update(rollout_metrics(rollouts))
         stats.update(agent_metrics(rollouts))
-        stats["logprob_gap"] = stats.get("logprob_gap", 0.0)
+        stats.setdefault("logprob_gap", 0.0)
         return StepResult(version + 1, stats)
 
     def _sync_step(self, step: int, version: int) -> tuple[list[Rollout], dict]:
@@ -309,23 +309,30 @@ class PipelineWorkflow:
             stats.update(self.trainer.finish_step())
         return rollouts, stats
 
+    def _wait_until(self, done: Callable[[], bool], deadline: float, what: str) -> None:
+        """Poll `done` until it holds; `TimeoutError` "`what` within ..." after `deadline` (monotonic)."""
+        while not done():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} within {self.rows_timeout:.0f} s")
+            self._workers_alive()
+            time.sleep(WAIT_POLL_S)
+
     def _wait_rollout_started(self, step: int) -> None:
         """Until a replica has taken prompts of partition `step` (it chose their weights before)."""
         deadline = time.monotonic() + self.rows_timeout
         with self.timeline.span("trainer", "wait_rollout", step=step):
-            while not self.queue.status(partition_name(step)).get("consumed", {}).get("rollout"):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"resume: no replica started step {step} within {self.rows_timeout:.0f} s")
-                self._workers_alive()
-                time.sleep(WAIT_POLL_S)
+            self._wait_until(lambda: self.queue.status(partition_name(step)).get("consumed", {}).get("rollout"),
+                             deadline, f"resume: no replica started step {step}")
+
+    def _threads(self) -> list[BackgroundThread]:
+        return [t for t in [self.reward_thread, *self.stage_threads] if t is not None]
 
     def _workers_alive(self) -> None:
         """Raise the failure of a rollout replica or the reward thread (the trainer would wait for their rows)."""
         if self.started:
             self.runtime.check()
-            for thread in [self.reward_thread, *self.stage_threads]:
-                if thread is not None:
-                    thread.check()
+            for thread in self._threads():
+                thread.check()
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_state(self, step: int) -> dict:
@@ -344,11 +351,7 @@ class PipelineWorkflow:
         deadline = time.monotonic() + self.rows_timeout
         fed = max(self.cursors, default=step - 1)
         for s in range(step, min(step + self.k, fed + 1)):  # maybe started with older weights
-            while not self._finished(s):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"checkpoint: partition {s} was not generated within {self.rows_timeout:.0f} s")
-                self._workers_alive()
-                time.sleep(WAIT_POLL_S)
+            self._wait_until(lambda s=s: self._finished(s), deadline, f"checkpoint: partition {s} was not generated")
         ahead = []
         rows_per_partition = self.config.rollout.prompts_per_step * self.config.rollout.group_size
         for s in range(step, fed + 1):
@@ -375,9 +378,8 @@ class PipelineWorkflow:
         """After the last step: wait for the rollout and reward loops to end (re-raising their failure)."""
         if self.started:
             self.runtime.join(self.timeout)
-            for thread in [self.reward_thread, *self.stage_threads]:
-                if thread is not None:
-                    thread.join(self.timeout)
+            for thread in self._threads():
+                thread.join(self.timeout)
 
     def close(self) -> None:
         """Release the weight channel (idempotent; the runtime is closed by its owner)."""

@@ -37,7 +37,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -86,7 +86,7 @@ class Plan:
     checkpoint: Path | None = None
     step: int = 0
     clear: tuple[str, ...] = ()
-    damaged: tuple[tuple[Path, str], ...] = field(default=())
+    damaged: tuple[tuple[Path, str], ...] = ()
 
 
 class RunFolder:
@@ -173,9 +173,8 @@ class RunFolder:
                 damaged.append((checkpoint, str(err)))
                 continue
             step = checkpoint_step(checkpoint)
-            if step >= steps:
-                return Plan(self.path, "finished", checkpoint, step, damaged=tuple(damaged))
-            return Plan(self.path, "resume", checkpoint, step, damaged=tuple(damaged))
+            action = "finished" if step >= steps else "resume"
+            return Plan(self.path, action, checkpoint, step, damaged=tuple(damaged))
         raise CheckpointError(
             f"--resume: no intact checkpoint in {self.path / CHECKPOINTS_DIR}: "
             + "; ".join(why for _, why in damaged)
@@ -223,15 +222,12 @@ class RunFolder:
     def write_config(self, config: Config) -> None:
         """`config.yaml` (written whole, then renamed into place); on a resume, logs what changed."""
         path = self.path / CONFIG_FILE
-        if path.exists():
-            try:
-                before = _flatten(yaml.safe_load(path.read_text()) or {})
-                after = _flatten(config.model_dump(mode="json"))
-                changed = [f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in after if before.get(k) != after[k]]
-                if changed:
-                    log.info("config changed since this run was started: %s", "; ".join(changed))
-            except (OSError, yaml.YAMLError, AttributeError):
-                pass
+        before = _saved_config(self.path)
+        if before is not None:
+            after = _flatten(config.model_dump(mode="json"))
+            changed = [f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in after if before.get(k) != after[k]]
+            if changed:
+                log.info("config changed since this run was started: %s", "; ".join(changed))
         tmp = path.with_name(f".{CONFIG_FILE}.tmp")
         dump_config(config, tmp)
         os.replace(tmp, path)
@@ -240,9 +236,8 @@ class RunFolder:
 def check_resumable(run_dir: Path, config: Config) -> None:
     """`ConfigError` naming the key when `config` changes a setting the run's checkpoints depend on
     (`RESUME_FIXED_KEYS`, against the run's `config.yaml`)."""
-    try:
-        before = _flatten(yaml.safe_load((Path(run_dir) / CONFIG_FILE).read_text()) or {})
-    except (OSError, yaml.YAMLError, AttributeError):
+    before = _saved_config(run_dir)
+    if before is None:
         return  # no readable config: the checkpoint's own checks speak
     after = _flatten(config.model_dump(mode="json"))
     for key in RESUME_FIXED_KEYS:
@@ -260,6 +255,14 @@ def _holder(lock: Path) -> str:
         return f"pid {info['pid']} ({info['command']}, since {info['since']})"
     except (OSError, ValueError, KeyError):
         return "another process"
+
+
+def _saved_config(run_dir: Path) -> dict | None:
+    """The run's `config.yaml` flattened to `section.key` names; None when it is missing or unreadable."""
+    try:
+        return _flatten(yaml.safe_load((Path(run_dir) / CONFIG_FILE).read_text()) or {})
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

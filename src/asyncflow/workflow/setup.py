@@ -71,14 +71,13 @@ def prompt_encoder(config: Config, tokenizer) -> PromptEncoder:
     call (`agent.chat_template` or the tokenizer's)."""
     use_chat = config.model.use_chat_template
     judges = any(isinstance(fn, JudgeRewardConfig) for fn in config.reward.fns)
-    data = config.data
     render = lambda text: render_prompt(tokenizer, text, use_chat)
     if config.verifiers_env:
         from asyncflow.envs.verifiers_env import render_messages
 
         template = Path(config.agent.chat_template).read_text() if config.agent.chat_template else None
         render = lambda text: render_messages(tokenizer, text, template)
-    return PromptEncoder(render, data.max_prompt_tokens, data.on_long_prompt,
+    return PromptEncoder(render, config.data.max_prompt_tokens, config.data.on_long_prompt,
                          keep_text=config.agent_rollouts or judges)
 
 
@@ -236,15 +235,17 @@ def reward_specs(config: Config) -> list[str | RewardFn]:
             for fn in config.reward.fns]
 
 
+def weighted_reward_specs(config: Config) -> list[tuple[str | RewardFn, float]]:
+    """(`reward_specs`, weight) pairs; `reward.weights` unset weighs each function 1."""
+    specs = reward_specs(config)
+    return list(zip(specs, config.reward.weights or [1.0] * len(specs)))
+
+
 def build_reward_runner(config: Config) -> RewardRunner:
     """The run's reward runner; its functions are resolved and checked (`check_reward_specs`) when it is built."""
-    specs = reward_specs(config)
-    weights = config.reward.weights or [1.0] * len(specs)
     r = config.reward
-    return RewardRunner(
-        list(zip(specs, weights)), timeout_s=r.timeout_s, max_workers=r.workers, isolation=r.isolation,
-        max_stuck_calls=r.max_stuck_calls,
-    )
+    return RewardRunner(weighted_reward_specs(config), timeout_s=r.timeout_s, max_workers=r.workers,
+                        isolation=r.isolation, max_stuck_calls=r.max_stuck_calls)
 
 
 def make_reward_worker(config: Config) -> RewardWorker:
@@ -259,10 +260,8 @@ def multiturn_spec(config: Config) -> MultiTurnSpec | None:
     env = config.env
     if env.name is None or config.verifiers_env:  # a verifiers environment's episodes are agent episodes
         return None
-    specs = reward_specs(config)
-    weights = config.reward.weights or [1.0] * len(specs)
     return MultiTurnSpec(
-        env=env.name, reward_specs=tuple(zip(specs, weights)), max_turns=env.max_turns,
+        env=env.name, reward_specs=tuple(weighted_reward_specs(config)), max_turns=env.max_turns,
         max_context_tokens=env.max_context_tokens, concurrency=env.concurrency or config.rollout.max_batch_size,
         tool_timeout_s=env.tool_timeout_s, tool_workers=env.tool_workers,
         max_tool_output_chars=env.max_tool_output_chars,
@@ -295,7 +294,9 @@ class Preflight:
 def preflight(config: Config, *, training: bool = True) -> Preflight:
     """Every check that needs only the config, in the order a user would fix them. `training=False`
     (`asyncflow eval`) checks the held-out prompts only. Raises ValueError subclasses naming the input."""
-    check_reward_spec(config)
+    # every reward function resolves and takes `(completion, ground_truth, **metadata)`, every weight is finite
+    # (and, with `reward.isolation=process`, every function can go to a worker process)
+    check_reward_specs(reward_specs(config), config.reward.weights, isolation=config.reward.isolation)
     stage_workers(config)  # every stage's function imports
     if config.verifiers_env:
         from asyncflow.envs.verifiers_env import load_verifiers_env
@@ -304,7 +305,7 @@ def preflight(config: Config, *, training: bool = True) -> Preflight:
     elif config.env.name is not None:
         resolve_environment(config.env.name)  # raises EnvironmentSpecError naming env.name
         check_python_isolation(config)
-    train_set, test_set = check_data(config)
+    train_set, test_set = datasets(config)  # read whole: a bad row stops here, named by file, line and field
     if config.agent_rollouts:
         check_agent(config)
     tokenizer = load_tokenizer(resolve_model_path(config.model.path, seed=config.run.seed))
@@ -327,18 +328,6 @@ def check_python_isolation(config: Config) -> None:
         sandbox_command(SandboxLimits(isolation="strict"))
     except SandboxUnavailable as err:
         raise ValueError(str(err)) from None
-
-
-def check_reward_spec(config: Config) -> None:
-    """Every reward function of `reward.fns` resolves and takes `(completion, ground_truth, **metadata)`,
-    every weight is finite (and, with `reward.isolation=process`, every function can go to a worker process)."""
-    check_reward_specs(reward_specs(config), config.reward.weights, isolation=config.reward.isolation)
-
-
-def check_data(config: Config) -> tuple[TrainSet, list[Example]]:
-    """The training and held-out sets, read whole: a bad row stops here, named by file, line and field
-    (`load_examples` applies the checks of `validate_data_file` as it reads)."""
-    return datasets(config)
 
 
 def check_prompt_lengths(config: Config, tokenizer, sets: dict[str, list[Example]]) -> None:

@@ -221,14 +221,13 @@ def run_sft(config: Config, output: str | Path, stop: StopSignals | None = None)
     if final.exists():
         shutil.rmtree(final)
     output.rename(final)
-    output = final
     if probe is not None and not reached:
         log.warning("SFT reached sft.steps=%d without validation accuracy >= sft.stop_accuracy=%s (best %.3f, last "
                     "%.3f): RL starts from a weaker model than intended; raise sft.steps or sft.lr, or lower "
                     "sft.stop_accuracy", step, cfg.stop_accuracy, max(a for _, a in checks), summary["val_accuracy"])
     log.info("SFT stopped at step %d (%.1f s), validation accuracy %s; model saved to %s", step, wall_s,
-             summary["val_accuracy"], output)
-    return output
+             summary["val_accuracy"], final)
+    return final
 
 
 def read_summary(folder: str | Path) -> dict | None:
