@@ -416,15 +416,15 @@ class Controller:
             if part is None:
                 return f"task {task!r}: partition {partition!r} does not exist"
             pending = [part.rows[i] for i in part.pending_for(task)]
-            ready = sum(all(c in row.ready for c in columns) for row in pending)
-            waiting = next((row for row in pending if not all(c in row.ready for c in columns)), None)
+            waiting = [row for row in pending if not row.ready.keys() >= set(columns)]
             oldest = (
-                f"; oldest not ready: row {waiting.index} lacks column(s) "
-                f"{[c for c in columns if c not in waiting.ready]}" if waiting is not None else ""
+                f"; oldest not ready: row {waiting[0].index} lacks column(s) "
+                f"{[c for c in columns if c not in waiting[0].ready]}" if waiting else ""
             )  # fmt: skip
             return (
                 f"task {task!r} wants {batch_size} rows of partition {partition!r} with columns {list(columns)} ready: "
-                f"{ready} of its {len(pending)} unconsumed rows are ready{oldest}, partition complete={part.complete}"
+                f"{len(pending) - len(waiting)} of its {len(pending)} unconsumed rows are ready{oldest}, "
+                f"partition complete={part.complete}"
             )
 
     def explain_full(self, partition: str, num: int) -> str:
