@@ -78,7 +78,7 @@ class PendingWrite:
     """A write sent with `TransferQueue.write(..., wait=False)`. `wait()` (idempotent) returns once its
     cells are stored, or raises its error after releasing the cells a multi-unit write had reserved."""
 
-    def __init__(self, pending: Any, timeout: float, undo: Callable[[], Any] | None) -> None:
+    def __init__(self, pending: Any, timeout: float, undo: Callable[[], Any]) -> None:
         self._pending, self._timeout, self._undo = pending, timeout, undo
 
     def wait(self) -> None:
@@ -88,8 +88,7 @@ class PendingWrite:
         try:
             pending.wait(self._timeout)
         except BaseException:
-            if self._undo is not None:
-                self._undo()
+            self._undo()
             raise
 
 
@@ -216,7 +215,7 @@ class TransferQueue:
         keeps computing meanwhile instead of waiting out the round trip."""
         indices = [int(i) for i in indices]
         if not indices:
-            return PendingWrite(None, 0.0, None) if not wait else None
+            return PendingWrite(None, 0.0, lambda: None) if not wait else None
         if len(indices) > 1 and len(set(indices)) != len(indices):
             raise ValueError(f"partition {partition!r}: duplicate row indices in one write")
         rows = {column: column_rows(value) for column, value in columns.items()}
@@ -224,21 +223,20 @@ class TransferQueue:
         versions = _per_row(weight_version, len(indices), "weight_version", partition)
         metas = _per_row(metadata, len(indices), "metadata", partition)
         by_unit = self._by_unit(indices)
-        undo = None
+        undo = lambda: None
         if len(by_unit) > 1:  # a write spanning units reserves its cells first, so it is all-or-nothing
             self._control("reserve", partition, indices, specs)
             undo = partial(self._control, "unreserve", partition, indices, list(specs))
         calls = []
         for unit, positions in by_unit.items():
             packed = {column: pack_rows([r[p] for p in positions]) for column, r in rows.items()}
-            pick = lambda values: None if values is None else [values[p] for p in positions]
-            args = (partition, [indices[p] for p in positions], packed, pick(versions), pick(metas))
+            pick = lambda values: [values[p] for p in positions]
+            args = (partition, pick(indices), packed, pick(versions), pick(metas))
             calls.append((self._units[unit], "write", args, {}))
         try:
             pending = PendingWrite(self._transport.submit(calls), self.timeout, undo)
         except BaseException:
-            if undo is not None:
-                undo()
+            undo()
             raise
         if wait:
             pending.wait()

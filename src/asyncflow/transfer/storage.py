@@ -46,9 +46,8 @@ class StorageUnit:
     def store(
         self, partition: str, rows: Sequence[int], columns: dict[str, Packed]
     ) -> tuple[dict[str, ColumnSpec], dict[str, list[int] | None]]:
-        """Keep the cells; returns what the controller needs to mark them ready (specs, lengths)."""
-        if len(set(rows)) != len(rows):
-            raise ValueError(f"partition {partition!r}: duplicate rows in one write: {list(rows)}")
+        """Keep the cells (`rows` are distinct: fresh, or checked by the client); returns what the controller
+        needs to mark them ready (specs, lengths)."""
         views = {column: unpack_rows(packed) for column, packed in columns.items()}
         with self._lock:
             table = self._cells.setdefault(partition, {})
@@ -74,8 +73,7 @@ class StorageUnit:
     def append(self, partition: str, columns: dict[str, Packed], group_ids, weight_versions, metadata, timeout: float):
         """Store new rows under fresh indices, then add them to the partition (waiting up to `timeout` while it
         is full). Returns their indices."""
-        num = len(group_ids)
-        rows = self.new_indices(num)
+        rows = self.new_indices(len(group_ids))
         specs, lengths = self.store(partition, rows, columns)
         try:
             fields = (group_ids, weight_versions, metadata)
