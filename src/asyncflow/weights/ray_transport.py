@@ -69,7 +69,7 @@ class RaySpec:
 
 
 class RayWeightPublisher(BackgroundPublisher):
-    """`ray.put`s each bucket, then records the refs in a named weight-store actor. Ray must be initialised."""
+    """Ray must be initialised."""
 
     transport = "ray"
 

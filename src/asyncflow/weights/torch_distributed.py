@@ -21,8 +21,7 @@ from asyncflow.weights.buckets import DEFAULT_BUCKET_BYTES, Manifest, allocate_p
 
 
 # ------------------------------------------------------------------------- torch.distributed
-# Protocol (rank 0 publishes, ranks 1..N receive), over a private TCPStore + process group that
-# never touches the default process group:
+# Protocol:
 #   join:      each receiver bumps store key "joined"; rank 0 builds the group once all N joined.
 #   announce:  for its k-th send rank 0 sets "announce/k" = (version, manifest id) (and
 #              "manifest/<id>" when the layout changes), then broadcasts every bucket from rank 0.
@@ -78,8 +77,6 @@ class TorchDistributedSpec:
 
 
 class TorchDistributedPublisher(BackgroundPublisher):
-    """Rank 0 of a private process group; broadcasts buckets on a background thread."""
-
     transport = "torch_distributed"
 
     def __init__(
