@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -18,7 +18,7 @@ from asyncflow.weights.buckets import Manifest, allocate_payload, bucket_views, 
 class _Staged:
     manifest: Manifest
     payload: torch.Tensor
-    buckets: list[torch.Tensor] = field(default_factory=list)
+    buckets: list[torch.Tensor]
     version: int = -1
 
 
