@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -53,12 +53,6 @@ ALIVE_CHECK_S = 1.0  # how often a waiting `loader` asks its `alive` callback
 Call = tuple[Any, str, tuple, dict]  # (target, method name, args, kwargs)
 
 
-class Pending(Protocol):
-    """Calls sent with `transport.submit`; `wait` returns their results in order or raises their error."""
-
-    def wait(self, timeout: float) -> list: ...
-
-
 class _Done:
     def __init__(self, results: list | None = None, error: BaseException | None = None) -> None:
         self.results, self.error = results, error
@@ -73,21 +67,18 @@ class LocalTransport:
     """Direct calls on in-process objects; they lock internally, so any thread may call. `submit` runs
     the calls at once (an error is raised by `wait`, as a remote transport would)."""
 
-    def submit(self, calls: list[Call]) -> Pending:
+    def submit(self, calls: list[Call]) -> _Done:
         try:
             return _Done([getattr(target, method)(*args, **kwargs) for target, method, args, kwargs in calls])
         except Exception as err:  # noqa: BLE001 - re-raised by wait()
             return _Done(error=err)
-
-    def call_all(self, calls: list[Call], timeout: float) -> list:
-        return self.submit(calls).wait(timeout)
 
 
 class PendingWrite:
     """A write sent with `TransferQueue.write(..., wait=False)`. `wait()` (idempotent) returns once its
     cells are stored, or raises its error after releasing the cells a multi-unit write had reserved."""
 
-    def __init__(self, pending: Pending | None, timeout: float, undo: Callable[[], Any] | None) -> None:
+    def __init__(self, pending: Any, timeout: float, undo: Callable[[], Any]) -> None:
         self._pending, self._timeout, self._undo = pending, timeout, undo
 
     def wait(self) -> None:
@@ -97,16 +88,16 @@ class PendingWrite:
         try:
             pending.wait(self._timeout)
         except BaseException:
-            if self._undo is not None:
-                self._undo()
+            self._undo()
             raise
 
 
 class TransferQueue:
     def __init__(self, controller: Any, units: Sequence[Any], transport: Any, timeout: float = 60.0) -> None:
         """`controller` / `units`: objects or actor handles with the `Controller` / `StorageUnit` methods;
-        `transport.call_all` invokes them. `timeout`: default wait of blocking calls, and the slack every
-        remote call gets on top of its own wait."""
+        `transport.submit(calls)` invokes them and returns an object whose `wait(timeout)` returns their
+        results in order or raises their error. `timeout`: default wait of blocking calls, and the slack
+        every remote call gets on top of its own wait."""
         self._controller = controller
         self._units = list(units)
         self._transport = transport
@@ -204,7 +195,7 @@ class TransferQueue:
         unit, self._next_unit = self._next_unit, (self._next_unit + 1) % len(self._units)
         packed = {column: pack_rows(r) for column, r in rows.items()}
         call = (self._units[unit], "append", (partition, packed, group_ids, versions, metas, wait), {})
-        return self._transport.call_all([call], wait + self.timeout)[0]
+        return self._call([call], wait + self.timeout)[0]
 
     def write(
         self,
@@ -224,7 +215,7 @@ class TransferQueue:
         keeps computing meanwhile instead of waiting out the round trip."""
         indices = [int(i) for i in indices]
         if not indices:
-            return PendingWrite(None, 0.0, None) if not wait else None
+            return PendingWrite(None, 0.0, lambda: None) if not wait else None
         if len(indices) > 1 and len(set(indices)) != len(indices):
             raise ValueError(f"partition {partition!r}: duplicate row indices in one write")
         rows = {column: column_rows(value) for column, value in columns.items()}
@@ -232,21 +223,20 @@ class TransferQueue:
         versions = _per_row(weight_version, len(indices), "weight_version", partition)
         metas = _per_row(metadata, len(indices), "metadata", partition)
         by_unit = self._by_unit(indices)
-        undo = None
+        undo = lambda: None
         if len(by_unit) > 1:  # a write spanning units reserves its cells first, so it is all-or-nothing
             self._control("reserve", partition, indices, specs)
             undo = partial(self._control, "unreserve", partition, indices, list(specs))
         calls = []
         for unit, positions in by_unit.items():
             packed = {column: pack_rows([r[p] for p in positions]) for column, r in rows.items()}
-            pick = (lambda values: None if values is None else [values[p] for p in positions])  # noqa: E731
-            args = (partition, [indices[p] for p in positions], packed, pick(versions), pick(metas))
+            pick = lambda values: [values[p] for p in positions]
+            args = (partition, pick(indices), packed, pick(versions), pick(metas))
             calls.append((self._units[unit], "write", args, {}))
         try:
             pending = PendingWrite(self._transport.submit(calls), self.timeout, undo)
         except BaseException:
-            if undo is not None:
-                undo()
+            undo()
             raise
         if wait:
             pending.wait()
@@ -292,7 +282,7 @@ class TransferQueue:
             (self._units[u], "read", (meta.partition, [meta.indices[p] for p in pos], columns), {})
             for u, pos in groups.items()
         ]
-        results = self._transport.call_all(calls, self.timeout)
+        results = self._call(calls, self.timeout)
         data, lengths = {}, {}
         for column in columns:
             if len(results) == 1:
@@ -382,16 +372,17 @@ class TransferQueue:
                 "rows are sharded by index, so the counts must match"
             )
         self._control("load_state_dict", state["controller"])
-        self._transport.call_all(
-            [(unit, "load_state_dict", (s,), {}) for unit, s in zip(self._units, state["storage"])], self.timeout
-        )
+        self._call([(u, "load_state_dict", (s,), {}) for u, s in zip(self._units, state["storage"])], self.timeout)
 
     # ---- internals ----------------------------------------------------------------------------------
+    def _call(self, calls: list[Call], timeout: float) -> list:
+        return self._transport.submit(calls).wait(timeout)
+
     def _control(self, method: str, *args, wait: float = 0.0):
-        return self._transport.call_all([(self._controller, method, args, {})], wait + self.timeout)[0]
+        return self._call([(self._controller, method, args, {})], wait + self.timeout)[0]
 
     def _on_units(self, method: str, *args) -> list:
-        return self._transport.call_all([(unit, method, args, {}) for unit in self._units], self.timeout)
+        return self._call([(unit, method, args, {}) for unit in self._units], self.timeout)
 
     def _by_unit(self, indices: Sequence[int]) -> dict[int, list[int]]:
         groups: dict[int, list[int]] = {}

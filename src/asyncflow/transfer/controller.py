@@ -174,7 +174,6 @@ class Controller:
         """Drop the partition now, whoever still wanted it; later writes and requests fail."""
         with self._lock:
             self._clear(partition, "cleared")
-            self._wake(partition)
 
     def reset(self, partition: str, task: str | None = None, indices: Sequence[int] | None = None) -> None:
         """Forget consumption (of `indices`, or all rows) by `task` (or every task), e.g. to retry."""
@@ -195,10 +194,10 @@ class Controller:
         not all ready: the consumer died holding them, so another one must produce them. Returns the rows
         released per partition."""
         released: dict[str, list[int]] = {}
+        needed = set(unless_ready)
         with self._lock:
             for name, part in self._partitions.items():
                 held = part.holders.get(task, {})
-                needed = set(unless_ready)
                 rows = [i for i, who in held.items() if who == consumer and not part.rows[i].ready.keys() >= needed]
                 if not rows:
                     continue
@@ -260,15 +259,10 @@ class Controller:
 
     def add_rows(self, partition, indices, columns, lengths, group_ids, weight_versions, metadata, timeout: float):
         """`try_add_rows`, blocking up to `timeout` seconds while the partition is full (backpressure)."""
-        start = time.monotonic()
-        try:
-            return self._block(
-                partition,
-                lambda: self.try_add_rows(partition, indices, columns, lengths, group_ids, weight_versions, metadata),
-                timeout, lambda: self.explain_full(partition, len(indices)),
-            )  # fmt: skip
-        finally:
-            self.record_wait("backpressure", time.monotonic() - start)
+        fields = (group_ids, weight_versions, metadata)
+        attempt = lambda: self.try_add_rows(partition, indices, columns, lengths, *fields)
+        explain = lambda: self.explain_full(partition, len(indices))
+        return self._block(partition, attempt, timeout, explain, "backpressure")
 
     def reserve(self, partition: str, rows: Sequence[int], columns: dict[str, ColumnSpec]) -> None:
         """Claim the cells a write to existing rows is about to fill, after checking all of them (partition
@@ -398,15 +392,9 @@ class Controller:
         """`ack` the rows of the previous batch, then `try_request`, waiting up to `timeout` seconds for a
         batch (or returning None at once if not `block`)."""
         self.ack(partition, task, ack)
-        start = time.monotonic()
-        try:
-            attempt = lambda: self.try_request(partition, task, columns, batch_size, sampler, consumer)  # noqa: E731
-            if not block:
-                return attempt()
-            explain = lambda: self.explain_request(partition, task, columns, batch_size)  # noqa: E731
-            return self._block(partition, attempt, timeout, explain)
-        finally:
-            self.record_wait(task, time.monotonic() - start)
+        attempt = lambda: self.try_request(partition, task, columns, batch_size, sampler, consumer)
+        explain = lambda: self.explain_request(partition, task, columns, batch_size)
+        return self._block(partition, attempt, timeout, explain, task, block)
 
     # ---- introspection, metrics, checkpoints ----------------------------------------------------
     def status(self, partition: str) -> dict:
@@ -428,15 +416,15 @@ class Controller:
             if part is None:
                 return f"task {task!r}: partition {partition!r} does not exist"
             pending = [part.rows[i] for i in part.pending_for(task)]
-            ready = sum(all(c in row.ready for c in columns) for row in pending)
-            waiting = next((row for row in pending if not all(c in row.ready for c in columns)), None)
+            waiting = [row for row in pending if not row.ready.keys() >= set(columns)]
             oldest = (
-                f"; oldest not ready: row {waiting.index} lacks column(s) "
-                f"{[c for c in columns if c not in waiting.ready]}" if waiting is not None else ""
+                f"; oldest not ready: row {waiting[0].index} lacks column(s) "
+                f"{[c for c in columns if c not in waiting[0].ready]}" if waiting else ""
             )  # fmt: skip
             return (
                 f"task {task!r} wants {batch_size} rows of partition {partition!r} with columns {list(columns)} ready: "
-                f"{ready} of its {len(pending)} unconsumed rows are ready{oldest}, partition complete={part.complete}"
+                f"{len(pending) - len(waiting)} of its {len(pending)} unconsumed rows are ready{oldest}, "
+                f"partition complete={part.complete}"
             )
 
     def explain_full(self, partition: str, num: int) -> str:
@@ -506,21 +494,28 @@ class Controller:
         if self.on_change is not None:
             self.on_change(partition)
 
-    def _block(self, partition: str, attempt: Callable[[], T | None], timeout: float, explain: Callable[[], str]) -> T:
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            condition = self._conditions.setdefault(partition, threading.Condition(self._lock))
-            while True:
-                result = attempt()
-                if result is not None:
-                    return result
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TransferTimeout(f"timed out after {timeout:.3g}s: {explain()}")
-                condition.wait(remaining)
+    def _block(
+        self, partition: str, attempt: Callable[[], T | None], timeout: float, explain: Callable[[], str], who: str,
+        block: bool = True,
+    ) -> T | None:
+        """`attempt()` until it returns a result (at once if not `block`), waiting up to `timeout` seconds;
+        the time spent counts as `who`'s wait."""
+        start = time.monotonic()
+        try:
+            with self._lock:
+                while True:
+                    result = attempt()
+                    if result is not None or not block:
+                        return result
+                    remaining = start + timeout - time.monotonic()
+                    if remaining <= 0:
+                        raise TransferTimeout(f"timed out after {timeout:.3g}s: {explain()}")
+                    self._conditions.setdefault(partition, threading.Condition(self._lock)).wait(remaining)
+        finally:
+            self.record_wait(who, time.monotonic() - start)
 
     def _clear(self, partition: str, reason: str) -> None:
-        self._wake(partition)
+        self._wake(partition)  # before dropping the partition's condition, so its waiters see the clear
         self._conditions.pop(partition, None)
         self._partitions.pop(partition, None)
         self._cleared[partition] = reason
@@ -531,7 +526,6 @@ class Controller:
     def _clear_if_finished(self, partition: str, part: _Partition) -> None:
         if self._tasks and part.complete and len(part.retired) == len(part.rows):
             self._clear(partition, "consumed")
-            self._wake(partition)
 
     def _check_not_cleared(self, partition: str, action: str) -> None:
         if partition in self._cleared:

@@ -75,13 +75,16 @@ class _ControllerActor:
             if name in self._events:
                 self._events.pop(name).set()
 
-    async def _wait(self, partition: str, attempt: Callable, timeout: float, explain: Callable[[], str], who: str):
+    async def _wait(
+        self, partition: str, attempt: Callable, timeout: float, explain: Callable[[], str], who: str, block=True
+    ):
+        """The asyncio twin of `Controller._block`: waits on an event that every state change sets."""
         start = time.monotonic()
         try:
             while True:
                 event = self._events.setdefault(partition, asyncio.Event())
                 result = attempt()
-                if result is not None:
+                if result is not None or not block:
                     return result
                 remaining = start + timeout - time.monotonic()
                 if remaining <= 0:
@@ -101,25 +104,16 @@ class _ControllerActor:
     ):
         ctrl = self.controller
         ctrl.ack(partition, task, ack)
-        attempt = lambda: ctrl.try_request(partition, task, columns, batch_size, sampler, consumer)  # noqa: E731
-        explain = lambda: ctrl.explain_request(partition, task, columns, batch_size)  # noqa: E731
-        if not block:
-            return self._once(attempt, task)
-        return await self._wait(partition, attempt, timeout, explain, task)
+        attempt = lambda: ctrl.try_request(partition, task, columns, batch_size, sampler, consumer)
+        explain = lambda: ctrl.explain_request(partition, task, columns, batch_size)
+        return await self._wait(partition, attempt, timeout, explain, task, block)
 
     async def add_rows(self, partition, indices, columns, lengths, group_ids, weight_versions, metadata, timeout):
         ctrl = self.controller
         fields = (group_ids, weight_versions, metadata)
-        attempt = lambda: ctrl.try_add_rows(partition, indices, columns, lengths, *fields)  # noqa: E731
-        explain = lambda: ctrl.explain_full(partition, len(indices))  # noqa: E731
+        attempt = lambda: ctrl.try_add_rows(partition, indices, columns, lengths, *fields)
+        explain = lambda: ctrl.explain_full(partition, len(indices))
         return await self._wait(partition, attempt, timeout, explain, "backpressure")
-
-    def _once(self, attempt: Callable, who: str):
-        start = time.monotonic()
-        try:
-            return attempt()
-        finally:
-            self.controller.record_wait(who, time.monotonic() - start)
 
 
 for _name in ("create_partition", "register_task", "seal", "ack", "clear", "reset", "release", "load_state_dict",
@@ -202,9 +196,6 @@ class RayTransport:
                 args = (*args[:at], _to_wire(args[at]), *args[at + 1 :])
             refs.append(getattr(target, method).remote(*args, **kwargs))
         return _RayPending(calls, refs)
-
-    def call_all(self, calls: list[Call], timeout: float) -> list:
-        return self.submit(calls).wait(timeout)
 
 
 class RayTransferQueue(TransferQueue):

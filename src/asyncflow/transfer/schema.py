@@ -80,11 +80,6 @@ class ColumnSpec(NamedTuple):
 Packed = tuple[torch.Tensor, "list[int] | None"]
 
 
-def spec_of(packed: Packed) -> ColumnSpec:
-    values, lengths = packed
-    return ColumnSpec(values.dtype, tuple(values.shape[1:]), lengths is None)
-
-
 def column_rows(value: Any) -> list:
     """A column as one entry per row: a sequence of tensors, or a tensor whose dim 0 indexes rows."""
     return list(value.unbind(0)) if isinstance(value, torch.Tensor) else list(value)
@@ -201,10 +196,7 @@ class Batch:
 
     def rows(self, column: str) -> list[torch.Tensor]:
         """Per-row tensors of `column`, unpadded."""
-        values = self.data[column]
-        if column not in self.lengths:
-            return list(values.unbind(0))
-        lengths = self.lengths[column].tolist()
-        if self.padded:
-            return [values[i, :n] for i, n in enumerate(lengths)]
-        return list(values.split(lengths))
+        values, lengths = self.data[column], self.lengths.get(column)
+        if self.padded and lengths is not None:
+            return [values[i, :n] for i, n in enumerate(lengths.tolist())]
+        return unpack_rows((values, None if lengths is None else lengths.tolist()))

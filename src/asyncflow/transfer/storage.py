@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from asyncflow.transfer.schema import ColumnSpec, FilledCellError, Packed, UnknownRowError, spec_of, unpack_rows
+from asyncflow.transfer.schema import ColumnSpec, FilledCellError, Packed, UnknownRowError, pack_rows, unpack_rows
 
 
 class StorageUnit:
@@ -46,9 +46,8 @@ class StorageUnit:
     def store(
         self, partition: str, rows: Sequence[int], columns: dict[str, Packed]
     ) -> tuple[dict[str, ColumnSpec], dict[str, list[int] | None]]:
-        """Keep the cells; returns what the controller needs to mark them ready (specs, lengths)."""
-        if len(set(rows)) != len(rows):
-            raise ValueError(f"partition {partition!r}: duplicate rows in one write: {list(rows)}")
+        """Keep the cells (`rows` are distinct: fresh, or checked by the client); returns what the controller
+        needs to mark them ready (specs, lengths)."""
         views = {column: unpack_rows(packed) for column, packed in columns.items()}
         with self._lock:
             table = self._cells.setdefault(partition, {})
@@ -61,7 +60,8 @@ class StorageUnit:
                 table.setdefault(column, {}).update(zip(rows, column_views))
             self._counters["bytes_written"] += sum(v.numel() * v.element_size() for v, _ in columns.values())
             self._counters["cells_written"] += len(rows) * len(columns)
-        return {c: spec_of(p) for c, p in columns.items()}, {c: p[1] for c, p in columns.items()}
+        specs = {c: ColumnSpec(v.dtype, tuple(v.shape[1:]), n is None) for c, (v, n) in columns.items()}
+        return specs, {c: n for c, (_, n) in columns.items()}
 
     def discard(self, partition: str, rows: Sequence[int], columns: Sequence[str]) -> None:
         with self._lock:
@@ -73,8 +73,7 @@ class StorageUnit:
     def append(self, partition: str, columns: dict[str, Packed], group_ids, weight_versions, metadata, timeout: float):
         """Store new rows under fresh indices, then add them to the partition (waiting up to `timeout` while it
         is full). Returns their indices."""
-        num = len(group_ids)
-        rows = self.new_indices(num)
+        rows = self.new_indices(len(group_ids))
         specs, lengths = self.store(partition, rows, columns)
         try:
             fields = (group_ids, weight_versions, metadata)
@@ -106,12 +105,7 @@ class StorageUnit:
                         "(never written, or the partition was cleared)"
                     )
                 gathered[column] = [cells[row] for row in rows]
-        out: dict[str, Packed] = {}
-        for column, cells in gathered.items():
-            if cells and cells[0].dim() == 0:
-                out[column] = (torch.stack(cells), None)
-            else:
-                out[column] = (torch.cat(cells), [int(c.shape[0]) for c in cells])
+        out = {column: pack_rows(cells) for column, cells in gathered.items()}
         with self._lock:
             self._counters["bytes_read"] += sum(v.numel() * v.element_size() for v, _ in out.values())
         return out
@@ -134,11 +128,8 @@ class StorageUnit:
             state[partition] = {}
             for column, cells in table.items():
                 rows = sorted(cells)
-                if not rows:
-                    continue
-                scalar = cells[rows[0]].dim() == 0
-                values = torch.stack([cells[r] for r in rows]) if scalar else torch.cat([cells[r] for r in rows])
-                state[partition][column] = [rows, values, None if scalar else [int(cells[r].shape[0]) for r in rows]]
+                if rows:
+                    state[partition][column] = [rows, *pack_rows([cells[r] for r in rows])]
         return {"appended": appended, "cells": state}
 
     def load_state_dict(self, state: dict) -> None:

@@ -1,18 +1,12 @@
-"""Background sending for the remote transports (`ray`, `torch_distributed`).
-
-Owns: `BackgroundSender`, double-buffered staging plus one sender thread, so that `publish` costs
-one local copy and never waits for receivers.
-
-Invariant: a publish while an earlier version is still waiting to be sent supersedes it (that
-version is never sent); the version already being sent completes. The first failure is sticky.
-"""
+"""Background sending for the remote transports (`ray`, `torch_distributed`): `BackgroundSender`, so that
+`publish` costs one local copy and never waits for receivers."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -24,7 +18,7 @@ from asyncflow.weights.buckets import Manifest, allocate_payload, bucket_views, 
 class _Staged:
     manifest: Manifest
     payload: torch.Tensor
-    buckets: list[torch.Tensor] = field(default_factory=list)
+    buckets: list[torch.Tensor]
     version: int = -1
 
 
@@ -34,7 +28,8 @@ class BackgroundSender:
     `publish` packs into a free staging payload and queues it; the thread sends it with
     `send(version, manifest, buckets)`. Two payloads circulate: one being sent, the other pending
     or free. A publish while one is pending supersedes it (reuses its payload; that version is
-    never sent). The first failure is sticky: every later call raises it.
+    never sent); the version already being sent completes. The first failure is sticky: every
+    later call raises it.
     """
 
     def __init__(
@@ -144,7 +139,3 @@ class BackgroundPublisher:
 
     def wait_published(self, timeout: float) -> None:
         self._sender.wait_published(timeout)
-
-    @property
-    def superseded(self) -> int:
-        return self._sender.superseded

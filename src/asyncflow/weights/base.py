@@ -1,13 +1,8 @@
 """The weight-sync contract: `WeightPublisher` / `WeightReceiver` protocols and their errors.
 
 Owns: the protocols every transport implements, `WeightSyncError` / `WeightSyncTimeout`,
-`PollingReceiver` (`wait_for` on top of `poll`) and the version-order check.
-
-Invariants (every transport):
-- A receiver returns whole versions only: every tensor of one published version, never a mix.
-- Versions published by one publisher strictly increase; receivers may skip intermediate ones.
-- Every blocking call takes a timeout and ends in `WeightSyncTimeout` (transport, version, what was
-  awaited); a closed or broken transport raises `WeightSyncError`. Nothing hangs silently.
+`PollingReceiver` (`wait_for` on top of `poll`) and the version-order check. The invariants every
+transport keeps are listed in the package docstring (`asyncflow.weights`).
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """The `inprocess` transport: publisher and receivers in one process (the inline runtime).
 
 Owns: `InProcessPublisher` (packs into a fresh payload per version and swaps a reference under a
-lock) and its receiver. Its spec only works inside the publishing process.
+lock) and its receiver. Its spec holds that reference, so it only works inside the publishing process.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 
@@ -24,30 +23,24 @@ from asyncflow.weights.buckets import (
 )
 
 
-class _InProcessSlot:
+class InProcessSpec:
+    """The newest (version, manifest, buckets), shared by the publisher and its receivers."""
+
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.latest: tuple[int, Manifest, list[torch.Tensor]] | None = None
         self.closed = False
 
-
-@dataclass(frozen=True)
-class InProcessSpec:
-    slot: _InProcessSlot
-
     def open(self) -> InProcessReceiver:
-        return InProcessReceiver(self.slot)
+        return InProcessReceiver(self)
 
 
 class InProcessPublisher:
-    """Packs into a fresh payload per version and swaps the reference under a lock."""
-
     transport = "inprocess"
 
     def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: str = "cpu"):
         self.bucket_bytes, self.device = bucket_bytes, device
-        self._slot = _InProcessSlot()
-        self.receiver_spec = InProcessSpec(self._slot)
+        self._slot = self.receiver_spec = InProcessSpec()
 
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         manifest = plan_buckets(state_dict, self.bucket_bytes)
@@ -72,7 +65,7 @@ class InProcessPublisher:
 class InProcessReceiver(PollingReceiver):
     transport = "inprocess"
 
-    def __init__(self, slot: _InProcessSlot):
+    def __init__(self, slot: InProcessSpec):
         self._slot = slot
 
     def poll(self, have_version: int) -> Received | None:

@@ -20,7 +20,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayError
@@ -49,46 +48,13 @@ class WeightStore:
 
 
 def _get(refs: Any, timeout_s: float, what: str) -> Any:
+    """`ray.get` whose failures say what was awaited: TimeoutError past `timeout_s`, ConnectionError otherwise."""
     try:
         return ray.get(refs, timeout=timeout_s)
     except GetTimeoutError as err:
         raise TimeoutError(what) from err
     except RayError as err:
         raise ConnectionError(f"{what}: {err}") from err
-
-
-def create_weight_store(name: str, namespace: str | None) -> Any:
-    return WeightStore.options(name=name, namespace=namespace).remote()
-
-
-def find_weight_store(name: str, namespace: str | None, timeout_s: float) -> Any:
-    """The store actor by name, retrying until it is registered or `timeout_s` passes."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return ray.get_actor(name, namespace=namespace)
-        except ValueError:
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"weight store {name!r} to be registered") from None
-            time.sleep(0.05)
-
-
-def store_version(store: Any, version: int, manifest: bytes, buckets: list[np.ndarray], timeout_s: float) -> None:
-    refs = [ray.put(bucket) for bucket in buckets]
-    _get(store.put.remote(version, manifest, refs), timeout_s, "the weight store to record a version")
-
-
-def fetch_newer(store: Any, have_version: int, timeout_s: float) -> tuple[int, bytes, list[np.ndarray]] | None:
-    """(version, manifest, read-only bucket arrays) of the stored version if newer than `have_version`."""
-    latest = _get(store.newer_than.remote(have_version), timeout_s, "the weight store's reply")
-    if latest is None:
-        return None
-    version, manifest, refs = latest
-    return version, manifest, _get(refs, timeout_s, f"the {len(refs)} bucket objects of version {version}")
-
-
-def kill_weight_store(store: Any) -> None:
-    ray.kill(store)
 
 
 # ------------------------------------------------------------------- publisher, receiver
@@ -103,11 +69,7 @@ class RaySpec:
 
 
 class RayWeightPublisher(BackgroundPublisher):
-    """`ray.put`s each bucket, then records the refs in a named weight-store actor.
-
-    Ray must be initialised. Receivers ask the store for refs newer than theirs and `ray.get` them.
-    The store holds the latest version only; older objects are freed once no receiver holds them.
-    """
+    """Ray must be initialised."""
 
     transport = "ray"
 
@@ -121,14 +83,15 @@ class RayWeightPublisher(BackgroundPublisher):
     ):
         self.timeout_s = timeout_s
         name = store_name or f"asyncflow-weight-store-{uuid.uuid4().hex[:12]}"
-        self._store = create_weight_store(name, namespace)
+        self._store = WeightStore.options(name=name, namespace=namespace).remote()
         self.receiver_spec = RaySpec(name, namespace, timeout_s)
         self._sender = BackgroundSender(self.transport, self._send, bucket_bytes=bucket_bytes)
 
     def _send(self, version: int, manifest: Manifest, buckets: list[torch.Tensor]) -> None:
-        arrays = [b.view(torch.uint8).numpy() for b in buckets]
         try:
-            store_version(self._store, version, pickle.dumps(manifest), arrays, self.timeout_s)
+            refs = [ray.put(b.view(torch.uint8).numpy()) for b in buckets]
+            recorded = self._store.put.remote(version, pickle.dumps(manifest), refs)
+            _get(recorded, self.timeout_s, "the weight store to record a version")
         except TimeoutError as err:
             raise WeightSyncTimeout(
                 self.transport, version, f"the weight store to record it ({err})", self.timeout_s
@@ -138,7 +101,7 @@ class RayWeightPublisher(BackgroundPublisher):
 
     def close(self) -> None:
         self._sender.close(self.timeout_s)
-        kill_weight_store(self._store)
+        ray.kill(self._store)
 
 
 class RayWeightReceiver(PollingReceiver):
@@ -146,25 +109,33 @@ class RayWeightReceiver(PollingReceiver):
 
     def __init__(self, spec: RaySpec):
         self._spec = spec
-        try:
-            self._store = find_weight_store(spec.store_name, spec.namespace, spec.timeout_s)
-        except TimeoutError as err:
-            raise WeightSyncTimeout(self.transport, None, f"weight store {spec.store_name!r}", spec.timeout_s) from err
+        deadline = time.monotonic() + spec.timeout_s
+        while True:  # the store actor may not be registered yet
+            try:
+                self._store = ray.get_actor(spec.store_name, namespace=spec.namespace)
+                break
+            except ValueError:
+                if time.monotonic() >= deadline:
+                    raise WeightSyncTimeout(
+                        self.transport, None, f"weight store {spec.store_name!r}", spec.timeout_s
+                    ) from None
+                time.sleep(0.05)
 
     def poll(self, have_version: int) -> Received | None:
+        timeout_s = self._spec.timeout_s
         try:
-            latest = fetch_newer(self._store, have_version, self._spec.timeout_s)
+            latest = _get(self._store.newer_than.remote(have_version), timeout_s, "the weight store's reply")
+            if latest is None:
+                return None
+            version, manifest_bytes, refs = latest
+            arrays = _get(refs, timeout_s, f"the {len(refs)} bucket objects of version {version}")
         except TimeoutError as err:
-            raise WeightSyncTimeout(
-                self.transport, have_version + 1, f"weights from the store ({err})", self._spec.timeout_s
-            ) from err
+            waited_for = f"weights from the store ({err})"
+            raise WeightSyncTimeout(self.transport, have_version + 1, waited_for, timeout_s) from err
         except ConnectionError as err:
             raise WeightSyncError(
                 f"ray: weight store {self._spec.store_name!r} unreachable (publisher closed?): {err}"
             ) from err
-        if latest is None:
-            return None
-        version, manifest_bytes, arrays = latest
         manifest: Manifest = pickle.loads(manifest_bytes)
         payload = allocate_payload(manifest)
         buckets = bucket_views(manifest, payload)

@@ -140,9 +140,8 @@ class SharedMemoryPublisher:
             values = list(_CONTROL.unpack_from(self._mm, 0))
             values[2] = 1
             _CONTROL.pack_into(self._mm, 0, *values)
-            self._bytes = None
+            self._bytes = None  # before closing the map: a live tensor view of it blocks the close
             self._mm.close()
-        self._bytes = None
         self._unlink()
 
 

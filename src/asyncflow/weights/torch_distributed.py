@@ -21,8 +21,7 @@ from asyncflow.weights.buckets import DEFAULT_BUCKET_BYTES, Manifest, allocate_p
 
 
 # ------------------------------------------------------------------------- torch.distributed
-# Protocol (rank 0 publishes, ranks 1..N receive), over a private TCPStore + process group that
-# never touches the default process group:
+# Protocol:
 #   join:      each receiver bumps store key "joined"; rank 0 builds the group once all N joined.
 #   announce:  for its k-th send rank 0 sets "announce/k" = (version, manifest id) (and
 #              "manifest/<id>" when the layout changes), then broadcasts every bucket from rank 0.
@@ -44,16 +43,19 @@ def make_group(store: Any, rank: int, world_size: int, backend: str, timeout_s: 
     raise ValueError(f"torch_distributed: unknown backend {backend!r} (gloo or nccl)")
 
 
-def _broadcast(group: Any, tensor: torch.Tensor, timeout_s: float, version: int, what: str) -> None:
+def _broadcast(group: Any, buckets: list[torch.Tensor], timeout_s: float, version: int) -> None:
+    """Broadcast every bucket from rank 0, in order; each waits at most `timeout_s`."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    try:
-        group.broadcast(tensor, 0, timeout).wait(timeout)
-    except RuntimeError as err:
-        if "timed out" in str(err).lower() or "timeout" in str(err).lower():
-            raise WeightSyncTimeout(
-                "torch_distributed", version, f"{what} (every receiver must poll)", timeout_s
-            ) from err
-        raise WeightSyncError(f"torch_distributed: {what} of version {version} failed: {err}") from err
+    for i, bucket in enumerate(buckets):
+        what = f"broadcast of bucket {i + 1}/{len(buckets)}"
+        try:
+            group.broadcast(bucket, 0, timeout).wait(timeout)
+        except RuntimeError as err:
+            if "timed out" in str(err).lower() or "timeout" in str(err).lower():
+                raise WeightSyncTimeout(
+                    "torch_distributed", version, f"{what} (every receiver must poll)", timeout_s
+                ) from err
+            raise WeightSyncError(f"torch_distributed: {what} of version {version} failed: {err}") from err
 
 
 @dataclass(frozen=True)
@@ -75,8 +77,6 @@ class TorchDistributedSpec:
 
 
 class TorchDistributedPublisher(BackgroundPublisher):
-    """Rank 0 of a private process group; broadcasts buckets on a background thread."""
-
     transport = "torch_distributed"
 
     def __init__(
@@ -135,8 +135,7 @@ class TorchDistributedPublisher(BackgroundPublisher):
             self._store.set(f"manifest/{manifest_id}", pickle.dumps(manifest))
         self._sends += 1
         self._store.set(f"announce/{self._sends}", pickle.dumps((version, manifest_id)))
-        for i, bucket in enumerate(buckets):
-            _broadcast(self._group, bucket, self.timeout_s, version, f"broadcast of bucket {i + 1}/{len(buckets)}")
+        _broadcast(self._group, buckets, self.timeout_s, version)
 
     def close(self) -> None:
         self._closed.set()
@@ -178,10 +177,7 @@ class TorchDistributedReceiver(PollingReceiver):
         if manifest is None:
             manifest = self._manifests[manifest_id] = pickle.loads(self._store.get(f"manifest/{manifest_id}"))
         buckets = bucket_views(manifest, allocate_payload(manifest, self._spec.device))
-        for i, bucket in enumerate(buckets):
-            _broadcast(
-                self._group, bucket, self._spec.timeout_s, version, f"broadcast of bucket {i + 1}/{len(buckets)}"
-            )
+        _broadcast(self._group, buckets, self._spec.timeout_s, version)
         return version, manifest, buckets
 
     def poll(self, have_version: int) -> Received | None:
