@@ -376,9 +376,10 @@ class FSDP2TrainEngine(TrainEngineBase):
         device = next(self.model.parameters()).device if self.model is not None else torch.device("cpu")
         self.model = None  # the ranks hold the policy; the driver keeps no reference to its copy
         threads = self.threads_per_rank or max(1, torch.get_num_threads() // self.world_size)
-        shared = {f.name: getattr(self, f.name) for f in fields(RankSpec) if f.name != "threads"}  # same names
-        spec = RankSpec(**{**shared, "model_path": str(self.model_path), "device": device.type,
-                           "betas": tuple(self.betas), "threads": threads})
+        own = {"model_path": str(self.model_path), "device": device.type, "betas": tuple(self.betas),
+               "threads": threads}
+        # every other field of the ranks' spec is this engine's field of the same name
+        spec = RankSpec(**own, **{f.name: getattr(self, f.name) for f in fields(RankSpec) if f.name not in own})
         if self.launcher is None:
             raise ValueError("train.engine=fsdp2 needs a launcher for its ranks (a runtime's: "
                              "asyncflow.runtime.inline.ProcessRanks or the Ray runtime's)")
