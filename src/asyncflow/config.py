@@ -265,10 +265,11 @@ class EnvConfig(Section):
     max_tool_output_chars: int = Field(512, ge=16)
     """An observation longer than this is cut (the model sees `...[truncated]`)."""
     python_isolation: Literal["strict", "weak"] = "strict"
-    """How the `python` tool's model-written code is isolated: `strict`, inside a bubblewrap sandbox (own PID,
-    network, IPC and mount namespaces, empty environment, read-only system, private size-limited /tmp; the run
-    refuses to start where bubblewrap cannot run); `weak`, the audit hook and rlimits only (not a security
-    boundary: docs/security.md)."""
+    """How the `python` tool's model-written code is isolated: `strict`, inside a bubblewrap sandbox (own user,
+    PID, network, IPC and mount namespaces, an unprivileged uid with no capabilities even when the trainer is root,
+    empty environment, read-only system, private size-limited /tmp, at most 16 threads; the run refuses to start
+    where bubblewrap cannot run); `weak`, the audit hook and rlimits only (not a security boundary:
+    docs/security.md)."""
     python_cpu_s: int = Field(2, ge=1)
     """`python` tool: CPU-time limit of the child process (RLIMIT_CPU)."""
     python_memory_mb: int = Field(256, ge=32)

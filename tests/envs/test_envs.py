@@ -41,7 +41,7 @@ def test_calculator_is_exact_and_evaluates_no_code():
 
 @pytest.mark.parametrize("code, error", [
     ("while True:\n    pass", "CPU time|timed out"),  # whichever limit a loaded machine reaches first
-    ("x = bytearray(2 * 1024**3)", "memory"),
+    ("x = bytearray(2 * 1024**3)", "MemoryError .the tool.s memory limit is"),
     ("print('a' * 100_000)", "output exceeded"),
     ("import socket\ns = socket.create_connection(('93.184.216.34', 80), timeout=2)", "socket"),
     ("import os\nos.system('echo hi')", "os.system"),

@@ -15,8 +15,8 @@ from asyncflow.envs.sandbox import (
     SandboxUnavailable,
     ToolLimitError,
     bubblewrap_problem,
+    check_isolation,
     run_python,
-    sandbox_command,
 )
 
 needs_bwrap = pytest.mark.skipif(bubblewrap_problem() is not None, reason=f"no bubblewrap: {bubblewrap_problem()}")
@@ -103,7 +103,7 @@ def test_strict_refuses_without_bubblewrap(monkeypatch):
 
     monkeypatch.setattr(sandbox, "bubblewrap_problem", lambda: "bubblewrap (bwrap) is not installed")
     with pytest.raises(SandboxUnavailable, match="env.python_isolation=weak"):
-        sandbox_command(SandboxLimits(isolation="strict"))
+        check_isolation(SandboxLimits(isolation="strict"))
 
 
 def test_a_printed_memoryerror_is_not_the_memory_limit():

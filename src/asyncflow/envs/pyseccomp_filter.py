@@ -27,6 +27,12 @@ DENIED_SYSCALLS = (
     "swapon", "swapoff", "syslog", "acct", "quotactl", "personality", "open_by_handle_at", "name_to_handle_at",
     "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "lookup_dcookie", "vhangup", "iopl", "ioperm",
     "fork", "vfork", "execveat",
+    # memory the address-space limit does not count: SysV and POSIX IPC objects, memfd files
+    "shmget", "shmat", "shmctl", "shmdt", "msgget", "msgsnd", "msgrcv", "msgctl", "semget", "semop", "semtimedop",
+    "semctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr",
+    "memfd_create", "memfd_secret",
+    # signals and handles by pidfd (pid 1, bwrap's init, is refused to kill() below)
+    "pidfd_open", "pidfd_send_signal", "pidfd_getfd", "process_madvise", "process_mrelease",
 )
 """Refused with EPERM inside the strict sandbox (a deny list in the spirit of Docker's default profile), besides
 the argument rules of `seccomp_filter`."""

@@ -320,12 +320,12 @@ def preflight(config: Config, *, training: bool = True) -> Preflight:
 def check_python_isolation(config: Config) -> None:
     """`env.python_isolation=strict` with the `python` tool in reach: bubblewrap must run here, else a one-line
     error naming what is missing and the key that accepts weaker isolation."""
-    from asyncflow.envs.sandbox import SandboxLimits, SandboxUnavailable, sandbox_command
+    from asyncflow.envs.sandbox import SandboxLimits, SandboxUnavailable, check_isolation
 
     if config.env.name == "calculator" or config.env.python_isolation != "strict":
         return
     try:
-        sandbox_command(SandboxLimits(isolation="strict"))
+        check_isolation(SandboxLimits(isolation="strict"))
     except SandboxUnavailable as err:
         raise ValueError(str(err)) from None
 
