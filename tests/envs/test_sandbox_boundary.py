@@ -98,3 +98,15 @@ def test_threads_are_limited(seen):
 ])  # fmt: skip
 def test_limits_are_told_from_what_was_observed(seen, case, message):
     assert seen[case].startswith(f"refused: {message}"), seen[case]
+
+
+def test_calls_at_once_each_get_their_own_sandbox():
+    """Eight calls at once, as a rollout's ToolBox makes them: each starts (its own user namespace, id maps and
+    file descriptors) and reports its own limit."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    codes = ["import os\nprint(os.getuid())", "import os\nos._exit(152)"] * 4
+    with ThreadPoolExecutor(8) as pool:
+        seen = list(pool.map(lambda code: run_all({"case": code})["case"], codes))
+    assert seen[0::2] == [seen[0]] * 4 and seen[0].strip() != "0", seen
+    assert all(text.startswith("refused: python: exited with status 152") for text in seen[1::2]), seen
