@@ -2,12 +2,15 @@
 BENCHMARKS.md and docs/*.md (tests/..., src/..., scripts/..., examples/..., benchmarks/..., docs/...) and every
 relative markdown link resolves, and so does every link's `#anchor` (a heading of the target file); every config
 key the docs name (`train.lora.rank`, `rollout.engine: vllm`, `algo.kl_coef=0.1`, a YAML block of config) exists
-in the schema; every config field has its docstring; every command is in docs/cli.md; the README stays a
-newcomer's page."""
+in the schema; every config field has its docstring; every command is in docs/cli.md and every `asyncflow` command
+line of a shell block parses; the README stays a newcomer's page."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
+import shlex
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
@@ -251,6 +254,49 @@ def test_every_command_is_in_the_cli_doc():
     usage = FENCE.search((ROOT / "docs" / "cli.md").read_text()).group(2)
     missing = [name for name in commands if not re.search(rf"^asyncflow {name}\b", usage, re.M)]
     assert not missing, f"commands missing from docs/cli.md's usage block: {missing}"
+
+
+def shell_commands(text: str) -> list[list[str]]:
+    """The arguments of each `asyncflow ...` command line in a markdown text's shell code blocks (continuation lines
+    joined; a synopsis with `[optional]` or `<placeholder>` parts left out)."""
+    commands = []
+    for language, block in FENCE.findall(text):
+        if language not in ("bash", "sh", ""):
+            continue
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.split(r"\s#", line)[0]
+            command = re.search(r"(?:^|[\s/])asyncflow\s+([^&]*)", line)
+            if command and not re.search(r"[\[<]", line):
+                commands.append(shlex.split(command.group(1)))
+    return commands
+
+
+def parse_error(argv: list[str]) -> str | None:
+    """What `asyncflow` would refuse in `argv` before doing anything (as `asyncflow.cli.main` parses), or None."""
+    from asyncflow.cli import build_parser
+
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            _, extra = build_parser().parse_known_args(argv)
+    except SystemExit:
+        return stderr.getvalue().strip().splitlines()[-1]
+    unknown = [a for a in extra if a.startswith("-") or "=" not in a]
+    return f"unrecognized arguments: {' '.join(unknown)}" if unknown else None
+
+
+def test_the_command_checker_finds_an_unknown_flag():
+    text = "```bash\nasyncflow train --config my.yaml train.lr=1 \\\n  --threads 1   # a comment\n```\n"
+    assert shell_commands(text) == [["train", "--config", "my.yaml", "train.lr=1", "--threads", "1"]]
+    assert parse_error(shell_commands(text)[0]) == "unrecognized arguments: --config"
+    assert parse_error(["train", "my.yaml", "train.lr=1", "--threads", "1"]) is None
+    assert "is not a TCP port" in parse_error(["serve", "preset:tiny-llama", "--port", "80x"])
+
+
+def test_every_command_in_the_docs_parses():
+    refused = [f"{doc.relative_to(ROOT)}: asyncflow {' '.join(argv)}: {error}" for doc in DOCS
+               for argv in shell_commands(doc.read_text()) if (error := parse_error(argv))]
+    assert not refused, "commands asyncflow refuses:\n" + "\n".join(refused)
 
 
 def test_readme_is_a_newcomers_page():
