@@ -11,7 +11,6 @@ import inspect
 import json
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from asyncflow.engines.torch_inference import make_torch_inference_engine
 from asyncflow.runtime.base import Runtime, build_rollout_worker
 from asyncflow.workers.rollout import RolloutWorker
 from asyncflow.workflow import run as run_module
+from asyncflow.workflow.evaluation import evaluation_spec
 from asyncflow.workflow.run import RunState
 
 
@@ -138,7 +138,7 @@ def test_evaluation_generates_with_the_trainers_policy_not_a_copy(tmp_path, one_
                 p.add_(torch.randn_like(p) * 0.05)  # weights no engine was loaded with
         assert "eval/accuracy" in run.evaluate()
         assert run.eval_worker.engine.model is policy and policy.training
-        copy = build_rollout_worker(replace(run.spec, params=run.eval_params, group_size=1, agent=None), None)
+        copy = build_rollout_worker(evaluation_spec(run.spec, run.eval_params), None)
         copy.engine.update_weights(run.train_engine.state_dict(), 1)
         prompts = [run.eval_encoder.encode(example, i) for i, example in enumerate(run.test_set)]
 

@@ -42,7 +42,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from asyncflow.config import Config
@@ -59,7 +59,7 @@ from asyncflow.workers.multiturn import make_rollout_worker
 from asyncflow.workers.reward import RewardWorker
 from asyncflow.workers.trainer import PolicyTrainer
 from asyncflow.workflow.checkpoint import SHARDED_DIR, CheckpointError, load_checkpoint, save_checkpoint
-from asyncflow.workflow.evaluation import evaluate
+from asyncflow.workflow.evaluation import evaluate, evaluation_spec
 from asyncflow.workflow.export import EXPORT_DIR, export_run
 from asyncflow.workflow.pipeline import PipelineWorkflow
 from asyncflow.workflow.run_folder import Plan, RunFolder
@@ -234,8 +234,7 @@ class RLRun:
             borrowed = self.train_engine.policy_module()
             if self.eval_worker is None:
                 self.eval_worker = build_rollout_worker(
-                    replace(self.spec, params=self.eval_params, group_size=1, agent=None), scorer=None,
-                    policy=borrowed)
+                    evaluation_spec(self.spec, self.eval_params), scorer=None, policy=borrowed)
             engine = self.eval_worker.engine
             if borrowed is None:
                 engine.update_weights(self.train_engine.state_dict(), self.state.version)
