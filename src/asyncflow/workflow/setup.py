@@ -171,8 +171,8 @@ def critic_spec(config: Config, model_path) -> CriticSpec | None:
 
 def train_engine_options(config: Config, policy: torch.nn.Module, model_path) -> dict:
     """Keyword arguments of `make_train_engine(config.train.engine, ...)`. A multi-rank engine also gets
-    `world_size`, `model_path` (its ranks load the policy themselves), `dtype`, `timeout_s` and the runtime's
-    `launcher`: its ranks are Ray actors under the Ray runtime, local processes under the inline one."""
+    `world_size`, `model_path` (its ranks load the policy themselves), `dtype`, `timeout_s` and the `launcher`
+    that places its ranks, the runtime's (`asyncflow.runtime.factory.rank_launcher`)."""
     t = config.train
     options = dict(
         model=policy, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas, grad_clip=t.grad_clip,
@@ -182,18 +182,11 @@ def train_engine_options(config: Config, policy: torch.nn.Module, model_path) ->
     )
     if t.engine == "torch":
         return {**options, "lora": lora_settings(config)}
-    from asyncflow.runtime.factory import require_ray, runtime_kind
+    from asyncflow.runtime.factory import rank_launcher
 
-    if runtime_kind(config) == "ray":
-        require_ray(config)
-        from asyncflow.runtime.ray_runtime import ray_rank_launcher
-
-        launcher = ray_rank_launcher(config)
-    else:
-        from asyncflow.runtime.inline import ProcessRanks as launcher
     return {
         **options, "world_size": t.world_size, "model_path": str(model_path), "dtype": config.model.dtype,
-        "timeout_s": config.runtime.call_timeout_s, "launcher": launcher,
+        "timeout_s": config.runtime.call_timeout_s, "launcher": rank_launcher(config),
     }
 
 
