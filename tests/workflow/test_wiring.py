@@ -170,6 +170,7 @@ def test_agent_on_ray_starts_no_server_in_the_driver(tmp_path, ray_cluster, one_
 
     started = []
     monkeypatch.setattr(server.ServerThread, "start", lambda self: started.append(self) or self)
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "workers"))  # preflight imports agent.fn here too
     config = wiring_config(tmp_path, "workflow.mode=async", "runtime.kind=ray", "runtime.rollout_cpus=0.5",
                            "agent.fn=test_agent:two_call_agent", "eval.every=0", "data.test_size=0")
     history = train(config).history
