@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from asyncflow.api import open_run
 from asyncflow.config import build_config
 from asyncflow.transfer import TransferQueue
 from asyncflow.workers.rollout import RolloutWorker
@@ -54,20 +55,19 @@ def main() -> None:
             f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.max_batch_size=128",
             "agent.fn=bench_agent:one_call_agent",
         ])  # fmt: skip
-        run = RLRun(config)
-        agent_worker = run.runtime.local_rollout
-        builtin = RolloutWorker(agent_worker.engine, run.spec.params, config.rollout.group_size)
-        samples = args.prompts * args.group_size
-        partition_seconds(run, builtin, 0)  # warm-up of both paths
-        partition_seconds(run, agent_worker, 1)
-        rows = []
-        for repeat in range(args.repeats):
-            plain = partition_seconds(run, builtin, 2 + 2 * repeat)
-            agent = partition_seconds(run, agent_worker, 3 + 2 * repeat)
-            rows.append({"repeat": repeat, "builtin_samples_per_s": samples / plain,
-                         "agent_http_samples_per_s": samples / agent, "agent_over_builtin": plain / agent})
-            print(json.dumps(rows[-1]), flush=True)
-        run.close()
+        with open_run(config) as run:
+            agent_worker = run.runtime.local_rollout
+            builtin = RolloutWorker(agent_worker.engine, run.spec.params, config.rollout.group_size)
+            samples = args.prompts * args.group_size
+            partition_seconds(run, builtin, 0)  # warm-up of both paths
+            partition_seconds(run, agent_worker, 1)
+            rows = []
+            for repeat in range(args.repeats):
+                plain = partition_seconds(run, builtin, 2 + 2 * repeat)
+                agent = partition_seconds(run, agent_worker, 3 + 2 * repeat)
+                rows.append({"repeat": repeat, "builtin_samples_per_s": samples / plain,
+                             "agent_http_samples_per_s": samples / agent, "agent_over_builtin": plain / agent})
+                print(json.dumps(rows[-1]), flush=True)
     print(json.dumps({"model": args.model, "max_new_tokens": args.max_new_tokens, "samples_per_partition": samples,
                       "median_agent_over_builtin":
                       statistics.median(r["agent_over_builtin"] for r in rows)}))

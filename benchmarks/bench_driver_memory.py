@@ -15,6 +15,7 @@ With `--before-src`, both run side by side (alternating, `--repeats` each) and t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -32,7 +33,14 @@ def child(args) -> None:
     import torch
 
     from asyncflow.config import build_config
-    from asyncflow.workflow.run import RLRun
+
+    try:
+        from asyncflow.api import open_run
+    except ImportError:  # a checkout from before `open_run` built its runs directly
+        from asyncflow.workflow.run import RLRun
+
+        def open_run(config):
+            return contextlib.closing(RLRun(config))
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as out:
@@ -42,14 +50,14 @@ def child(args) -> None:
             "rollout.max_new_tokens=8", "train.micro_batch_size=32", f"train.steps={args.steps}", "eval.every=0",
             "data.test_size=1", "checkpoint.every=0", "observe.tensorboard=false", "export.at_end=false",
         ])  # fmt: skip
-        run = RLRun(config)
-        policy_bytes = sum(t.numel() * t.element_size() for t in run.train_engine.state_dict().values())
-        try:
-            from asyncflow.workflow.pipeline import make_workflow  # checkouts before the explicit wiring
-        except ImportError:
-            run.train()
-        else:
-            run.train(make_workflow(config, run))
+        with open_run(config) as run:
+            policy_bytes = sum(t.numel() * t.element_size() for t in run.train_engine.state_dict().values())
+            try:
+                from asyncflow.workflow.pipeline import make_workflow  # checkouts before the explicit wiring
+            except ImportError:
+                run.train()
+            else:
+                run.train(make_workflow(config, run))
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"peak_rss_mb": round(peak_mb, 1), "policy_mb": round(policy_bytes / 2**20, 1)}))
 

@@ -105,8 +105,8 @@ def main() -> int:
 
     import ray
 
+    from asyncflow.api import open_run
     from asyncflow.config import build_config
-    from asyncflow.workflow.run import RLRun
 
     out = args.output or tempfile.mkdtemp(prefix="soak_async_")
     k = 1
@@ -119,49 +119,49 @@ def main() -> int:
         f"workflow.max_staleness={k}", "runtime.kind=ray", "runtime.num_cpus=2", "runtime.max_restarts=4",
         "runtime.call_timeout_s=300",
     ])  # fmt: skip
-    run = RLRun(config)
+    with open_run(config) as run:
 
-    trained: Counter = Counter()
-    staleness: list[int] = []
-    train_partition = run.trainer.train_partition
+        trained: Counter = Counter()
+        staleness: list[int] = []
+        train_partition = run.trainer.train_partition
 
-    def counting_train_partition(queue, partition, **kwargs):
-        rollouts, stats = train_partition(queue, partition, **kwargs)
-        trained.update(r.row_id for r in rollouts)
-        staleness.extend(kwargs["policy_version"] - r.weight_version for r in rollouts)
-        return rollouts, stats
+        def counting_train_partition(queue, partition, **kwargs):
+            rollouts, stats = train_partition(queue, partition, **kwargs)
+            trained.update(r.row_id for r in rollouts)
+            staleness.extend(kwargs["policy_version"] - r.weight_version for r in rollouts)
+            return rollouts, stats
 
-    run.trainer.train_partition = counting_train_partition
+        run.trainer.train_partition = counting_train_partition
 
-    samples: list[dict] = []
-    workflow = run.workflow
-    step = workflow.step
+        samples: list[dict] = []
+        workflow = run.workflow
+        step = workflow.step
 
-    def sampled_step(*args):
-        result = step(*args)
-        mine, count, total = shm_usage()
-        samples.append({
-            "step": run.step, "driver_threads": threads_of(os.getpid()),
-            "replica_threads": sum(threads_of(p) for p in replica_pids()), "shm_mine": mine, "shm_files": count,
-            "shm_total": total,
-        })  # fmt: skip
-        return result
+        def sampled_step(*args):
+            result = step(*args)
+            mine, count, total = shm_usage()
+            samples.append({
+                "step": run.step, "driver_threads": threads_of(os.getpid()),
+                "replica_threads": sum(threads_of(p) for p in replica_pids()), "shm_mine": mine, "shm_files": count,
+                "shm_total": total,
+            })  # fmt: skip
+            return result
 
-    workflow.step = sampled_step
-    kills = [args.steps // 3, 2 * args.steps // 3]
-    killed: list[tuple[int, float]] = []
+        workflow.step = sampled_step
+        kills = [args.steps // 3, 2 * args.steps // 3]
+        killed: list[tuple[int, float]] = []
 
-    def killer():
-        for at in kills:
-            while run.step < at:
-                time.sleep(0.05)
-            ray.kill(run.runtime.actors["rollout_0"], no_restart=False)
-            killed.append((run.step, time.time()))
+        def killer():
+            for at in kills:
+                while run.step < at:
+                    time.sleep(0.05)
+                ray.kill(run.runtime.actors["rollout_0"], no_restart=False)
+                killed.append((run.step, time.time()))
 
-    threading.Thread(target=killer, daemon=True).start()
-    t0 = time.time()
-    history = run.train()
-    wall = time.time() - t0
+        threading.Thread(target=killer, daemon=True).start()
+        t0 = time.time()
+        history = run.train()
+        wall = time.time() - t0
     after_close = shm_usage()
 
     steps = [h for h in history if "loss" in h]

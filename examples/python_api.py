@@ -42,9 +42,8 @@ def main() -> None:
     own = asyncflow.load_config("examples/arithmetic_grpo.yaml", [
         "run.output_dir=runs/python_api_own", f"model.path={result.run_dir / 'sft'}", "sft.before_rl=false",
     ])
-    run = asyncflow.RLRun(own, overwrite=True)
-    flow = run.workflow
-    try:
+    with asyncflow.open_run(own, overwrite=True) as run:  # claimed, checked and built as `train` does; closed after
+        flow = run.workflow
         flow.start(step=0, version=0)
         for step in range(3):
             flow.put_prompts(step)
@@ -54,8 +53,6 @@ def main() -> None:
             metrics = run.trainer.finish_step()
             flow.publish(step + 1)
             print(f"own loop, step {step}: loss {metrics['loss']:.4f}, gradient norm {metrics['grad_norm']:.3f}")
-    finally:
-        run.close()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import asyncflow
 from asyncflow.cli import main
 
 PUBLIC = {"Config", "ConfigError", "load_config", "build_config", "train", "sft", "evaluate", "export", "serve",
-          "TrainResult", "RLRun", "RunStopped", "__version__"}
+          "TrainResult", "open_run", "RunStopped", "__version__"}
 
 
 def test_public_names_are_stable_and_documented():
@@ -67,11 +67,10 @@ def test_a_loop_of_ones_own_in_the_verbs_equals_sync(tmp_path, one_torch_thread)
     """Put prompts, generate, get experience, train a step, publish: the seed's verbs, driven by hand, give
     the built-in `sync` run's metrics bit for bit on the same seed."""
     args = [a for a in run_args(tmp_path / "builtin") if not a.startswith("eval.every")] + ["eval.every=0"]
-    builtin = asyncflow.RLRun(asyncflow.build_config({}, args)).train()
-    run = asyncflow.RLRun(asyncflow.build_config({}, [*args, f"run.output_dir={tmp_path / 'own'}"]))
-    flow, trainer = run.workflow, run.trainer
+    builtin = asyncflow.train(asyncflow.build_config({}, args)).history
     own = []
-    try:
+    with asyncflow.open_run(asyncflow.build_config({}, [*args, f"run.output_dir={tmp_path / 'own'}"])) as run:
+        flow, trainer = run.workflow, run.trainer
         flow.start(step=0, version=0)
         for step in range(3):
             flow.put_prompts(step)
@@ -82,8 +81,6 @@ def test_a_loop_of_ones_own_in_the_verbs_equals_sync(tmp_path, one_torch_thread)
                 trainer.accumulate(rows, policy_version=step)
             own.append({"reward/mean": sum(rewards) / len(rewards), **trainer.finish_step()})
             flow.publish(step + 1)
-    finally:
-        run.close()
     for mine, theirs in zip(own, builtin[1:], strict=True):
         for key in ("reward/mean", "loss", "grad_norm", "entropy"):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-12, abs=0), key

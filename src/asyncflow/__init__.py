@@ -28,15 +28,14 @@ _PUBLIC = {
     "export": "asyncflow.api",
     "serve": "asyncflow.api",
     "TrainResult": "asyncflow.api",
-    "RLRun": "asyncflow.workflow.run",
+    "open_run": "asyncflow.api",
     "RunStopped": "asyncflow.workflow.stopping",
 }
 __all__ = ["__version__", *_PUBLIC]
 
 if TYPE_CHECKING:
-    from asyncflow.api import TrainResult, evaluate, export, serve, sft, train  # noqa: F401
+    from asyncflow.api import TrainResult, evaluate, export, open_run, serve, sft, train  # noqa: F401
     from asyncflow.config import Config, ConfigError, build_config, load_config  # noqa: F401
-    from asyncflow.workflow.run import RLRun  # noqa: F401
     from asyncflow.workflow.stopping import RunStopped  # noqa: F401
 
 

@@ -13,16 +13,27 @@ Invariants: a function here does what the command of the same name does, with th
 (`RunFolder.claim`) while it runs. `train` interrupted by SIGINT / SIGTERM (Ctrl-C, in a notebook too) stops
 after the step in progress with a checkpoint and raises `RunStopped`; the folder is resumable with
 `resume=True`.
+
+One way into a run: `train` and `open_run` claim and settle the folder (`_settled`), then check the input, carry
+the plan out, warm up and build the `RLRun` (`_start`); nothing else builds one, so a run started either way holds
+the same lock, checks and outputs.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from asyncflow.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from asyncflow.workflow.run import RLRun
+    from asyncflow.workflow.run_folder import Plan
+    from asyncflow.workflow.stopping import StopSignals
 
 log = logging.getLogger("asyncflow")
 
@@ -54,9 +65,40 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False, on_s
     in the configured workflow. `on_step` sees every metrics row as it is logged. A resume refuses training data
     that changed since its checkpoint unless `accept_data_change` (then it continues at the checkpoint's data
     position in the new data)."""
-    from asyncflow.workflow.run import RLRun, complete_outputs
+    from asyncflow.workflow.run import complete_outputs
+
+    with _settled(config, resume=resume, overwrite=overwrite) as (plan, stop):
+        if plan.action == "finished":
+            written = complete_outputs(config)
+            log.info("the run in %s is already finished (checkpoint %s, train.steps=%d): %s", plan.path,
+                     plan.checkpoint, config.train.steps,
+                     f"wrote what was missing ({', '.join(written)})" if written else "nothing to do")
+            return TrainResult(plan.path, plan.step, finished_before=True)
+        run, sft = _start(config, plan, stop, on_step, accept_data_change)
+        history = run.train()
+    return TrainResult(run.run_dir, run.step, history, sft)
+
+
+@contextmanager
+def open_run(config: Config, *, resume: bool = False, overwrite: bool = False, on_step: StepCallback | None = None,
+             accept_data_change: bool = False) -> Iterator[RLRun]:
+    """`with open_run(config) as run:` the run `train` would train, built the way it builds it (the run folder
+    claimed and settled, the input checked, the SFT warm-up when `sft.before_rl`), for a loop of one's own or a
+    look at its pieces (`run.workflow`, `run.trainer`, `run.runtime`; `run.train()` trains it). The block holds
+    the folder's lock; at its end the run is closed (replicas, ranks, engines) and the lock released. A finished
+    run is opened at its last checkpoint (`run.train()` trains nothing). The first Ctrl-C within the block is
+    recorded (`run.stop.requested`; `run.train()` stops after the step in progress), a second stops at once."""
+    with _settled(config, resume=resume, overwrite=overwrite) as (plan, stop):
+        run, _ = _start(config, plan, stop, on_step, accept_data_change)
+        with closing(run):
+            yield run
+
+
+@contextmanager
+def _settled(config: Config, *, resume: bool, overwrite: bool) -> Iterator[tuple[Plan, StopSignals]]:
+    """The one way into a run folder: hold its lock and the stop signals for the block, and decide what happens
+    in it (`RunFolder.plan`; a resume checked against the run's settings). Writes nothing yet."""
     from asyncflow.workflow.run_folder import RunFolder, check_resumable
-    from asyncflow.workflow.setup import preflight
     from asyncflow.workflow.stopping import StopSignals
 
     folder = RunFolder(config.run.output_dir)
@@ -64,23 +106,26 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False, on_s
         plan = folder.plan(steps=config.train.steps, resume=resume, overwrite=overwrite)
         if plan.action != "fresh":
             check_resumable(folder.path, _with_sft_model(config))
-        if plan.action == "finished":
-            written = complete_outputs(config)
-            log.info("the run in %s is already finished (checkpoint %s, train.steps=%d): %s", folder.path,
-                     plan.checkpoint, config.train.steps,
-                     f"wrote what was missing ({', '.join(written)})" if written else "nothing to do")
-            return TrainResult(folder.path, plan.step, finished_before=True)
-        checked = preflight(config)
-        if plan.checkpoint is not None:
-            _check_same_data(plan.checkpoint, checked.train_set, accept_data_change)
-        folder.prepare(plan)
-        sft = {}
-        if config.sft.before_rl:
-            sft = _warm_up(config, stop)
-            config = _with_sft_model(config)
-        run = RLRun(config, plan=plan, checked=checked, on_step=on_step, stop=stop)
-        history = run.train()
-    return TrainResult(run.run_dir, run.step, history, sft)
+        yield plan, stop
+
+
+def _start(config: Config, plan: Plan, stop: StopSignals, on_step: StepCallback | None,
+           accept_data_change: bool) -> tuple[RLRun, dict]:
+    """Check the input (`preflight`, and a resume's data), carry `plan` out, run the SFT warm-up when asked and
+    build the run; -> the run and the warm-up's summary ({} without one)."""
+    from asyncflow.workflow.run import RLRun
+    from asyncflow.workflow.run_folder import RunFolder
+    from asyncflow.workflow.setup import preflight
+
+    checked = preflight(config)
+    if plan.checkpoint is not None:
+        _check_same_data(plan.checkpoint, checked.train_set, accept_data_change)
+    RunFolder(plan.path).prepare(plan)
+    sft = {}
+    if config.sft.before_rl:
+        sft = _warm_up(config, stop)
+        config = _with_sft_model(config)
+    return RLRun(config, plan, checked, stop=stop, on_step=on_step), sft
 
 
 def _with_sft_model(config: Config) -> Config:

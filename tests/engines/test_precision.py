@@ -15,13 +15,13 @@ import pytest
 import torch
 from engines.test_fsdp2_train import groups, policy_loss, relative_difference
 
+from asyncflow.api import open_run
 from asyncflow.config import ConfigError, build_config
 from asyncflow.engines.fsdp2_train import FSDP2TrainEngine
 from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.models.loading import load_model
 from asyncflow.models.logprobs import response_logprobs
 from asyncflow.runtime.inline import ProcessRanks
-from asyncflow.workflow.run import RLRun
 
 BF16_LOSS_ATOL = 1e-2
 BF16_GRAD_RTOL = 5e-2
@@ -118,11 +118,11 @@ def test_a_bf16_run_rolls_out_in_bf16_and_trains_fp32_weights(tmp_path, one_torc
         "train.micro_batch_size=4", "eval.every=0", "checkpoint.every=0", "runtime.kind=inline",
         "train.precision=bf16", "train.activation_checkpointing=true", "export.at_end=false",
     ])  # fmt: skip
-    run = RLRun(config)
-    rollout_engine = run.runtime.local_rollout.engine
-    assert rollout_engine.model.dtype == torch.bfloat16
-    assert run.train_engine.model.dtype == torch.float32
-    rows = [row for row in run.train() if "loss" in row]
+    with open_run(config) as run:
+        rollout_engine = run.runtime.local_rollout.engine
+        assert rollout_engine.model.dtype == torch.bfloat16
+        assert run.train_engine.model.dtype == torch.float32
+        rows = [row for row in run.train() if "loss" in row]
     assert [row["step"] for row in rows] == [1, 2] and all(math.isfinite(row["grad_norm"]) for row in rows)
     trained = run.train_engine.state_dict()
     rolled = rollout_engine.model.state_dict()

@@ -14,6 +14,7 @@ vf = pytest.importorskip("verifiers")
 pytest.importorskip("fastapi")
 from datasets import Dataset  # noqa: E402
 
+from asyncflow.api import open_run  # noqa: E402
 from asyncflow.cli import main  # noqa: E402
 from asyncflow.config import ConfigError, build_config  # noqa: E402
 from asyncflow.envs.base import EnvironmentSpecError  # noqa: E402
@@ -21,7 +22,6 @@ from asyncflow.envs.verifiers_env import load_verifiers_env, render_messages  # 
 from asyncflow.transfer import TransferQueue  # noqa: E402
 from asyncflow.workers.rollout import rollouts_from_batch  # noqa: E402
 from asyncflow.workflow.pipeline import feed_prompts  # noqa: E402
-from asyncflow.workflow.run import RLRun  # noqa: E402
 from asyncflow.workflow.setup import preflight  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}<s>{{ m.role }}: {{ m.content }}</s>{% endfor %}"
@@ -79,26 +79,23 @@ def verifiers_config(tmp_path, template_file, kind, *overrides):
 
 def run_one_partition(config, monkeypatch):
     """One partition of 8 episodes through the run's agent worker: (rows, recorded calls by row index)."""
-    run = RLRun(config)
-    worker = run.runtime.local_rollout
-    calls = {}
-    close = worker.recorder.close
+    with open_run(config) as run:
+        worker = run.runtime.local_rollout
+        calls = {}
+        close = worker.recorder.close
 
-    def keep(episode_id):  # what the server recorded for each episode, as the worker reads it
-        recorded = close(episode_id)
-        calls[int(episode_id.split("-")[1])] = recorded
-        return recorded
+        def keep(episode_id):  # what the server recorded for each episode, as the worker reads it
+            recorded = close(episode_id)
+            calls[int(episode_id.split("-")[1])] = recorded
+            return recorded
 
-    monkeypatch.setattr(worker.recorder, "close", keep)
-    queue = TransferQueue.local(num_storage_units=1, tasks=["rollout", "train"], timeout=60)
-    try:
+        monkeypatch.setattr(worker.recorder, "close", keep)
+        queue = TransferQueue.local(num_storage_units=1, tasks=["rollout", "train"], timeout=60)
         feed_prompts(queue, 0, run.prompts.next_prompts(2), 4)
         assert worker.run_partition(queue, "step_0", batch_size=8, timeout=60) == 8
         columns = ["prompt_ids", "response_ids", "rollout_logprobs", "reward", "loss_mask", "trained_prompt_ids"]
         [batch] = list(queue.loader("step_0", "train", columns, 8, timeout=60))
         tokenizer = run.tokenizer
-    finally:
-        run.close()
     rows = rollouts_from_batch(batch)
     return rows, {index: calls[index] for index in batch.meta.indices}, tokenizer
 

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 
+from asyncflow.api import open_run
 from asyncflow.config import build_config
 from asyncflow.engines.base import register_inference_engine, register_train_engine
 from asyncflow.engines.torch_inference import TorchInferenceEngine
@@ -15,7 +16,6 @@ from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.observe import Timeline
 from asyncflow.plan.costs import Costs
 from asyncflow.plan.sim import SimSpec, simulate
-from asyncflow.workflow.run import RLRun
 
 STEP_S = 0.1  # seconds per decode step of the paced engine
 NEW_TOKENS = 6
@@ -57,8 +57,8 @@ def real_run(tmp_path, k: int, steps: int):
         f"rollout.max_new_tokens={NEW_TOKENS}", "rollout.max_batch_size=16", "rollout.engine=test_paced_torch",
         "train.engine=test_paced_torch", "export.at_end=false",
     ])  # fmt: skip
-    run = RLRun(config)
-    history = run.train()
+    with open_run(config) as run:
+        history = run.train()
     return [h["staleness/max"] for h in history if "staleness/max" in h], Timeline(run.timeline.events)
 
 

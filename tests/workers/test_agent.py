@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
+from asyncflow.api import open_run  # noqa: E402
 from asyncflow.cli import main  # noqa: E402
 from asyncflow.config import build_config  # noqa: E402
 from asyncflow.runtime.factory import runtime_kind  # noqa: E402
@@ -21,7 +22,6 @@ from asyncflow.transfer import TransferQueue  # noqa: E402
 from asyncflow.workers.rollout import rollouts_from_batch  # noqa: E402
 from asyncflow.workflow.checkpoint import load_weights  # noqa: E402
 from asyncflow.workflow.pipeline import feed_prompts  # noqa: E402
-from asyncflow.workflow.run import RLRun  # noqa: E402
 from asyncflow.workflow.serve import load_served  # noqa: E402
 
 SEEN: dict[str, list] = {}  # episode id -> the choices the agent got back
@@ -63,15 +63,12 @@ def agent_config(tmp_path, *overrides):
 
 def test_agent_rows_hold_the_recorded_ids_masks_and_rewards(tmp_path, one_torch_thread):
     config = agent_config(tmp_path)
-    run = RLRun(config)
     queue = TransferQueue.local(num_storage_units=1, tasks=["rollout", "train"], timeout=60)
-    try:
+    with open_run(config) as run:
         feed_prompts(queue, 0, run.prompts.next_prompts(2), 4)
         assert run.runtime.local_rollout.run_partition(queue, "step_0", batch_size=8, timeout=60) == 8
         columns = ["prompt_ids", "response_ids", "rollout_logprobs", "reward", "loss_mask", "trained_prompt_ids"]
         [batch] = list(queue.loader("step_0", "train", columns, 8, timeout=60))
-    finally:
-        run.close()
     rows = rollouts_from_batch(batch)
     by_episode = {}
     for index in batch.meta.indices:

@@ -11,8 +11,8 @@ import typing
 
 import pytest
 
+from asyncflow import api
 from asyncflow.config import AlgoConfig, ConfigError, build_config
-from asyncflow.workflow.run import RLRun
 
 REJECTED: dict[str, set[str]] = {}  # every value is accepted now (gae trains a critic)
 CHOICES = ("advantage", "loss", "loss_agg", "kl_estimator", "stale_old_logprobs", "mismatch_correction")
@@ -29,7 +29,7 @@ def train(tmp_path, *overrides: str) -> list[dict]:
         "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=4", "train.steps=1",
         "train.micro_batch_size=4", "eval.every=0", "checkpoint.every=0", "runtime.kind=inline", *overrides,
     ])  # fmt: skip
-    return RLRun(config).train()
+    return api.train(config).history
 
 
 def one_step(tmp_path, *overrides: str) -> dict:

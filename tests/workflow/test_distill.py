@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from asyncflow.api import train
 from asyncflow.config import build_config
 from asyncflow.models.loading import load_model, load_tokenizer, resolve_model_path
-from asyncflow.workflow.run import RLRun
 from asyncflow.workflow.setup import teacher_engine_options
 from asyncflow.workflow.sft import run_sft
 
@@ -37,7 +37,7 @@ def test_student_moves_toward_the_teacher(tmp_path, mode):
     teacher = sft_teacher(tmp_path / "teacher_model")
     config = distill_config(tmp_path / "run", teacher, "train.steps=15", f"workflow.mode={mode}",
                             "rollout.prompts_per_step=8", "rollout.group_size=8", "train.micro_batch_size=64")
-    history = [h for h in RLRun(config).train() if "distill/reverse_kl" in h]
+    history = [h for h in train(config).history if "distill/reverse_kl" in h]
     kl = [h["distill/reverse_kl"] for h in history]
     assert len(kl) == 15
     first, last = sum(kl[:3]) / 3, sum(kl[-3:]) / 3
@@ -50,20 +50,20 @@ def test_student_moves_toward_the_teacher(tmp_path, mode):
 def test_identical_teacher_leaves_the_student_unchanged(tmp_path):
     """A teacher equal to the student gives a zero signal: zero loss, zero gradient."""
     config = distill_config(tmp_path, "preset:tiny-llama", "train.steps=2")
-    history = [h for h in RLRun(config).train() if "distill/reverse_kl" in h]
+    history = [h for h in train(config).history if "distill/reverse_kl" in h]
     assert all(abs(h["distill/reverse_kl"]) < 1e-5 and h["grad_norm"] < 1e-5 for h in history), history
 
 
 @pytest.mark.slow
 def test_a_run_checkpoint_is_a_teacher(tmp_path):
     teacher_run = tmp_path / "teacher"
-    RLRun(distill_config(teacher_run, "preset:tiny-llama", "algo.teacher=null", "train.steps=1",
-                         "checkpoint.every=1")).train()
+    train(distill_config(teacher_run, "preset:tiny-llama", "algo.teacher=null", "train.steps=1",
+                         "checkpoint.every=1"))
     config = distill_config(tmp_path / "student", str(teacher_run), "train.steps=1")
-    history = [h for h in RLRun(config).train() if "distill/reverse_kl" in h]
+    history = [h for h in train(config).history if "distill/reverse_kl" in h]
     assert len(history) == 1
     with pytest.raises(ValueError, match="export the checkpoint first"):  # FSDP2's ranks load a folder by path
-        RLRun(distill_config(tmp_path / "sharded", str(teacher_run), "train.engine=fsdp2", "train.world_size=2"))
+        train(distill_config(tmp_path / "sharded", str(teacher_run), "train.engine=fsdp2", "train.world_size=2"))
 
 
 def test_both_engines_take_the_same_teacher(tmp_path):

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from asyncflow.api import open_run
 from asyncflow.cli import main
 from asyncflow.config import build_config
 from asyncflow.models.loading import load_model, render_prompt
@@ -37,8 +38,8 @@ def tiny_run(run_dir, *overrides: str) -> RLRun:
         "train.micro_batch_size=16", "train.lr=1e-3", "eval.every=0", "checkpoint.every=1", "checkpoint.keep=5",
         "runtime.kind=inline", "observe.tensorboard=false", "reward.fns=[test_export:parity_reward]", *overrides,
     ])  # fmt: skip
-    run = RLRun(config)
-    run.train()
+    with open_run(config) as run:
+        run.train()
     return run
 
 
@@ -112,8 +113,8 @@ def test_lora_run_resumes_exactly_and_exports_the_adapter_and_the_merged_model(t
     shutil.rmtree(tmp_path / "cut" / "export")
     cut_run = whole.config.run.model_copy(update={"output_dir": str(tmp_path / "cut")})
     resumed_config = whole.config.model_copy(update={"run": cut_run})  # train.steps=2
-    resumed = RLRun(resumed_config, resume=True)
-    resumed.train()
+    with open_run(resumed_config, resume=True) as resumed:
+        resumed.train()
     final = {name: load_file(str(tmp_path / name / "checkpoints/step_2/model.safetensors")) for name in RUNS}
     assert final["whole"].keys() == final["cut"].keys()
     assert all(torch.equal(final["whole"][k], final["cut"][k]) for k in final["whole"])

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
+from asyncflow.api import open_run, train
 from asyncflow.config import build_config
 from asyncflow.engines.fsdp2_train import RankFailedError
-from asyncflow.workflow.run import RLRun
 
 STEPS, PROMPTS, GROUP = 5, 4, 4
 
@@ -37,25 +37,25 @@ def fsdp2_config(tmp_path, *overrides: str):
 
 def test_sync_rank_killed_then_resumed_trains_every_prompt_once(tmp_path, one_torch_thread):
     config = fsdp2_config(tmp_path, "workflow.mode=sync", "runtime.kind=inline")
-    run = RLRun(config)
     killed = {}
+    with open_run(config) as run:
 
-    def kill_rank_after_checkpoint_2():
-        while not (tmp_path / "checkpoints" / "step_2" / "manifest.json").exists():
-            time.sleep(0.01)
-        killed["at"] = time.monotonic()
-        os.kill(run.train_engine.ranks.pids[1], signal.SIGKILL)
+        def kill_rank_after_checkpoint_2():
+            while not (tmp_path / "checkpoints" / "step_2" / "manifest.json").exists():
+                time.sleep(0.01)
+            killed["at"] = time.monotonic()
+            os.kill(run.train_engine.ranks.pids[1], signal.SIGKILL)
 
-    killer = threading.Thread(target=kill_rank_after_checkpoint_2, daemon=True)
-    killer.start()
-    with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) exited with code -9 during"):
-        run.train()
+        killer = threading.Thread(target=kill_rank_after_checkpoint_2, daemon=True)
+        killer.start()
+        with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) exited with code -9 during"):
+            run.train()
     assert time.monotonic() - killed["at"] < 30, "the run stopped within the timeout"
     assert run.step < STEPS
 
-    resumed = RLRun(config, resume=True)
-    assert 2 <= resumed.step < STEPS
-    history = resumed.train()
+    with open_run(config, resume=True) as resumed:
+        assert 2 <= resumed.step < STEPS
+        history = resumed.train()
     assert resumed.step == STEPS and history[-1]["step"] == STEPS
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows] == list(range(STEPS + 1)), "every step logged once"
@@ -73,9 +73,9 @@ def test_async_on_ray_with_rank_actors(tmp_path, ray_cluster, one_torch_thread):
         tmp_path, "workflow.mode=async", "workflow.max_staleness=1", "runtime.kind=ray", "train.steps=3",
         "checkpoint.every=0",
     )
-    run = RLRun(config)
-    assert type(run.train_engine.ranks).__name__ == "RayRanks"
-    history = run.train()
+    with open_run(config) as run:
+        assert type(run.train_engine.ranks).__name__ == "RayRanks"
+        history = run.train()
     rows = [h for h in history if "loss" in h]
     assert [h["step"] for h in rows] == [1, 2, 3] and run.version == 3
     assert all(h["rollout/samples"] == PROMPTS * GROUP and 0 <= h["staleness/max"] <= 1 for h in rows)
@@ -92,7 +92,7 @@ def test_ppo_with_a_critic_on_two_ranks_resumes_from_its_sharded_checkpoint_exac
     from safetensors.torch import load_file
 
     config = fsdp2_config(tmp_path, "workflow.mode=sync", "runtime.kind=inline", "algo.advantage=gae")
-    history = RLRun(config).train()
+    history = train(config).history
     rows = [h for h in history if "loss" in h]
     assert len(rows) == STEPS and all(r["value/loss"] > 0 and "value/explained_variance" in r for r in rows)
     assert all(r["value/grad_norm"] > 0 for r in rows)
@@ -100,9 +100,9 @@ def test_ppo_with_a_critic_on_two_ranks_resumes_from_its_sharded_checkpoint_exac
     assert not any(k.startswith("critic.") for k in final), "model.safetensors is a plain policy"
     for step in range(3, STEPS + 1):
         shutil.rmtree(tmp_path / "checkpoints" / f"step_{step}")
-    resumed = RLRun(config, resume=True)
-    assert resumed.step == 2
-    again = [h for h in resumed.train() if "loss" in h]
+    with open_run(config, resume=True) as resumed:
+        assert resumed.step == 2
+        again = [h for h in resumed.train() if "loss" in h]
     strip = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "wall_s"))}  # noqa: E731
     assert [strip(r) for r in again] == [strip(r) for r in rows[2:]]
     weights = load_file(str(tmp_path / "checkpoints" / f"step_{STEPS}" / "model.safetensors"))

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from asyncflow.api import open_run
 from asyncflow.config import build_config
 from asyncflow.envs import StepResult
-from asyncflow.workflow.run import RLRun
 
 
 class TwoTurnEnv:
@@ -56,13 +56,13 @@ def check_history(history, mode):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_multiturn_run_inline(tmp_path, mode, one_torch_thread):
     config = multiturn_config(tmp_path, f"workflow.mode={mode}", "runtime.kind=inline")
-    run = RLRun(config)
-    check_history(run.train(), mode)
+    with open_run(config) as run:
+        check_history(run.train(), mode)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["stream", "async"])
 def test_multiturn_run_on_ray(tmp_path, mode, ray_cluster, one_torch_thread):
     config = multiturn_config(tmp_path, f"workflow.mode={mode}", "runtime.kind=ray", "runtime.rollout_cpus=0.5")
-    run = RLRun(config)
-    check_history(run.train(), mode)
+    with open_run(config) as run:
+        check_history(run.train(), mode)

@@ -14,9 +14,9 @@ import time
 
 import pytest
 
+from asyncflow.api import open_run, train
 from asyncflow.config import ConfigError, build_config
 from asyncflow.engines.torch_inference import TorchInferenceEngine
-from asyncflow.workflow.run import RLRun
 
 STEPS, PER_STEP = 4, 16
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # two torch users (rollout, trainer) share 2 cores
@@ -58,9 +58,9 @@ def check_partial_run(history: list[dict], run) -> None:
 @pytest.mark.slow
 def test_async_partial_rollouts_inline(tmp_path, caplog):
     config = partial_config(tmp_path, "runtime.kind=inline", "algo.mismatch_correction=token_tis")
-    run = RLRun(config)
-    with caplog.at_level(logging.INFO, logger="asyncflow.progress"):
-        history = run.train()
+    with open_run(config) as run:
+        with caplog.at_level(logging.INFO, logger="asyncflow.progress"):
+            history = run.train()
     check_partial_run(history, run)
     last = [r.getMessage() for r in caplog.records if r.name == "asyncflow.progress"][-1]
     assert all(f"{label} " in last for label in ("mismatch", "corrected", "stale", "spanning")), last
@@ -71,8 +71,8 @@ def test_async_partial_rollouts_inline(tmp_path, caplog):
 @pytest.mark.slow
 def test_async_partial_rollouts_on_ray(tmp_path, ray_cluster):
     config = partial_config(tmp_path, "runtime.kind=ray", "runtime.rollout_cpus=0.5")
-    run = RLRun(config)
-    history = run.train()
+    with open_run(config) as run:
+        history = run.train()
     check_partial_run(history, run)
 
 
@@ -84,7 +84,7 @@ def test_resume_needs_an_engine_that_updates_in_flight(tmp_path):
 
     register_inference_engine("test_finish_only")(FinishOnly.from_pretrained)
     with pytest.raises(ValueError, match="on_weight_update=resume needs an inference engine.*FinishOnly does not"):
-        RLRun(partial_config(tmp_path, "rollout.engine=test_finish_only", "runtime.kind=inline"))
+        train(partial_config(tmp_path, "rollout.engine=test_finish_only", "runtime.kind=inline"))
     with pytest.raises(ConfigError, match="rollout.on_weight_update"):
         build_config({}, ["rollout.on_weight_update=abort"])
 

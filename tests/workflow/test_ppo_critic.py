@@ -9,8 +9,8 @@ import random
 
 import pytest
 
+from asyncflow.api import train
 from asyncflow.config import build_config
-from asyncflow.workflow.run import RLRun
 
 MODES = {
     "sync": ["workflow.mode=sync"],
@@ -38,7 +38,7 @@ def test_explained_variance_rises(tmp_path, mode, one_torch_thread):
         "runtime.kind=inline", "runtime.lend_idle_cores=false", "reward.fns=[test_ppo_critic:reward_from_prompt]",
         "algo.advantage=gae", "algo.critic.lr=1e-2", *MODES[mode],
     ])  # fmt: skip
-    rows = [r for r in RLRun(config).train() if "loss" in r]
+    rows = [r for r in train(config).history if "loss" in r]
     explained = [r["value/explained_variance"] for r in rows]
     assert len(rows) == 20 and explained[0] == pytest.approx(0.0, abs=1e-6), explained
     assert sum(explained[-5:]) / 5 > 0.6, explained

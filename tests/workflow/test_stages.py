@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from asyncflow.api import open_run, train
 from asyncflow.config import ConfigError, build_config
 from asyncflow.transfer import TransferQueue
 from asyncflow.workers.stage import StageBatch, StageError, StageWorker
-from asyncflow.workflow.run import RLRun
 
 
 def bonus(batch: StageBatch) -> dict[str, list[float]]:
@@ -66,16 +66,16 @@ def test_stage_config_errors_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match="reward.columns: 'nope' is written by no stage"):
         stage_config(tmp_path, "reward.columns={nope: 1.0}")
     with pytest.raises(ValueError, match=r"stages\[0\].fn 'test_stages:missing'"):
-        RLRun(build_config({"stages": [{"name": "s", "fn": "test_stages:missing", "outputs": ["x"]}]},
+        train(build_config({"stages": [{"name": "s", "fn": "test_stages:missing", "outputs": ["x"]}]},
                            [f"run.output_dir={tmp_path}", "data.test_size=0"]))
 
 
 @pytest.mark.parametrize("mode", ["sync", "stream", "async"])
 def test_stage_column_reaches_the_trainer_inline(tmp_path, one_torch_thread, mode):
-    plain = RLRun(stage_config(tmp_path / "plain", f"workflow.mode={mode}", "runtime.kind=inline")).train()
-    run = RLRun(stage_config(tmp_path / "staged", f"workflow.mode={mode}", "runtime.kind=inline",
-                             "reward.columns={bonus: 1.0}"))
-    staged = run.train()
+    plain = train(stage_config(tmp_path / "plain", f"workflow.mode={mode}", "runtime.kind=inline")).history
+    with open_run(stage_config(tmp_path / "staged", f"workflow.mode={mode}", "runtime.kind=inline",
+                               "reward.columns={bonus: 1.0}")) as run:
+        staged = run.train()
     for a, b in zip(plain[1:], staged[1:]):  # same seed, same samples: the reward is one point higher
         assert b["reward/mean"] == pytest.approx(a["reward/mean"] + 1.0)
     spans = [e for e in run.timeline.events if e["worker"] == "bonus_stage" and e["name"] == "stage"]
@@ -84,8 +84,8 @@ def test_stage_column_reaches_the_trainer_inline(tmp_path, one_torch_thread, mod
 
 @pytest.mark.slow
 def test_stage_runs_beside_ray_replicas(tmp_path, ray_cluster, one_torch_thread):
-    run = RLRun(stage_config(tmp_path, "workflow.mode=async", "runtime.kind=ray", "runtime.rollout_cpus=0.5",
-                             "reward.columns={bonus: 1.0}"))
-    history = run.train()
+    with open_run(stage_config(tmp_path, "workflow.mode=async", "runtime.kind=ray", "runtime.rollout_cpus=0.5",
+                               "reward.columns={bonus: 1.0}")) as run:
+        history = run.train()
     assert all(1.0 <= h["reward/mean"] <= 2.0 for h in history[1:])
     assert any(e["worker"] == "bonus_stage" for e in run.timeline.events)

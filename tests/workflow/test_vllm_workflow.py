@@ -5,8 +5,8 @@ the rollout replica), each training every row of every step."""
 
 import pytest
 
+from asyncflow.api import open_run, train
 from asyncflow.config import build_config
-from asyncflow.workflow.run import RLRun
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]  # two engine starts, ~30 CPU-s each
 pytest.importorskip("vllm", reason="needs vLLM: bash scripts/test_vllm.sh")
@@ -35,8 +35,7 @@ def test_sync_inline(tmp_path):
             assert_greedy_equals_the_trainers(run, engine)
             checked.append(run.state.version)
 
-    run = RLRun(config, on_step=check_engine)
-    try:
+    with open_run(config, on_step=check_engine) as run:
         assert type(run.runtime.local_rollout.engine).__name__ == "VLLMInferenceEngine"
         history = run.train()
         rows = [h for h in history if "staleness/max" in h]
@@ -46,8 +45,6 @@ def test_sync_inline(tmp_path):
         assert engine.weight_version == run.version == 3  # each new version reached vLLM
         assert engine.weight_transfer == "collective"
         assert checked, "vLLM never held the trainer's newest version when a step was logged"
-    finally:
-        run.close()  # idempotent: train() closes the engines too
 
 
 def assert_greedy_equals_the_trainers(run, engine) -> None:
@@ -72,13 +69,10 @@ def test_async_k1(tmp_path):
     config = vllm_config(
         tmp_path, "train.steps=4", "workflow.mode=async", "workflow.max_staleness=1", "runtime.kind=inline"
     )
-    run = RLRun(config)
-    try:
+    with open_run(config) as run:
         history = run.train()
         # swapped in by the rollout thread: partition 3 needs >= 2
         assert run.runtime.local_rollout.engine.weight_version >= 2
-    finally:
-        run.close()  # idempotent: train() closes the engines too
     rows = [h for h in history if "staleness/max" in h]
     assert len(rows) == 4 and all(0 <= h["staleness/max"] <= 1 for h in rows)
     assert max(h["staleness/max"] for h in rows) == 1, "rollout never ran ahead of training"
@@ -93,12 +87,9 @@ def test_multiturn_sync(tmp_path):
         "data.task=tool_arithmetic", "env.name=test_multiturn_workflow:two_turn_env", "env.max_context_tokens=48",
         "rollout.stop_token_ids=[" + ",".join(map(str, range(3, 90))) + "]",  # short turns: both are reached
     )
-    run = RLRun(config)
-    try:
+    with open_run(config) as run:
         assert type(run.runtime.local_rollout.engine).__name__ == "VLLMInferenceEngine"
         history = run.train()
-    finally:
-        run.close()  # idempotent: train() closes the engines too
     steps = [h for h in history if "loss" in h]
     assert len(steps) == 2
     for h in steps:
@@ -113,7 +104,7 @@ def test_async_k1_on_ray_by_the_collective_path(tmp_path, ray_cluster):
         tmp_path, "train.steps=4", "workflow.mode=async", "workflow.max_staleness=1", "runtime.kind=ray",
         "runtime.rollout_cpus=1", "rollout.vllm_weight_transfer=collective",
     )
-    history = RLRun(config).train()
+    history = train(config).history
     rows = [h for h in history if "staleness/max" in h]
     assert len(rows) == 4 and all(0 <= h["staleness/max"] <= 1 for h in rows)
     assert all(h["rollout/samples"] == 16 for h in rows)

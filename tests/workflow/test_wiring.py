@@ -11,7 +11,6 @@ import inspect
 import json
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,13 +19,15 @@ import torch
 import asyncflow.runtime.inline as inline_runtime
 import asyncflow.runtime.ray_runtime as ray_runtime
 import asyncflow.workflow.pipeline as pipeline
+from asyncflow.api import open_run, train
 from asyncflow.cli import main
 from asyncflow.config import build_config
 from asyncflow.engines.torch_inference import make_torch_inference_engine
 from asyncflow.runtime.base import Runtime, build_rollout_worker
 from asyncflow.workers.rollout import RolloutWorker
 from asyncflow.workflow import run as run_module
-from asyncflow.workflow.run import RLRun, RunState
+from asyncflow.workflow.evaluation import evaluation_spec
+from asyncflow.workflow.run import RunState
 
 
 def wiring_config(tmp_path, *overrides: str):
@@ -51,6 +52,17 @@ def test_workflows_and_runtimes_never_receive_the_run():
         assert "RLRun" not in source and "RunState" not in source, f"{module.__name__} knows the run"
 
 
+def test_a_run_is_built_by_the_api_only():
+    """One way into a run: `asyncflow.api` (`open_run`, `train`) builds every `RLRun`, after claiming, planning
+    and checking; no other module, test, benchmark or example calls its constructor (but the memory benchmark, for
+    the checkouts from before `open_run` it also measures)."""
+    root = Path(__file__).resolve().parents[2]
+    needle = "RLRun" + "("
+    callers = {str(path.relative_to(root)) for folder in ("src", "tests", "benchmarks", "examples")
+               for path in (root / folder).rglob("*.py") if needle in path.read_text()}
+    assert callers == {"src/asyncflow/api.py", "benchmarks/bench_driver_memory.py"}
+
+
 class GuardedState(RunState):
     """A `RunState` that fails a write from anywhere but the step loop's module."""
 
@@ -68,9 +80,9 @@ class GuardedState(RunState):
 def test_only_the_step_loop_changes_run_state(tmp_path, monkeypatch, one_torch_thread, mode):
     monkeypatch.setattr(run_module, "RunState", GuardedState)
     config = wiring_config(tmp_path, f"workflow.mode={mode}", "runtime.kind=inline", "eval.every=0")
-    run = RLRun(config)
-    assert isinstance(run.state, GuardedState)
-    history = run.train()
+    with open_run(config) as run:
+        assert isinstance(run.state, GuardedState)
+        history = run.train()
     assert run.step == run.version == 2 and history[-1]["step"] == 2
     assert run_module.__name__ in GuardedState.writers
 
@@ -95,10 +107,10 @@ def test_async_on_ray_builds_one_engine_per_replica_and_none_in_the_driver(tmp_p
         "rollout.engine=test_wiring:counting_engine", f"rollout.engine_options={{count_file: {count_file}}}",
         "eval.every=0", "data.test_size=0",
     )
-    run = RLRun(config)
-    assert run.runtime.local_rollout is None
-    assert builders(count_file) == [], "nothing is generated in the driver"
-    run.train()
+    with open_run(config) as run:
+        assert run.runtime.local_rollout is None
+        assert builders(count_file) == [], "nothing is generated in the driver"
+        run.train()
     pids = builders(count_file)
     assert len(pids) == 2 and len(set(pids)) == 2, f"one engine in each replica: {pids}"
     assert os.getpid() not in pids
@@ -111,7 +123,7 @@ def test_evaluation_on_ray_builds_no_engine_in_the_driver(tmp_path, ray_cluster,
         tmp_path, "workflow.mode=stream", "runtime.kind=ray", "runtime.rollout_cpus=0.5",
         "rollout.engine=test_wiring:counting_engine", f"rollout.engine_options={{count_file: {count_file}}}",
     )
-    history = RLRun(config).train()
+    history = train(config).history
     assert [h["step"] for h in history if "eval/accuracy" in h] == [0, 1, 2]
     assert os.getpid() not in builders(count_file), "evaluation generates with the trainer's own policy module"
 
@@ -119,15 +131,14 @@ def test_evaluation_on_ray_builds_no_engine_in_the_driver(tmp_path, ray_cluster,
 def test_evaluation_generates_with_the_trainers_policy_not_a_copy(tmp_path, one_torch_thread):
     """Outside `sync`, evaluation borrows the trainer's module: the greedy tokens of an engine loaded with a copy
     of its weights, and the module trains on afterwards."""
-    run = RLRun(wiring_config(tmp_path, "workflow.mode=async"))
-    try:
+    with open_run(wiring_config(tmp_path, "workflow.mode=async")) as run:
         policy = run.train_engine.policy_module()
         with torch.no_grad():
             for p in policy.parameters():
                 p.add_(torch.randn_like(p) * 0.05)  # weights no engine was loaded with
         assert "eval/accuracy" in run.evaluate()
         assert run.eval_worker.engine.model is policy and policy.training
-        copy = build_rollout_worker(replace(run.spec, params=run.eval_params, group_size=1, agent=None), None)
+        copy = build_rollout_worker(evaluation_spec(run.spec, run.eval_params), None)
         copy.engine.update_weights(run.train_engine.state_dict(), 1)
         prompts = [run.eval_encoder.encode(example, i) for i, example in enumerate(run.test_set)]
 
@@ -141,15 +152,13 @@ def test_evaluation_generates_with_the_trainers_policy_not_a_copy(tmp_path, one_
                               torch.tensor(sum((lp for _, lp in copied), [])), atol=1e-5)
         history = run.train()
         assert [h["step"] for h in history if "eval/accuracy" in h] == [0, 1, 2]
-    finally:
-        run.close()
 
 
 def test_sync_evaluates_on_its_idle_rollout_engine(tmp_path, one_torch_thread):
     count_file = tmp_path / "engines.txt"
     config = wiring_config(tmp_path, "workflow.mode=sync", "rollout.engine=test_wiring:counting_engine",
                            f"rollout.engine_options={{count_file: {count_file}}}")
-    history = RLRun(config).train()
+    history = train(config).history
     assert [h["step"] for h in history if "eval/accuracy" in h] == [0, 1, 2]
     assert builders(count_file) == [os.getpid()], "one engine: generation and evaluation share it"
 
@@ -161,9 +170,10 @@ def test_agent_on_ray_starts_no_server_in_the_driver(tmp_path, ray_cluster, one_
 
     started = []
     monkeypatch.setattr(server.ServerThread, "start", lambda self: started.append(self) or self)
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "workers"))  # preflight imports agent.fn here too
     config = wiring_config(tmp_path, "workflow.mode=async", "runtime.kind=ray", "runtime.rollout_cpus=0.5",
                            "agent.fn=test_agent:two_call_agent", "eval.every=0", "data.test_size=0")
-    history = RLRun(config).train()
+    history = train(config).history
     assert history[-1]["rollout/samples"] == 8
     assert started == [], "the agent's server runs in the replica only"
 
@@ -195,6 +205,5 @@ def test_ray_is_an_extra_named_when_missing(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # as if the extra were not installed
     with pytest.raises(ConfigError, match=r"workflow.mode=async with runtime.kind=auto.*asyncflow-rl\[ray\]"):
         require_ray(wiring_config(tmp_path, "workflow.mode=async"))
-    run = RLRun(wiring_config(tmp_path, "workflow.mode=sync", "train.steps=1", "eval.every=0", "data.test_size=0"))
-    run.train()
-    assert run.step == 1
+    result = train(wiring_config(tmp_path, "workflow.mode=sync", "train.steps=1", "eval.every=0", "data.test_size=0"))
+    assert result.step == 1

@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 
+from asyncflow.api import open_run, train
 from asyncflow.config import AlgoConfig, TrainConfig, build_config
 from asyncflow.engines.base import register_inference_engine
 from asyncflow.engines.torch_inference import TorchInferenceEngine
@@ -26,7 +27,6 @@ from asyncflow.models.loading import load_model
 from asyncflow.runtime.ray_runtime import RolloutFailedError
 from asyncflow.transfer import GroupSampler, TransferQueue
 from asyncflow.workers.trainer import PolicyTrainer
-from asyncflow.workflow.run import RLRun
 
 GROUP, GROUPS, MAX_NEW = 4, 6, 12
 
@@ -161,8 +161,8 @@ def test_async_respects_staleness_bound_under_random_delays(tmp_path, k):
         tmp_path, f"train.steps={steps}", "workflow.mode=async", f"workflow.max_staleness={k}",
         "rollout.engine=test_jittery_torch", "reward.fns=[test_workflows:jittery_reward]",
     )
-    run = RLRun(config)
-    history = run.train()  # raises StalenessError if any trained row breaks the bound
+    with open_run(config) as run:
+        history = run.train()  # raises StalenessError if any trained row breaks the bound
     rows = [h for h in history if "staleness/max" in h]
     assert len(rows) == steps
     assert all(0 <= h["staleness/max"] <= k for h in rows)
@@ -175,8 +175,7 @@ def test_async_respects_staleness_bound_under_random_delays(tmp_path, k):
 @pytest.mark.parametrize("mode", ["sync", "stream"])
 def test_on_policy_modes_train_fresh_rows(tmp_path, mode):
     config = short_config(tmp_path, "train.steps=3", f"workflow.mode={mode}")
-    run = RLRun(config)
-    history = run.train()
+    history = train(config).history
     assert [h["staleness/max"] for h in history if "staleness/max" in h] == [0.0, 0.0, 0.0]
 
 
@@ -204,9 +203,9 @@ def test_killed_rollout_replica_is_restarted_and_no_row_is_lost(tmp_path, ray_cl
         "runtime.kind=ray", "rollout.replicas=2", "runtime.rollout_cpus=0.5", "runtime.max_restarts=2",
         "rollout.max_new_tokens=24", "reward.fns=[test_workflows:flaky_reward]",
     )
-    run = RLRun(config)
-    killer, killed = kill_replica_at_step(ray_cluster, run, 2, restart=True)
-    history = run.train()
+    with open_run(config) as run:
+        killer, killed = kill_replica_at_step(ray_cluster, run, 2, restart=True)
+        history = run.train()
     killer.join(10)
     assert killed, "the replica was never killed"
     assert run.runtime.restarts >= 1
@@ -227,10 +226,10 @@ def test_replica_past_its_restarts_fails_the_run_at_once(tmp_path, ray_cluster):
         tmp_path, "train.steps=50", "workflow.mode=async", "runtime.kind=ray", "runtime.max_restarts=0",
         "runtime.call_timeout_s=120",
     )
-    run = RLRun(config)
-    _, killed = kill_replica_at_step(ray_cluster, run, 2, restart=False)
-    with pytest.raises(RolloutFailedError, match=r"rollout replicas died 1 times \(runtime.max_restarts\)"):
-        run.train()
+    with open_run(config) as run:
+        _, killed = kill_replica_at_step(ray_cluster, run, 2, restart=False)
+        with pytest.raises(RolloutFailedError, match=r"rollout replicas died 1 times \(runtime.max_restarts\)"):
+            run.train()
     assert time.time() - killed["at"] < 15, "the trainer stops waiting for rows as soon as the replica is gone"
 
 
@@ -242,7 +241,7 @@ def test_a_replica_that_does_not_start_in_time_is_named(tmp_path, ray_cluster):
                           "rollout.engine=test_workflows:make_slow_start_engine", "runtime.start_timeout_s=5")
     start = time.monotonic()
     with pytest.raises(RolloutFailedError, match=r"rollout_0 did not start within 5 s \(runtime.start_timeout_s"):
-        RLRun(config).train()
+        train(config)
     assert time.monotonic() - start < 45, "the run ends at the start budget, not after the engine's start"
 
 
@@ -254,10 +253,11 @@ def test_torch_distributed_weight_sync_runs_and_refuses_a_restarted_replica(tmp_
         tmp_path, "train.steps=50", "workflow.mode=async", "workflow.max_staleness=1", "runtime.kind=ray",
         "runtime.weight_sync=torch_distributed", "runtime.max_restarts=2", "runtime.call_timeout_s=120",
     )
-    run = RLRun(config)
-    _, killed = kill_replica_at_step(ray_cluster, run, 3, restart=True)
-    with pytest.raises(RolloutFailedError, match="torch_distributed cannot take a restarted replica.*shared_memory"):
-        run.train()
+    with open_run(config) as run:
+        _, killed = kill_replica_at_step(ray_cluster, run, 3, restart=True)
+        refused = "torch_distributed cannot take a restarted replica.*shared_memory"
+        with pytest.raises(RolloutFailedError, match=refused):
+            run.train()
     assert time.time() - killed["at"] < 15
     # with k=1, partition 2 could only be generated with version >= 1: it came over gloo
     assert run.step >= 3
@@ -271,8 +271,8 @@ def test_separated_stream_trainer_borrows_the_waiting_replicas_core(tmp_path, ra
         "train.micro_batch_size=4", f"rollout.replicas={replicas}", f"runtime.rollout_cpus={1 / replicas}",
     )
     before = torch.get_num_threads()
-    run = RLRun(config)
-    history = run.train()
+    with open_run(config) as run:
+        history = run.train()
     assert [h["staleness/max"] for h in history if "staleness/max" in h] == [0.0] * 4, "every replica is on-policy"
     threads = [e["args"]["threads"] for e in run.timeline.events if e["name"] == "train_micro_batch"]
     assert len(threads) == 4 * 4

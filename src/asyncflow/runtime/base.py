@@ -2,7 +2,8 @@
 
 Owns: `RolloutSpec` (the typed, picklable description of a rollout replica: model, engine and its device
 settings, sampling, multi-turn or agent settings), `build_rollout_worker` (a replica's engine and worker,
-built where the runtime places it), and the `Runtime` protocol both runtimes implement.
+built where the runtime places it), and the `Runtime` protocol both runtimes implement: where the rollout
+replicas run, and where a multi-rank trainer's ranks run (`Runtime.rank_launcher`).
 
 Invariants:
 - A rollout engine is built only inside the runtime that places it: by `InlineRuntime` in this process, by
@@ -97,6 +98,15 @@ class Runtime(Protocol):
     """Cores the trainer may borrow from replicas waiting for weights (a local CPU cluster)."""
     local_rollout: RolloutRole | None
     """The rollout worker in this process (inline), or None: replicas live elsewhere."""
+
+    def __init__(self, config, spec: RolloutSpec, scorer: RewardWorker) -> None:
+        """Place the replicas of `spec`; `scorer` is the driver's reward worker (used where the driver scores)."""
+
+    @staticmethod
+    def rank_launcher(config) -> Callable:
+        """Where a multi-rank training engine's ranks run: the `Launcher` (`asyncflow.engines.fsdp2_train`) that
+        starts them, on this runtime's machines. Static: the trainer is built before the runtime."""
+        ...
 
     def make_queue(self, tasks: list[str]): ...
 

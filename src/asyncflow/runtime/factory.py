@@ -1,6 +1,6 @@
 """`make_runtime`: the runtime of `runtime.kind` (`auto`: inline for `sync` and for an agent's rollouts, Ray
-for the separated workflows). The Ray runtime is imported only when asked for, so `ray` stays unimported
-otherwise."""
+for the separated workflows), and `rank_launcher`: where that runtime places a multi-rank trainer's ranks. The
+Ray runtime is imported only when asked for, so `ray` stays unimported otherwise."""
 
 from __future__ import annotations
 
@@ -32,17 +32,27 @@ def require_ray(config: Config) -> None:
                           "runtime.kind=inline")
 
 
-def make_runtime(config: Config, spec: RolloutSpec, scorer: RewardWorker) -> Runtime:
-    """The runtime placing the rollout replicas of `spec`; `scorer` is the driver's reward worker (inline)."""
-    kind = runtime_kind(config)
-    if kind == "ray":
-        if config.workflow.mode == "sync":
-            raise ConfigError("workflow.mode=sync generates, scores and trains one after another in this process: "
-                              "use runtime.kind=inline (or auto), or workflow.mode=stream|async for Ray replicas")
+def runtime_class(config: Config) -> type[Runtime]:
+    """The runtime of `runtime_kind(config)`, its module imported (Ray's only here, and only for `ray`)."""
+    if runtime_kind(config) == "ray":
         require_ray(config)
         from asyncflow.runtime.ray_runtime import RayRuntime
 
-        return RayRuntime(config, spec)
+        return RayRuntime
     from asyncflow.runtime.inline import InlineRuntime
 
-    return InlineRuntime(config, spec, scorer)
+    return InlineRuntime
+
+
+def make_runtime(config: Config, spec: RolloutSpec, scorer: RewardWorker) -> Runtime:
+    """The runtime placing the rollout replicas of `spec`; `scorer` is the driver's reward worker (inline)."""
+    if runtime_kind(config) == "ray" and config.workflow.mode == "sync":
+        raise ConfigError("workflow.mode=sync generates, scores and trains one after another in this process: "
+                          "use runtime.kind=inline (or auto), or workflow.mode=stream|async for Ray replicas")
+    return runtime_class(config)(config, spec, scorer)
+
+
+def rank_launcher(config: Config):
+    """The `Launcher` (`asyncflow.engines.fsdp2_train`) of a multi-rank training engine's ranks: the runtime's
+    (`Runtime.rank_launcher`), so they run where the runtime places work."""
+    return runtime_class(config).rank_launcher(config)

@@ -2,8 +2,9 @@
 
 Owns: the in-process TransferQueue, the one rollout worker (built here from the `RolloutSpec`, scoring
 with the driver's reward worker), for `stream` / `async` the thread its rollout loop runs on, and
-`ProcessRanks`, the ranks of a multi-rank training engine as processes of this machine. Used for debugging,
-tests, and the colocated `sync` baseline (which drives `local_rollout` itself).
+`ProcessRanks`, the ranks of a multi-rank training engine as processes of this machine (launched through
+`InlineRuntime.rank_launcher`). Used for debugging, tests, and the colocated `sync` baseline (which drives
+`local_rollout` itself).
 
 Invariant: once the rollout thread runs, only it touches the rollout engine (with partial rollouts, its
 weight watcher hands versions to `update_weights`, which the engine applies on the rollout thread); new
@@ -45,6 +46,11 @@ class InlineRuntime:
         self.thread: BackgroundThread | None = None
         self.receiver = None
         self.history: SamplerHistory | None = None
+
+    @staticmethod
+    def rank_launcher(config) -> type[ProcessRanks]:
+        """A multi-rank trainer's ranks are processes of this machine."""
+        return ProcessRanks
 
     def make_queue(self, tasks):
         rt = self.config.runtime

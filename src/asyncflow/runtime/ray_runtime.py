@@ -7,8 +7,9 @@ default; a failed start is retried once, then a one-line `RayStartError`), the r
 (CPUs/GPUs from config, each loads the policy through the normal HF loading code and builds its
 engine from the registry), the weight-sync transport options of
 `runtime.weight_sync`, idle-core lending between the trainer and the replicas on a local CPU
-cluster (`runtime.lend_idle_cores`, see `asyncflow.runtime.cores`), and a supervisor thread that
-watches the replicas.
+cluster (`runtime.lend_idle_cores`, see `asyncflow.runtime.cores`), a supervisor thread that
+watches the replicas, and a multi-rank trainer's ranks as actors (`RayRanks`, launched through
+`RayRuntime.rank_launcher`).
 
 Invariants:
 - Each replica takes prompt rows from the queue under its own consumer name, so the controller
@@ -217,7 +218,7 @@ class RayRuntime:
     scores_in_rollout = True
     local_rollout = None  # every engine lives in a replica
 
-    def __init__(self, config, spec: RolloutSpec):
+    def __init__(self, config, spec: RolloutSpec, scorer=None):  # each replica builds its own (`spec.make_scorer`)
         rt = config.runtime
         self.config = config
         self.spec = spec
@@ -251,6 +252,21 @@ class RayRuntime:
         self._supervisor: threading.Thread | None = None
         self._lock = threading.Lock()
         self.nodes: dict[str, Node] = {}  # replica -> the node it first started on
+
+    @staticmethod
+    def rank_launcher(config):
+        """A multi-rank trainer's ranks are Ray actors (`RayRanks`): starts or joins the cluster as the runtime
+        does; each rank gets an equal share of `runtime.trainer_cpus` and `runtime.trainer_gpus`."""
+        rt = config.runtime
+        start_ray_unless_running(rt)
+        world = config.train.world_size
+
+        def launch(world_size: int, spec, timeout: float) -> RayRanks:
+            return RayRanks(world_size, spec, timeout, num_cpus=rt.trainer_cpus / world,
+                            num_gpus=rt.trainer_gpus / world, local=rt.address is None,
+                            resources=rt.trainer_resources or None)
+
+        return launch
 
     def make_queue(self, tasks):
         units = self.config.runtime.storage_units
@@ -532,17 +548,3 @@ class RayRanks:
                 log.debug("ray.kill of a train rank", exc_info=True)
         self.actors = []
 
-
-def ray_rank_launcher(config):
-    """The launcher (`asyncflow.engines.fsdp2_train.Launcher`) of a multi-rank training engine on the Ray runtime:
-    starts or joins the cluster like `RayRuntime`; each rank gets an equal share of `runtime.trainer_cpus` and
-    `runtime.trainer_gpus`."""
-    rt = config.runtime
-    start_ray_unless_running(rt)
-    world = config.train.world_size
-
-    def launch(world_size: int, spec, timeout: float) -> RayRanks:
-        return RayRanks(world_size, spec, timeout, num_cpus=rt.trainer_cpus / world, num_gpus=rt.trainer_gpus / world,
-                        local=rt.address is None, resources=rt.trainer_resources or None)
-
-    return launch

@@ -1,5 +1,6 @@
 """Held-out evaluation: greedy accuracy of an inference engine's current weights, and of the model a reference
-names (a checkpoint, a run folder, a Hugging Face folder, a preset).
+names (a checkpoint, a run folder, a Hugging Face folder, a preset); `evaluation_spec`, the one description of
+an evaluation engine (the run's, `asyncflow eval`'s and the SFT warm-up's validation).
 
 Invariants: a prompt counts as solved when its single sample scores a reward >= 1, the same
 reward functions training uses; evaluating a model builds an inference engine and a reward worker
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,6 +21,9 @@ from asyncflow.engines.base import InferenceEngine, SamplingParams
 from asyncflow.workers.multiturn import MultiTurnRolloutWorker
 from asyncflow.workers.reward import RewardWorker
 from asyncflow.workers.rollout import RolloutWorker
+
+if TYPE_CHECKING:
+    from asyncflow.runtime.base import RolloutSpec
 
 
 def evaluate(
@@ -39,6 +44,12 @@ def evaluate(
     return {"eval/accuracy": float((scores >= 1.0).mean()), "eval/reward_mean": float(scores.mean())}
 
 
+def evaluation_spec(spec: RolloutSpec, params: SamplingParams) -> RolloutSpec:
+    """An evaluation engine built as `spec`'s replicas are: greedy `params`, one sample per prompt, no agent
+    (an agent's episodes are not evaluated; an environment's are, on the engine)."""
+    return replace(spec, params=params, group_size=1, agent=None)
+
+
 def evaluate_model(config, model: str | Path, test: list[Example]) -> dict[str, float]:
     """Held-out accuracy of `model`: a run's checkpoint `RUN_DIR/checkpoints/step_N` (on its run's own base
     model), a run folder (its newest checkpoint), a Hugging Face folder or `preset:NAME` (see
@@ -54,7 +65,7 @@ def evaluate_model(config, model: str | Path, test: list[Example]) -> dict[str, 
     weights = None if ref.checkpoint is None else load_weights(ref.checkpoint)  # verified before a model loads
     tokenizer = load_tokenizer(ref.model_path)
     params = sampling_params(config, tokenizer, greedy=True)
-    spec = replace(rollout_spec(config, ref.model_path, tokenizer), params=params, group_size=1, agent=None)
+    spec = evaluation_spec(rollout_spec(config, ref.model_path, tokenizer), params)
     worker = build_rollout_worker(spec, scorer=None)
     try:
         if weights is not None:

@@ -25,8 +25,10 @@ Invariants:
 - SIGINT / SIGTERM stop the loop after the step in progress with a checkpoint and the outputs
   (`asyncflow.workflow.stopping`); a finished run resumed writes the outputs a crash left unwritten
   (`complete_outputs`). The timeline is written with every checkpoint and continued on resume.
-- Nothing is written before the run folder's plan is carried out (`RunFolder.prepare`): a run never
-  writes into a folder holding another run, and a finished run resumed trains no step.
+- One way in: an `RLRun` is built only by `asyncflow.api` (`open_run`, `train`), from the plan it carried out
+  (`RunFolder.prepare`, the folder's lock held) and `preflight`'s result; its constructor takes no other mode.
+  So nothing is written before the plan is carried out, a run never writes into a folder holding another run,
+  and a finished run resumed trains no step.
 - Every training row of metrics.jsonl has `step`, `reward/mean`, `kl` (null when `algo.kl_coef` = 0:
   there is no reference model), `entropy`, `loss`, `time/step_s`, `throughput/samples_per_s` and
   `throughput/tokens_per_s`; evaluated steps (and step 0, before any update) add `eval/accuracy`.
@@ -36,12 +38,11 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from asyncflow.config import Config
@@ -58,14 +59,13 @@ from asyncflow.workers.multiturn import make_rollout_worker
 from asyncflow.workers.reward import RewardWorker
 from asyncflow.workers.trainer import PolicyTrainer
 from asyncflow.workflow.checkpoint import SHARDED_DIR, CheckpointError, load_checkpoint, save_checkpoint
-from asyncflow.workflow.evaluation import evaluate
+from asyncflow.workflow.evaluation import evaluate, evaluation_spec
 from asyncflow.workflow.export import EXPORT_DIR, export_run
 from asyncflow.workflow.pipeline import PipelineWorkflow
 from asyncflow.workflow.run_folder import Plan, RunFolder
 from asyncflow.workflow.setup import (
     Preflight,
     build_reward_runner,
-    datasets,
     prompt_encoder,
     prompt_source,
     rollout_spec,
@@ -103,24 +103,18 @@ class RunState:
 
 
 class RLRun:
-    """One RL run in `run.output_dir`. `resume` / `overwrite`: what to do with a run already there (see
-    `RunFolder.plan`), or `plan`: that decision, already taken and carried out by the caller. `checked`:
-    the datasets `preflight` loaded. `on_step` is called with each metrics row as it is logged. `stop`: the
-    command's signal handlers (`train` installs its own otherwise)."""
+    """One RL run in `run.output_dir`, built by `asyncflow.open_run` / `asyncflow.train` only: `plan` is what they
+    decided for the run folder and carried out (`RunFolder.prepare`, the folder's lock held), `checked` the
+    datasets `preflight` loaded, `stop` the command's signal handlers. `on_step` is called with each metrics row
+    as it is logged."""
 
-    def __init__(
-        self, config: Config, *, resume: bool = False, overwrite: bool = False, plan: Plan | None = None,
-        checked: Preflight | None = None, on_step: Callable[[dict], None] | None = None,
-        stop: StopSignals | None = None,
-    ):
+    def __init__(self, config: Config, plan: Plan, checked: Preflight, *, stop: StopSignals,
+                 on_step: Callable[[dict], None] | None = None):
         self.config = config
         self.on_step = on_step
         self.stop = stop
         self.run_dir = Path(config.run.output_dir)
         self.folder = RunFolder(self.run_dir)
-        if plan is None:
-            plan = self.folder.plan(steps=config.train.steps, resume=resume, overwrite=overwrite)
-            self.folder.prepare(plan)
         seed_everything(config.run.seed)
 
         model_path = resolve_model_path(config.model.path, seed=config.run.seed)
@@ -146,8 +140,8 @@ class RLRun:
                 reward_columns=config.reward.columns,
                 max_tokens_per_micro_batch=config.train.max_tokens_per_micro_batch,
             )
-            train_set, self.test_set = (checked.train_set, checked.test_set) if checked else datasets(config)
-            self.prompts = prompt_source(config, self.tokenizer, train_set)
+            self.test_set = checked.test_set
+            self.prompts = prompt_source(config, self.tokenizer, checked.train_set)
             self.eval_encoder = prompt_encoder(config, self.tokenizer)
             self.eval_params = sampling_params(config, self.tokenizer, greedy=True)
             sweep_dead_segments()  # shared-memory segments that killed runs left behind (`asyncflow.weights.segments`)
@@ -240,8 +234,7 @@ class RLRun:
             borrowed = self.train_engine.policy_module()
             if self.eval_worker is None:
                 self.eval_worker = build_rollout_worker(
-                    replace(self.spec, params=self.eval_params, group_size=1, agent=None), scorer=None,
-                    policy=borrowed)
+                    evaluation_spec(self.spec, self.eval_params), scorer=None, policy=borrowed)
             engine = self.eval_worker.engine
             if borrowed is None:
                 engine.update_weights(self.train_engine.state_dict(), self.state.version)
@@ -263,12 +256,9 @@ class RLRun:
         """Run the workflow's steps until `train.steps`; returns the logged metrics rows. Everything the run
         started (replicas, ranks, engines) is stopped at the end, also when a step fails. On SIGINT / SIGTERM:
         `RunStopped` after a checkpoint of the last finished step."""
-        own_signals = self.stop is None
-        self.stop = self.stop or StopSignals()
         try:
-            with self.stop if own_signals else contextlib.nullcontext():
-                self.stop.install()  # again: a Ray runtime's `ray.init` replaced them
-                return self._train()
+            self.stop.install()  # again: a Ray runtime's `ray.init` replaced them
+            return self._train()
         finally:
             self.close()
 

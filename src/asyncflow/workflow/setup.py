@@ -3,7 +3,10 @@ and `preflight`, every check of a command's input that needs only the config.
 
 Owns the translation from `Config` sections to the constructor arguments of the layers below, so
 that those layers never read the config themselves. Everything here is a pure function of the
-config (and a tokenizer), so a Ray actor can rebuild the same piece in its own process.
+config (and a tokenizer), so a Ray actor can rebuild the same piece in its own process. What differs
+between kinds of environment (`verifiers:` or built-in) and of reward (a function or a judge) is asked
+of the config's kinds (`asyncflow.workflow.kinds`), never branched on here; where a multi-rank trainer's
+ranks run is the runtime's to say (`asyncflow.runtime.factory.rank_launcher`).
 
 Invariant: `preflight` writes nothing and loads no model (a tokenizer at most): `asyncflow train` and
 `eval` run it before the run folder is touched, so bad input stops a command in seconds with a
@@ -21,30 +24,25 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from asyncflow.config import Config, JudgeRewardConfig
+from asyncflow.config import Config
 from asyncflow.data import DatasetError, Example
-from asyncflow.data.prompts import PromptEncoder, PromptSource, TrainSet, open_datasets, open_task
+from asyncflow.data.prompts import PromptEncoder, PromptSource, TrainSet
 from asyncflow.engines.base import SamplingParams
-from asyncflow.envs.base import resolve_environment
 from asyncflow.envs.sandbox import SandboxLimits
-from asyncflow.models.loading import load_tokenizer, prompt_lengths, render_prompt, resolve_model_path
+from asyncflow.models.loading import load_tokenizer, resolve_model_path
 from asyncflow.models.value import CriticSpec
 from asyncflow.rewards import RewardRunner, check_reward_specs
 from asyncflow.rewards.contract import RewardFn
-from asyncflow.rewards.judge import JudgeReward
 from asyncflow.runtime.base import RolloutSpec
 from asyncflow.specs import import_callable
 from asyncflow.workers.multiturn import MultiTurnSpec
 from asyncflow.workers.reward import RewardWorker
 from asyncflow.workers.rollout import LOSS_MASK_COLUMN, TRAINED_PROMPT_COLUMN
 from asyncflow.workers.stage import StageWorker
+from asyncflow.workflow.kinds import environment_kind, reward_kind
 
 if TYPE_CHECKING:
     from asyncflow.engines.peft_lora import LoRASettings
-
-#: A judge call gives up at this share of `reward.timeout_s`, so the runner counts a slow judge as an error
-#: instead of abandoning a thread stuck in it.
-JUDGE_SHARE = 0.9
 
 
 def seed_everything(seed: int) -> None:
@@ -54,31 +52,16 @@ def seed_everything(seed: int) -> None:
 
 
 def datasets(config: Config) -> tuple[TrainSet, list]:
-    """The run's training set (seed-ordered) and held-out examples. A `verifiers:` environment's training rows
-    are its dataset's (`data.train_size` of them at most); it has no held-out examples (its episodes are not
-    evaluated by `eval.every`)."""
-    if config.verifiers_env:
-        from asyncflow.envs.verifiers_env import verifiers_examples
-
-        rows = verifiers_examples(config.env.name, config.env.options, config.data.train_size)
-        return TrainSet([Example(*row) for row in rows], config.run.seed), []
-    return open_datasets(config.data, config.run.seed)
+    """The run's training set (seed-ordered) and held-out examples, as its environment kind has them."""
+    return environment_kind(config).datasets(config)
 
 
 def prompt_encoder(config: Config, tokenizer) -> PromptEncoder:
-    """Prompts rendered as the policy sees them; their text is kept in the metadata for an agent or a judge. A
-    `verifiers:` environment's prompts (messages as JSON) are rendered as the server renders an episode's first
-    call (`agent.chat_template` or the tokenizer's)."""
-    use_chat = config.model.use_chat_template
-    judges = any(isinstance(fn, JudgeRewardConfig) for fn in config.reward.fns)
-    render = lambda text: render_prompt(tokenizer, text, use_chat)
-    if config.verifiers_env:
-        from asyncflow.envs.verifiers_env import render_messages
-
-        template = Path(config.agent.chat_template).read_text() if config.agent.chat_template else None
-        render = lambda text: render_messages(tokenizer, text, template)
-    return PromptEncoder(render, config.data.max_prompt_tokens, config.data.on_long_prompt,
-                         keep_text=config.agent_rollouts or judges)
+    """Prompts rendered as the policy sees them (as the environment kind renders them); their text is kept in the
+    metadata for an agent or a reward that reads it (a judge)."""
+    keep_text = config.agent_rollouts or any(reward_kind(fn).reads_prompt for fn in config.reward.fns)
+    return PromptEncoder(environment_kind(config).render(config, tokenizer), config.data.max_prompt_tokens,
+                         config.data.on_long_prompt, keep_text=keep_text)
 
 
 def prompt_source(config: Config, tokenizer, train_set: TrainSet) -> PromptSource:
@@ -110,22 +93,14 @@ def row_columns(spec: RolloutSpec) -> list[str]:
 
 
 def agent_options(config: Config, model_path, tokenizer) -> dict | None:
-    """The `AgentRolloutWorker` options of `agent.fn` or of a `verifiers:` environment (None without either)."""
+    """The `AgentRolloutWorker` options of an agent's rollouts (`agent.fn`, or the environment kind's agent); None
+    without one."""
     a = config.agent
     if not config.agent_rollouts:
         return None
     from transformers import AutoConfig
 
-    from asyncflow.workers.agent import absolute_agent_spec
-
-    if config.verifiers_env:
-        from asyncflow.envs.verifiers_env import VerifiersAgent, absolute_env_name
-
-        r = config.rollout
-        sampling = {"temperature": r.temperature, "top_p": r.top_p, "max_tokens": r.max_new_tokens}
-        agent = VerifiersAgent(absolute_env_name(config.env.name), config.env.options, sampling, a.episode_timeout_s)
-    else:
-        agent = absolute_agent_spec(a.fn)
+    agent = environment_kind(config).agent(config)
     positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 0)
     return dict(
         agent=agent, model_name=config.run.name or "policy",
@@ -171,8 +146,8 @@ def critic_spec(config: Config, model_path) -> CriticSpec | None:
 
 def train_engine_options(config: Config, policy: torch.nn.Module, model_path) -> dict:
     """Keyword arguments of `make_train_engine(config.train.engine, ...)`. A multi-rank engine also gets
-    `world_size`, `model_path` (its ranks load the policy themselves), `dtype`, `timeout_s` and the runtime's
-    `launcher`: its ranks are Ray actors under the Ray runtime, local processes under the inline one."""
+    `world_size`, `model_path` (its ranks load the policy themselves), `dtype`, `timeout_s` and the `launcher`
+    that places its ranks, the runtime's (`asyncflow.runtime.factory.rank_launcher`)."""
     t = config.train
     options = dict(
         model=policy, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas, grad_clip=t.grad_clip,
@@ -182,18 +157,11 @@ def train_engine_options(config: Config, policy: torch.nn.Module, model_path) ->
     )
     if t.engine == "torch":
         return {**options, "lora": lora_settings(config)}
-    from asyncflow.runtime.factory import require_ray, runtime_kind
+    from asyncflow.runtime.factory import rank_launcher
 
-    if runtime_kind(config) == "ray":
-        require_ray(config)
-        from asyncflow.runtime.ray_runtime import ray_rank_launcher
-
-        launcher = ray_rank_launcher(config)
-    else:
-        from asyncflow.runtime.inline import ProcessRanks as launcher
     return {
         **options, "world_size": t.world_size, "model_path": str(model_path), "dtype": config.model.dtype,
-        "timeout_s": config.runtime.call_timeout_s, "launcher": launcher,
+        "timeout_s": config.runtime.call_timeout_s, "launcher": rank_launcher(config),
     }
 
 
@@ -222,17 +190,12 @@ def teacher_engine_options(config: Config, tokenizer) -> dict:
 
 
 def reward_specs(config: Config) -> list[str | RewardFn]:
-    """`reward.fns` as the reward runner takes them: names and specs as written, `auto` as the task's verifier,
-    a judge entry as a `JudgeReward` whose calls end within `reward.timeout_s` (JUDGE_SHARE of it)."""
+    """`reward.fns` as the reward runner takes them: `auto` as the environment kind scores (the task's verifier,
+    a `verifiers:` environment's rubric), every other entry as its reward kind has it (names and specs as
+    written, a judge entry as a `JudgeReward` whose calls end within `reward.timeout_s`)."""
     if config.reward.fns == ["auto"]:
-        if config.verifiers_env:  # the environment's rubric scores its episodes
-            return ["asyncflow.envs.verifiers_env:rubric_only"]
-        if not config.data.task:
-            raise ValueError("reward.fns is 'auto' but there is no built-in task: name reward functions in reward.fns")
-        return [open_task(config.data, config.run.seed).verifier]
-    budget_s = JUDGE_SHARE * config.reward.timeout_s
-    return [JudgeReward(**fn.judge_options(), budget_s=budget_s) if isinstance(fn, JudgeRewardConfig) else fn
-            for fn in config.reward.fns]
+        return environment_kind(config).auto_rewards(config)
+    return [reward_kind(fn).spec(fn, config) for fn in config.reward.fns]
 
 
 def weighted_reward_specs(config: Config) -> list[tuple[str | RewardFn, float]]:
@@ -255,13 +218,14 @@ def make_reward_worker(config: Config) -> RewardWorker:
 
 
 def multiturn_spec(config: Config) -> MultiTurnSpec | None:
-    """The multi-turn rollout settings of `env` (None without `env.name`: single-turn rollouts). The
-    environment's final answers are scored by `reward.fns`."""
+    """The multi-turn rollout settings of `env` for the environment kind's `multiturn_env` (None without one:
+    single-turn rollouts, or agent episodes). The environment's final answers are scored by `reward.fns`."""
     env = config.env
-    if env.name is None or config.verifiers_env:  # a verifiers environment's episodes are agent episodes
+    name = environment_kind(config).multiturn_env(config)
+    if name is None:
         return None
     return MultiTurnSpec(
-        env=env.name, reward_specs=tuple(weighted_reward_specs(config)), max_turns=env.max_turns,
+        env=name, reward_specs=tuple(weighted_reward_specs(config)), max_turns=env.max_turns,
         max_context_tokens=env.max_context_tokens, concurrency=env.concurrency or config.rollout.max_batch_size,
         tool_timeout_s=env.tool_timeout_s, tool_workers=env.tool_workers,
         max_tool_output_chars=env.max_tool_output_chars,
@@ -298,48 +262,25 @@ def preflight(config: Config, *, training: bool = True) -> Preflight:
     # (and, with `reward.isolation=process`, every function can go to a worker process)
     check_reward_specs(reward_specs(config), config.reward.weights, isolation=config.reward.isolation)
     stage_workers(config)  # every stage's function imports
-    if config.verifiers_env:
-        from asyncflow.envs.verifiers_env import load_verifiers_env
-
-        load_verifiers_env(config.env.name, config.env.options)  # raises EnvironmentSpecError naming env.name
-    elif config.env.name is not None:
-        resolve_environment(config.env.name)  # raises EnvironmentSpecError naming env.name
-        check_python_isolation(config)
-    train_set, test_set = datasets(config)  # read whole: a bad row stops here, named by file, line and field
+    env = environment_kind(config)
+    env.check(config)  # the environment resolves: an EnvironmentSpecError names env.name
+    train_set, test_set = env.datasets(config)  # read whole: a bad row stops here, named by file, line and field
     if config.agent_rollouts:
         check_agent(config)
     tokenizer = load_tokenizer(resolve_model_path(config.model.path, seed=config.run.seed))
-    if config.verifiers_env:
-        check_chat_template(config, tokenizer)
+    env.check_tokenizer(config, tokenizer)
     if config.data.on_long_prompt == "error":
         sets = {"training": train_set.examples if training else [], "held-out": test_set}
         check_prompt_lengths(config, tokenizer, sets)
     return Preflight(train_set, test_set)
 
 
-def check_python_isolation(config: Config) -> None:
-    """`env.python_isolation=strict` with the `python` tool in reach: bubblewrap must run here, else a one-line
-    error naming what is missing and the key that accepts weaker isolation."""
-    from asyncflow.envs.sandbox import SandboxLimits, SandboxUnavailable, check_isolation
-
-    if config.env.name == "calculator" or config.env.python_isolation != "strict":
-        return
-    try:
-        check_isolation(SandboxLimits(isolation="strict"))
-    except SandboxUnavailable as err:
-        raise ValueError(str(err)) from None
-
-
 def check_prompt_lengths(config: Config, tokenizer, sets: dict[str, list[Example]]) -> None:
     """With `data.on_long_prompt=error`: no prompt of `sets` (name -> examples) is longer than
-    `data.max_prompt_tokens` once rendered as the rollout renders it (every prompt tokenized, in bulk)."""
+    `data.max_prompt_tokens` once rendered as the rollout renders it (the environment kind's lengths)."""
     limit = config.data.max_prompt_tokens
     for name, examples in sets.items():
-        if config.verifiers_env:  # messages as JSON, rendered as the server renders them
-            render = prompt_encoder(config, tokenizer).render
-            lengths = [len(render(ex.prompt)) for ex in examples]
-        else:
-            lengths = prompt_lengths(tokenizer, [ex.prompt for ex in examples], config.model.use_chat_template)
+        lengths = environment_kind(config).prompt_lengths(config, tokenizer, [ex.prompt for ex in examples])
         long = [i for i, n in enumerate(lengths) if n > limit]
         if long:
             first = examples[long[0]]
@@ -366,11 +307,3 @@ def check_agent(config: Config) -> None:
             raise ValueError(f"{what} needs {package!r}: pip install 'asyncflow-rl[serve]' openai") from None
     if config.agent.chat_template is not None and not Path(config.agent.chat_template).is_file():
         raise ValueError(f"agent.chat_template={config.agent.chat_template!r}: no such file")
-
-
-def check_chat_template(config: Config, tokenizer) -> None:
-    """A `verifiers:` environment talks to the model in chat messages: the model needs a chat template (its
-    tokenizer's, or `agent.chat_template`), and every training prompt must render with it."""
-    if not (config.agent.chat_template or getattr(tokenizer, "chat_template", None)):
-        raise ValueError(f"env.name={config.env.name} sends chat messages, and the model's tokenizer has no chat "
-                         "template: give one with agent.chat_template=FILE (a Jinja template)")

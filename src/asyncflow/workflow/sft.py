@@ -30,7 +30,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,7 +48,7 @@ from asyncflow.observe import MetricsLogger, TrainProgress
 from asyncflow.runtime.base import build_rollout_worker
 from asyncflow.workers.reward import RewardWorker
 from asyncflow.workflow.checkpoint import save_checkpoint
-from asyncflow.workflow.evaluation import evaluate
+from asyncflow.workflow.evaluation import evaluate, evaluation_spec
 from asyncflow.workflow.setup import (
     build_reward_runner,
     datasets,
@@ -94,7 +94,7 @@ class ValidationProbe:
     def __init__(self, config: Config, model_path: Path, tokenizer, validation: list[Example]):
         self.validation, self.version = validation, 0
         self.params = sampling_params(config, tokenizer, greedy=True)
-        spec = replace(rollout_spec(config, model_path, tokenizer), params=self.params, group_size=1, agent=None)
+        spec = evaluation_spec(rollout_spec(config, model_path, tokenizer), self.params)
         self.worker = build_rollout_worker(spec, scorer=None)
         self.episodes = self.worker if spec.multiturn is not None else None
         self.rewards = RewardWorker(build_reward_runner(config), tokenizer)

@@ -1,0 +1,68 @@
+"""The built-in environment kind: prompts of a built-in task or a data file (`data`), single-turn, or multi-turn
+episodes in one of asyncflow's environments (`env.name`: a registered name or `module:factory`), or an agent's
+(`agent.fn`).
+
+Owns: what `asyncflow.workflow.kinds.EnvironmentKind` asks, for any `env.name` no other kind claims (none too),
+and `check_python_isolation`.
+
+Invariants: the checks write nothing and load no model; the prompts are rendered as the rollout renders them
+(the chat template when `model.use_chat_template`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from asyncflow.config import Config
+from asyncflow.data import Example
+from asyncflow.data.prompts import TrainSet, open_datasets, open_task
+from asyncflow.envs.base import resolve_environment
+from asyncflow.models.loading import prompt_lengths, render_prompt
+from asyncflow.rewards.contract import RewardFn
+
+
+class BuiltinEnvironment:
+    def check(self, config: Config) -> None:
+        if config.env.name is not None:
+            resolve_environment(config.env.name)  # raises EnvironmentSpecError naming env.name
+            check_python_isolation(config)
+
+    def check_tokenizer(self, config: Config, tokenizer) -> None:
+        pass
+
+    def datasets(self, config: Config) -> tuple[TrainSet, list[Example]]:
+        return open_datasets(config.data, config.run.seed)
+
+    def render(self, config: Config, tokenizer) -> Callable[[str], list[int]]:
+        use_chat = config.model.use_chat_template
+        return lambda text: render_prompt(tokenizer, text, use_chat)
+
+    def prompt_lengths(self, config: Config, tokenizer, prompts: list[str]) -> list[int]:
+        return prompt_lengths(tokenizer, prompts, config.model.use_chat_template)  # every prompt, in bulk
+
+    def auto_rewards(self, config: Config) -> list[str | RewardFn]:
+        if not config.data.task:
+            raise ValueError("reward.fns is 'auto' but there is no built-in task: name reward functions in reward.fns")
+        return [open_task(config.data, config.run.seed).verifier]
+
+    def multiturn_env(self, config: Config) -> str | None:
+        return config.env.name
+
+    def agent(self, config: Config) -> Any:
+        from asyncflow.workers.agent import absolute_agent_spec
+
+        return absolute_agent_spec(config.agent.fn)
+
+
+def check_python_isolation(config: Config) -> None:
+    """`env.python_isolation=strict` with the `python` tool in reach: bubblewrap must run here, else a one-line
+    error naming what is missing and the key that accepts weaker isolation."""
+    from asyncflow.envs.sandbox import SandboxLimits, SandboxUnavailable, check_isolation
+
+    if config.env.name == "calculator" or config.env.python_isolation != "strict":
+        return
+    try:
+        check_isolation(SandboxLimits(isolation="strict"))
+    except SandboxUnavailable as err:
+        raise ValueError(str(err)) from None
