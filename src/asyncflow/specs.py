@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 
 def import_callable(spec: str, *, label: str, error: type[Exception]) -> Callable[..., Any]:
@@ -27,4 +27,4 @@ def import_callable(spec: str, *, label: str, error: type[Exception]) -> Callabl
         target = getattr(target, part)
     if not callable(target):
         raise error(f"{label} {spec!r}: {attr_path!r} is a {type(target).__name__}, not callable")
-    return target
+    return cast("Callable[..., Any]", target)

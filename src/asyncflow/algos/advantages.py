@@ -20,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -240,29 +241,42 @@ def broadcast_to_tokens(advantages: torch.Tensor, mask: torch.Tensor) -> torch.T
     return a[:, None] * float_mask(mask, a)
 
 
-def _need(name: str, estimator: str, x):
+def _need(name: str, estimator: str, x: torch.Tensor | None) -> torch.Tensor:
     if x is None:
         raise ValueError(f"advantage estimator {estimator!r} needs {name}")
     return x
 
 
-def _grpo(rewards, mask, *, group_ids=None, eps=1e-6, **_):
+_Estimate = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def _grpo(
+    rewards: torch.Tensor, mask: torch.Tensor, *, group_ids: torch.Tensor | None = None, eps: float = 1e-6, **_: Any
+) -> _Estimate:
     return broadcast_to_tokens(grpo_advantages(rewards, _need("group_ids", "grpo", group_ids), eps=eps), mask), None
 
 
-def _dr_grpo(rewards, mask, *, group_ids=None, **_):
+def _dr_grpo(
+    rewards: torch.Tensor, mask: torch.Tensor, *, group_ids: torch.Tensor | None = None, **_: Any
+) -> _Estimate:
     return broadcast_to_tokens(dr_grpo_advantages(rewards, _need("group_ids", "dr_grpo", group_ids)), mask), None
 
 
-def _rloo(rewards, mask, *, group_ids=None, **_):
+def _rloo(rewards: torch.Tensor, mask: torch.Tensor, *, group_ids: torch.Tensor | None = None, **_: Any) -> _Estimate:
     return broadcast_to_tokens(rloo_advantages(rewards, _need("group_ids", "rloo", group_ids)), mask), None
 
 
-def _reinforce_pp(rewards, mask, *, kl=None, kl_coef=0.0, gamma=1.0, **_):
+def _reinforce_pp(
+    rewards: torch.Tensor, mask: torch.Tensor, *, kl: torch.Tensor | None = None, kl_coef: float = 0.0,
+    gamma: float = 1.0, **_: Any,
+) -> _Estimate:
     return reinforce_pp_advantages(rewards, mask, kl, kl_coef, gamma), None
 
 
-def _gae(rewards, mask, *, values=None, kl=None, kl_coef=0.0, gamma=1.0, lam=0.95, **_):
+def _gae(
+    rewards: torch.Tensor, mask: torch.Tensor, *, values: torch.Tensor | None = None, kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0, gamma: float = 1.0, lam: float = 0.95, **_: Any,
+) -> _Estimate:
     token_rewards = outcome_rewards_to_tokens(rewards, mask)
     if kl is not None:
         token_rewards = token_rewards - kl_coef * kl.to(token_rewards.dtype) * _check_tokens("kl", kl, mask)

@@ -25,6 +25,8 @@ token: they differ once rows are stale or updated more than once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -249,7 +251,9 @@ def cispo_loss(
     return loss, _ratio_stats(weight != ratio, ratio, log_ratio, mask)
 
 
-POLICY_LOSSES = {"ppo": policy_loss, "gspo": gspo_loss, "cispo": cispo_loss}
+POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {
+    "ppo": policy_loss, "gspo": gspo_loss, "cispo": cispo_loss,
+}
 
 
 def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, total_tokens: int | float | None = None) -> torch.Tensor:
@@ -318,7 +322,9 @@ def value_loss(
     return aggregate(0.5 * per_token, mask, aggregation, total_tokens, total_sequences)
 
 
-def _value_errors(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None):
+def _value_errors(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(v - R)^2 and, with `clip`, (v_clip - R)^2 where v_clip = old_v + clip(v - old_v, -clip, clip); all [N, L]."""
     unclipped = (values - returns) ** 2
     if clip is None:

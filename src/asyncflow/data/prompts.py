@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -31,13 +32,13 @@ class TrainSet:
     seed: int
     _epoch: int | None = field(default=None, init=False, repr=False, compare=False)
     _order: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
-    _fingerprint: dict | None = field(default=None, init=False, repr=False, compare=False)
+    _fingerprint: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not self.examples:
             raise ValueError("the training set is empty")
 
-    def fingerprint(self) -> dict:
+    def fingerprint(self) -> dict[str, Any]:
         """{"examples": count, "sha256": of every (prompt, answer) in file order}: what fixes the prompt order."""
         if self._fingerprint is None:
             digest = hashlib.sha256()
@@ -49,25 +50,28 @@ class TrainSet:
     def at(self, position: int) -> Example:
         """The example served at global position `position` (epochs reshuffled by seed)."""
         epoch, offset = divmod(position, len(self.examples))
-        if self._epoch != epoch:  # the order of one epoch is computed once, not per example
+        if self._order is None or self._epoch != epoch:  # the order of one epoch is computed once, not per example
             self._order = np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
             self._epoch = epoch
         return self.examples[int(self._order[offset])]
 
 
-def open_task(data, seed: int) -> Task:
-    """The task `data.task` names (`data` is a `DataConfig`), with its difficulty or its options."""
+def open_task(data: Any, seed: int) -> Task:
+    """The task `data.task` names (`data` is a `DataConfig`; asyncflow.config is a layer above, hence Any), with
+    its difficulty or its options."""
     return make_task(data.task, difficulty=data.difficulty, seed=seed, options=data.task_options,
                      partial_credit=data.partial_credit)
 
 
-def open_datasets(data, seed: int) -> tuple[TrainSet, list[Example]]:
+def open_datasets(data: Any, seed: int) -> tuple[TrainSet, list[Example]]:
     """The training set and the held-out examples of `data` (a `DataConfig`: a task or files)."""
     task = open_task(data, seed) if data.task else None
     if data.path:
         train = load_examples(data.path, prompt_field=data.prompt_field, answer_field=data.answer_field)
-    else:
+    elif task is not None:
         train = task.examples("train", data.train_size or task.train_pool_size)
+    else:  # the config rejects this too
+        raise ValueError("data.task is null and data.path is not set: give a built-in task or a data file")
     if data.test_path:
         test = load_examples(data.test_path, prompt_field=data.prompt_field, answer_field=data.answer_field)
     elif task is not None:
@@ -84,7 +88,7 @@ class Prompt:
     group_id: int
     prompt_ids: list[int]
     answer: str
-    metadata: dict = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 class PromptEncoder:
@@ -124,12 +128,12 @@ class PromptSource:
         self.position = 0
         self.next_group_id = 0
 
-    def cursor(self) -> dict:
+    def cursor(self) -> dict[str, Any]:
         """Where the next prompt comes from (checkpointed)."""
         return {"data_position": self.position, "next_group_id": self.next_group_id,
                 "skipped_long_prompts": self.encoder.skipped, "data_fingerprint": self.train_set.fingerprint()}
 
-    def restore(self, cursor: dict) -> None:
+    def restore(self, cursor: dict[str, Any]) -> None:
         self.position = cursor["data_position"]
         self.next_group_id = cursor["next_group_id"]
         self.encoder.skipped = cursor.get("skipped_long_prompts", 0)
@@ -155,7 +159,7 @@ class PromptSource:
         return prompts
 
 
-def data_change(recorded: dict | None, train_set: TrainSet) -> str | None:
+def data_change(recorded: dict[str, Any] | None, train_set: TrainSet) -> str | None:
     """How `train_set` differs from the training data a checkpoint `recorded` (its `data_fingerprint`), or None
     when it is the same (or the checkpoint predates fingerprints)."""
     if not recorded:

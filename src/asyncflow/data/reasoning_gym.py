@@ -36,7 +36,7 @@ _INDEX_RANGE = 2**31  # item indices are drawn from [0, _INDEX_RANGE)
 
 
 @functools.lru_cache(maxsize=16)
-def _dataset(name: str, options_json: str):
+def _dataset(name: str, options_json: str) -> Any:
     """The library's dataset NAME with `options` (its config keys), its seed fixed at 0 (indices vary)."""
     try:
         import reasoning_gym
@@ -64,16 +64,17 @@ class ReasoningGymScore:
     """The reward of `reasoning_gym:NAME`: `fn(completion, ground_truth, **metadata)` with the row's
     `reasoning_gym_index`; picklable (the dataset is rebuilt in each process)."""
 
-    def __init__(self, name: str, options: dict[str, Any] | None = None, partial_credit: bool = True):
+    def __init__(self, name: str, options: dict[str, Any] | None = None, partial_credit: bool = True) -> None:
         self.name = name
         self.options_json = _options_json(name, options)
         self.reward_name = f"{PREFIX}{name}"
         self.partial_credit = partial_credit
 
-    def dataset(self):
+    def dataset(self) -> Any:
+        """The library's dataset object (reasoning_gym ships no types)."""
         return _dataset(self.name, self.options_json)
 
-    def __call__(self, completion: str, ground_truth: str, **metadata) -> float:
+    def __call__(self, completion: str, ground_truth: str, **metadata: Any) -> float:
         dataset = self.dataset()
         entry = dataset[metadata["reasoning_gym_index"]]
         if str(entry["answer"]) != ground_truth:
@@ -94,7 +95,9 @@ class ReasoningGymTask(Task):
     levels = {1: None}  # one level: the library's own config sets the difficulty
     train_pool_size = 5_000  # some of the library's generators take milliseconds an item
 
-    def __init__(self, name: str, options: dict[str, Any] | None = None, seed: int = 0, partial_credit: bool = True):
+    def __init__(
+        self, name: str, options: dict[str, Any] | None = None, seed: int = 0, partial_credit: bool = True
+    ) -> None:
         self.name = f"{PREFIX}{name}"
         self.verifier = ReasoningGymScore(name, options, partial_credit)
         self.verifier.dataset()  # an unknown name or option fails here, not at the first sample

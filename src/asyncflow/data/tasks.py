@@ -41,7 +41,7 @@ import operator
 import random
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, ClassVar
@@ -61,7 +61,9 @@ TASK_ALPHABET = "".join(sorted(set("0123456789+-*/=:,>()" + "".join(_KEYWORDS)))
 
 _EXPRESSION_CHARS = frozenset("0123456789+-*/() ")
 _MAX_EXPRESSION_CHARS = 200  # bounds parsing work (and nesting depth) on arbitrary completions
-_BINARY_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+_BINARY_OPERATORS: dict[type[ast.operator], Callable[[Fraction, Fraction], Fraction]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+}
 
 
 def _bucket(prompt: str) -> int:
@@ -88,7 +90,9 @@ def carve_validation(examples: list[Example], n: int) -> tuple[list[Example], li
     """Split rows of a training file by the same partition: (rows whose prompt is not a validation
     prompt, the first n distinct validation prompts). Deterministic and independent of row order
     for the first list; the second keeps file order."""
-    rest, validation, seen = [], [], set()
+    rest: list[Example] = []
+    validation: list[Example] = []
+    seen: set[str] = set()
     for example in examples:
         if not is_validation(example.prompt):
             rest.append(example)
@@ -151,8 +155,8 @@ class Task(ABC):
     """A generator of verifiable examples at one difficulty. Subclasses set the class attributes
     and implement `sample`."""
 
-    name: ClassVar[str]
-    verifier: ClassVar[str]  # a reward name or "module:function" spec for asyncflow.rewards (or a reward object)
+    name: str  # a class attribute, or set per instance (reasoning_gym:NAME)
+    verifier: str | Callable[..., float]  # a reward name or "module:function" spec for asyncflow.rewards, or a reward
     default_difficulty: ClassVar[int]
     train_pool_size: ClassVar[int] = 50_000  # distinct training problems drawn per run (`data.train_size`)
     levels: ClassVar[dict[int, Any]]  # difficulty -> frozen params dataclass

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -122,9 +122,13 @@ class InferenceEngine(Protocol):
     weight_version: int
     updates_in_flight: bool
     streams_tokens: bool
-    generator: torch.Generator | None
 
-    def generate(self, requests: Iterable[GenerationRequest], params: SamplingParams) -> Iterator[Completion]:
+    @property
+    def generator(self) -> torch.Generator | None:
+        """Read-only: an engine may narrow it (one that always samples from its own generator)."""
+        ...
+
+    def generate(self, requests: Iterable[GenerationRequest | None], params: SamplingParams) -> Iterator[Completion]:
         """Generate for every request, yielding completions as they finish.
 
         `requests` may be a lazy iterator: the engine pulls new requests as batch slots free up.
@@ -166,7 +170,10 @@ class TrainEngine(Protocol):
     to a loss and float stats; an engine running on several processes needs a `RowLoss`). The trainer
     builds its engine from the registry by `train.engine` (`make_train_engine`)."""
 
-    device: torch.device
+    @property
+    def device(self) -> torch.device:
+        """Where the policy's parameters live (read-only: engines compute it from their model)."""
+        ...
 
     def backward_micro_batch(
         self, samples: list[TrainSample], loss_fn: LossFn | RowLoss, *, temperature: float = 1.0
@@ -186,13 +193,13 @@ class TrainEngine(Protocol):
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None: ...
 
-    def training_state(self) -> dict:
+    def training_state(self) -> dict[str, Any]:
         """Optimizer and schedule state for checkpoints."""
         ...
 
-    def load_training_state(self, state: dict) -> None: ...
+    def load_training_state(self, state: dict[str, Any]) -> None: ...
 
-    def load_checkpoint(self, weights: Mapping[str, torch.Tensor], training_state: dict) -> None:
+    def load_checkpoint(self, weights: Mapping[str, torch.Tensor], training_state: dict[str, Any]) -> None:
         """Restore a checkpoint written from `state_dict()` and `training_state()` (resume)."""
         ...
 
@@ -229,25 +236,32 @@ class ShardedCheckpointing(Protocol):
 
 INFERENCE_ENGINES: dict[str, Callable[..., InferenceEngine]] = {}
 TRAIN_ENGINES: dict[str, Callable[..., TrainEngine]] = {}
+_InferenceFactory = TypeVar("_InferenceFactory", bound=Callable[..., InferenceEngine])
+_TrainFactory = TypeVar("_TrainFactory", bound=Callable[..., TrainEngine])
+_Engine = TypeVar("_Engine")
 
 
-def register_inference_engine(name: str):
-    def decorator(factory):
+def register_inference_engine(name: str) -> Callable[[_InferenceFactory], _InferenceFactory]:
+    def decorator(factory: _InferenceFactory) -> _InferenceFactory:
         INFERENCE_ENGINES[name] = factory
         return factory
 
     return decorator
 
 
-def register_train_engine(name: str):
-    def decorator(factory):
+def register_train_engine(name: str) -> Callable[[_TrainFactory], _TrainFactory]:
+    def decorator(factory: _TrainFactory) -> _TrainFactory:
         TRAIN_ENGINES[name] = factory
         return factory
 
     return decorator
 
 
-def _make(registry: dict, kind: str, protocol: type, base: type, name: str, kwargs: dict):
+def _make(
+    registry: dict[str, Callable[..., _Engine]], kind: str, protocol: type, base: type, name: str,
+    kwargs: dict[str, Any],
+) -> _Engine:
+    factory: Callable[..., _Engine]
     if name in registry:
         factory = registry[name]
     elif ":" in name:  # a user adapter given as "package.module:factory"
@@ -259,17 +273,18 @@ def _make(registry: dict, kind: str, protocol: type, base: type, name: str, kwar
         raise ValueError(f"unknown {kind} engine {name!r}; registered: {sorted(registry)} (or give 'module:factory')")
     engine = factory(**kwargs)
     if not isinstance(engine, protocol):
-        members = set(protocol.__annotations__) | {n for n, v in vars(protocol).items()
-                                                   if callable(v) and not n.startswith("_")}
+        members = set(protocol.__annotations__) | {
+            n for n, v in vars(protocol).items() if (callable(v) or isinstance(v, property)) and not n.startswith("_")
+        }
         missing = [m for m in members if not hasattr(engine, m)]
         raise TypeError(f"engine {name!r} ({type(engine).__name__}) lacks {', '.join(sorted(missing))} of "
                         f"{protocol.__name__}: subclass asyncflow.engines.base.{base.__name__} for the defaults")
     return engine
 
 
-def make_inference_engine(name: str, **kwargs) -> InferenceEngine:
+def make_inference_engine(name: str, **kwargs: Any) -> InferenceEngine:
     return _make(INFERENCE_ENGINES, "inference", InferenceEngine, InferenceEngineBase, name, kwargs)
 
 
-def make_train_engine(name: str, **kwargs) -> TrainEngine:
+def make_train_engine(name: str, **kwargs: Any) -> TrainEngine:
     return _make(TRAIN_ENGINES, "train", TrainEngine, TrainEngineBase, name, kwargs)

@@ -42,11 +42,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
-from asyncflow.engines.base import RowLoss, TrainEngineBase, register_train_engine
+from asyncflow.engines.base import LossFn, RowLoss, TrainEngineBase, register_train_engine
 from asyncflow.engines.torch_train import (
     check_precision,
     clip_and_step,
@@ -55,7 +55,7 @@ from asyncflow.engines.torch_train import (
 )
 from asyncflow.models.loading import load_model
 from asyncflow.models.logprobs import TrainSample
-from asyncflow.models.tri_model import make_reference, tri_model_logprobs
+from asyncflow.models.tri_model import Packing, make_reference, tri_model_logprobs
 from asyncflow.models.value import CriticSpec, attach_critic, critic_of, policy_weights
 from asyncflow.transfer.samplers import karmarkar_karp
 from asyncflow.weights.buckets import (
@@ -118,7 +118,7 @@ class RankSpec:
     warmup_steps: int = 0
     total_steps: int = 1
     use_reference: bool = False
-    packing: str = "auto"
+    packing: Packing = "auto"
     threads: int = 1
     timeout_s: float = 600.0
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -128,7 +128,7 @@ class RankSpec:
     critic: CriticSpec | None = None  # PPO's value model, attached to the policy (`asyncflow.models.value`)
 
 
-def shard_model(model: torch.nn.Module, mesh, **options) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, mesh: Any, **options: Any) -> torch.nn.Module:
     """FSDP2: one unit per decoder layer (the classes HF lists in `_no_split_modules`), the critic (when attached:
     it runs outside the policy's forward), then the root (embeddings, final norm, head). Returns the same module,
     now sharded."""
@@ -138,8 +138,9 @@ def shard_model(model: torch.nn.Module, mesh, **options) -> torch.nn.Module:
     for module in model.modules():
         if type(module).__name__ in layer_classes:
             fully_shard(module, mesh=mesh, **options)
-    if critic_of(model) is not None:
-        fully_shard(critic_of(model), mesh=mesh, **options)
+    critic = critic_of(model)
+    if critic is not None:
+        fully_shard(critic, mesh=mesh, **options)
     fully_shard(model, mesh=mesh, **options)
     return model
 
@@ -148,7 +149,7 @@ class RankTrainer:
     """One rank: its shard of the policy (and reference), AdamW over the shards, the LR schedule.
     Every method is a collective: the driver calls it on every rank at once."""
 
-    def __init__(self, rank: int, world: int, master_addr: str, master_port: int, spec: RankSpec):
+    def __init__(self, rank: int, world: int, master_addr: str, master_port: int, spec: RankSpec) -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
@@ -179,7 +180,7 @@ class RankTrainer:
             attach_critic(policy, spec.critic)
         # bf16 parameters in forward/backward, float32 gradient reduction: the shards (AdamW's master weights) stay fp32
         bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        precision = {"mp_policy": bf16} if spec.precision == "bf16" else {}
+        precision: dict[str, Any] = {"mp_policy": bf16} if spec.precision == "bf16" else {}
         self.model = shard_model(policy, self.mesh, **precision)
         for module in self.model.modules():  # the ranks' gradient sums add up; the driver normalises them
             if isinstance(module, FSDPModule):
@@ -208,6 +209,7 @@ class RankTrainer:
             dummy = out.policy.logprobs.sum() * 0.0
             ((dummy + out.values.sum() * 0.0) if out.values is not None else dummy).backward()
             return {}
+        assert loss_fn is not None  # the driver sends a loss with every non-empty share
         loss, stats = loss_fn(out)
         stats = {**stats, "train/packed_fraction": float(out.policy.mask.sum()) if out.packed else 0.0}
         if not torch.isfinite(loss):
@@ -240,7 +242,10 @@ class RankTrainer:
         version v without a copy while version v + 1 is written into the other one."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # a full state dict offloaded to the CPU: plain tensors
+        full = cast("dict[str, torch.Tensor]", get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        ))
         if self.rank != 0:
             return None
         full = policy_weights(full)  # the critic stays on the ranks (and in the sharded checkpoint)
@@ -260,7 +265,7 @@ class RankTrainer:
 
     def full_gradients(self) -> dict[str, torch.Tensor] | None:
         """The accumulated gradients (before `step`), gathered whole to rank 0 (None elsewhere): for checks."""
-        grads = {}
+        grads: dict[str, torch.Tensor] = {}
         for name, p in self.model.named_parameters():
             if p.grad is not None:
                 grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
@@ -290,14 +295,14 @@ class RankTrainer:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_state, "optim": optim_state}
+        state: dict[str, Any] = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=folder)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
-    def scheduler_state(self) -> dict:
+    def scheduler_state(self) -> dict[str, Any]:
         return self.scheduler.state_dict()
 
-    def load_scheduler_state(self, state: dict) -> None:
+    def load_scheduler_state(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state)
 
     def shutdown(self) -> None:
@@ -314,7 +319,7 @@ class RankGroup(Protocol):
 
     shares_memory: bool
 
-    def call(self, method: str, args: Sequence[tuple], timeout: float) -> list[Any]:
+    def call(self, method: str, args: Sequence[tuple[Any, ...]], timeout: float) -> list[Any]:
         """`getattr(rank_r, method)(*args[r])` on every rank r; -> the results in rank order. Raises
         `RankFailedError` when a rank dies, raises or does not answer within `timeout` seconds."""
         ...
@@ -325,7 +330,8 @@ class RankGroup(Protocol):
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 Launcher = Callable[[int, RankSpec, float], RankGroup]  # (world_size, spec, timeout) -> the started ranks
@@ -350,7 +356,7 @@ class FSDP2TrainEngine(TrainEngineBase):
     warmup_steps: int = 0
     total_steps: int = 1
     use_reference: bool = False
-    packing: str = "auto"
+    packing: Packing = "auto"
     dtype: str = "float32"
     launcher: Launcher | None = None
     timeout_s: float = 600.0
@@ -362,7 +368,7 @@ class FSDP2TrainEngine(TrainEngineBase):
     critic: CriticSpec | None = None
     ranks: RankGroup = field(init=False, repr=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.model_path is None:
             raise ValueError("train.engine=fsdp2 needs the model folder (model_path) for its ranks to load")
         if self.world_size < 1:
@@ -376,7 +382,7 @@ class FSDP2TrainEngine(TrainEngineBase):
         device = next(self.model.parameters()).device if self.model is not None else torch.device("cpu")
         self.model = None  # the ranks hold the policy; the driver keeps no reference to its copy
         threads = self.threads_per_rank or max(1, torch.get_num_threads() // self.world_size)
-        own = {"model_path": str(self.model_path), "device": device.type, "betas": tuple(self.betas),
+        own: dict[str, Any] = {"model_path": str(self.model_path), "device": device.type, "betas": tuple(self.betas),
                "threads": threads}
         # every other field of the ranks' spec is this engine's field of the same name
         spec = RankSpec(**own, **{f.name: getattr(self, f.name) for f in fields(RankSpec) if f.name not in own})
@@ -388,14 +394,17 @@ class FSDP2TrainEngine(TrainEngineBase):
 
     device = torch.device("cpu")  # where the trainer builds a micro-batch's loss tensors; ranks move them
 
-    def _all(self, method: str, *args) -> list[Any]:
+    def _all(self, method: str, *args: Any) -> list[Any]:
         return self.ranks.call(method, [args] * self.world_size, self.timeout_s)
 
-    def backward_micro_batch(self, samples: list[TrainSample], loss_fn: RowLoss, *, temperature: float = 1.0):
+    def backward_micro_batch(
+        self, samples: list[TrainSample], loss_fn: LossFn | RowLoss, *, temperature: float = 1.0
+    ) -> dict[str, float]:
         """Each rank forwards and backpropagates its share of the rows (`assign_rows`); -> the summed stats."""
         if not hasattr(loss_fn, "select"):
             raise TypeError("train.engine=fsdp2 splits micro-batches over ranks: loss_fn must be a RowLoss "
                             "(with `select(rows)`), not a plain function")
+        loss_fn = cast(RowLoss, loss_fn)
         shares = assign_rows(samples, self.world_size, keep_groups=self.packing != "off")
         args = [([samples[i] for i in rows], loss_fn.select(rows) if rows else None, temperature) for rows in shares]
         stats: dict[str, float] = {}
@@ -418,7 +427,8 @@ class FSDP2TrainEngine(TrainEngineBase):
 
     def optimizer_step(self, grad_scale: float = 1.0) -> dict[str, float]:
         self._weights = None
-        return self._all("step", grad_scale)[0]
+        stats: dict[str, float] = self._all("step", grad_scale)[0]
+        return stats
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full policy weights, gathered to rank 0 once per version (cached until the next step or load)."""
@@ -432,24 +442,25 @@ class FSDP2TrainEngine(TrainEngineBase):
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The gradients accumulated since the last `optimizer_step`, whole (for checks and diagnostics)."""
-        return self._all("full_gradients")[0]
+        gradients: dict[str, torch.Tensor] = self._all("full_gradients")[0]
+        return gradients
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         self._weights = None
         args = [(dict(state_dict),)] + [(None,)] * (self.world_size - 1)
         self.ranks.call("load_weights", args, self.timeout_s)
 
-    def training_state(self) -> dict:
+    def training_state(self) -> dict[str, Any]:
         """The LR schedule (the optimizer state is in the sharded checkpoint: `save_sharded`)."""
         return {"engine": "fsdp2", "scheduler": self._all("scheduler_state")[0]}
 
-    def load_training_state(self, state: dict) -> None:
+    def load_training_state(self, state: dict[str, Any]) -> None:
         if state.get("engine") != "fsdp2":
             raise ValueError("this checkpoint was written by the single-process engine (its optimizer state is not "
                              "sharded): resume it with train.engine=torch")
         self._all("load_scheduler_state", state["scheduler"])
 
-    def load_checkpoint(self, weights: Mapping[str, torch.Tensor], training_state: dict) -> None:
+    def load_checkpoint(self, weights: Mapping[str, torch.Tensor], training_state: dict[str, Any]) -> None:
         """A checkpoint without a sharded folder: only one this engine wrote can resume here."""
         self.load_training_state(training_state)
         self.load_state_dict(weights)
@@ -466,4 +477,4 @@ class FSDP2TrainEngine(TrainEngineBase):
         """Stop the ranks (idempotent)."""
         if getattr(self, "ranks", None) is not None:
             self.ranks.close()
-            self.ranks = None
+            del self.ranks  # closed: no group (a second close does nothing)

@@ -20,9 +20,10 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
 
 ADAPTER = "default"  # peft's adapter name; a policy carries one adapter
@@ -37,13 +38,15 @@ class LoRASettings:
 
     def peft_config(self, base_model_name_or_path: str | None = None) -> LoraConfig:
         targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
+        # peft annotates lora_alpha as int; it is a scale (alpha / r) and takes any number
         return LoraConfig(
-            r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=targets,
+            r=self.rank, lora_alpha=self.alpha,  # type: ignore[arg-type]
+            lora_dropout=self.dropout, target_modules=targets,
             task_type="CAUSAL_LM", base_model_name_or_path=base_model_name_or_path,
         )  # fmt: skip
 
 
-def add_adapters(model: torch.nn.Module, settings: LoRASettings):
+def add_adapters(model: torch.nn.Module, settings: LoRASettings) -> PeftModel:
     """Inject LoRA adapters into `model` in place and freeze its base weights; -> the peft wrapper (for saving).
 
     `model` itself stays the module to train and run (same class and forward). Raises `ValueError` naming
@@ -67,19 +70,22 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     `weight = base_weight + alpha/r * B @ A`; every other tensor as it is. Keys as before `add_adapters`."""
     merged = {k.replace(".base_layer.", "."): v.detach() for k, v in model.state_dict().items() if ".lora_" not in k}
     for name, layer in lora_layers(model).items():
-        weight = layer.get_base_layer().weight
-        merged[f"{name}.weight"] = weight + layer.get_delta_weight(ADAPTER).to(weight.dtype)
+        weight = cast(torch.Tensor, layer.get_base_layer().weight)
+        # each concrete LoRA layer (Linear, Embedding, Conv) defines get_delta_weight; peft's LoraLayer base does not
+        delta: torch.Tensor = layer.get_delta_weight(ADAPTER)  # type: ignore[attr-defined]
+        merged[f"{name}.weight"] = weight + delta.to(weight.dtype)
     return merged
 
 
-def adapter_state_dict(wrapper) -> dict[str, torch.Tensor]:
+def adapter_state_dict(wrapper: PeftModel) -> dict[str, torch.Tensor]:
     """The adapter's tensors, in peft's saved naming (what `adapter_model.safetensors` holds)."""
     return {k: v.detach().clone() for k, v in get_peft_model_state_dict(wrapper, adapter_name=ADAPTER).items()}
 
 
-def load_adapter_state_dict(wrapper, tensors: dict[str, torch.Tensor]) -> None:
+def load_adapter_state_dict(wrapper: PeftModel, tensors: dict[str, torch.Tensor]) -> None:
     """Restore `adapter_state_dict` output into `wrapper`; every adapter tensor must be given."""
-    result = set_peft_model_state_dict(wrapper, tensors, adapter_name=ADAPTER)
+    # torch's _IncompatibleKeys (missing_keys, unexpected_keys): a namedtuple mypy cannot resolve
+    result: Any = set_peft_model_state_dict(wrapper, tensors, adapter_name=ADAPTER)
     missing = [k for k in result.missing_keys if ".lora_" in k]
     if missing or result.unexpected_keys:
         raise ValueError(f"adapter tensors do not match the model: missing {missing[:3]}, "
@@ -90,7 +96,7 @@ def load_adapter_state_dict(wrapper, tensors: dict[str, torch.Tensor]) -> None:
 def reset_adapters(model: torch.nn.Module) -> None:
     """Zero every B matrix: the adapted model then computes exactly its base weights."""
     for layer in lora_layers(model).values():
-        layer.lora_B[ADAPTER].weight.zero_()
+        cast(torch.Tensor, layer.lora_B[ADAPTER].weight).zero_()
 
 
 def save_adapter(out: Path, settings: LoRASettings, tensors: dict[str, torch.Tensor], base_model: str) -> None:

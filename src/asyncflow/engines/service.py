@@ -28,7 +28,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 
 import torch
@@ -45,20 +45,20 @@ class EngineServiceError(RuntimeError):
 
 class EngineService:
     def __init__(self, engine: InferenceEngine, params: SamplingParams, *, name: str = "engine-service",
-                 restart_on_error: bool = False):
+                 restart_on_error: bool = False) -> None:
         self.engine = engine
         self.params = params
         self.restart_on_error = restart_on_error
         self.engine_failures = 0  # engine errors survived (restart_on_error)
         self.last_error: str | None = None
-        self._inbox: queue.SimpleQueue[tuple[GenerationRequest, Future]] = queue.SimpleQueue()
-        self._pending: dict[int, Future] = {}  # in the engine, by internal request id
+        self._inbox: queue.SimpleQueue[tuple[GenerationRequest, Future[Completion]]] = queue.SimpleQueue()
+        self._pending: dict[int, Future[Completion]] = {}  # in the engine, by internal request id
         self._in_flight: dict[int, GenerationRequest] = {}  # the same requests (replayed alone after an error)
         self._streamed: set[int] = set()  # requests whose caller has seen tokens
         self._deliver_at_end: dict[int, TokenCallback] = {}  # on_tokens of requests to an engine that cannot stream
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        self._update: tuple[Mapping[str, torch.Tensor], int, Future] | None = None
+        self._update: tuple[Mapping[str, torch.Tensor], int, Future[None]] | None = None
         self._closed = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -66,14 +66,14 @@ class EngineService:
 
     # ------------------------------------------------------------------ callers
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
-               on_tokens: TokenCallback | None = None) -> Future:
+               on_tokens: TokenCallback | None = None) -> Future[Completion]:
         """Queue one generation; the future resolves to its `Completion` (whose `request_id` is internal).
         `on_tokens(token_ids, logprobs)` receives its tokens before that (see the module docstring)."""
         callback = _guarded(on_tokens) if on_tokens is not None else None
         with self._lock:
             if self._closed or self._error is not None:
                 raise EngineServiceError(f"the engine service is stopped: {self._error or 'closed'}")
-            future: Future = Future()
+            future: Future[Completion] = Future()
             self._inbox.put((GenerationRequest(next(self._ids), list(prompt_ids), params, callback), future))
         return future
 
@@ -83,7 +83,7 @@ class EngineService:
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, *, timeout: float) -> None:
         """Load new weights once the requests in flight have finished; blocks until loaded."""
-        done: Future = Future()
+        done: Future[None] = Future()
         with self._lock:
             if self._update is not None:
                 raise RuntimeError("a weight update is already waiting")
@@ -111,7 +111,7 @@ class EngineService:
     def __enter__(self) -> EngineService:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ------------------------------------------------------------------ the loop
@@ -165,7 +165,7 @@ class EngineService:
                 on_tokens(list(completion.response_ids), list(completion.logprobs))
             future.set_result(completion)
 
-    def _requests(self):
+    def _requests(self) -> Iterator[GenerationRequest | None]:
         """The engine's request source: ends (closing this `generate`) when stopping or a weight update waits
         and nothing is in flight; blocks only when the engine is idle."""
         while True:
@@ -214,8 +214,8 @@ class EngineService:
     def _stopping(self) -> bool:
         return self._closed and self._inbox.empty()
 
-    def _drain_inbox(self) -> list[Future]:
-        futures = []
+    def _drain_inbox(self) -> list[Future[Completion]]:
+        futures: list[Future[Completion]] = []
         while True:
             try:
                 futures.append(self._inbox.get_nowait()[1])

@@ -48,6 +48,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 from transformers.cache_utils import Cache
@@ -59,6 +60,7 @@ from asyncflow.engines.base import (
     SamplingParams,
     register_inference_engine,
 )
+from asyncflow.models.hf import causal_lm
 from asyncflow.models.loading import load_model, resolve_model_path
 
 
@@ -105,7 +107,9 @@ class SlotKVCache(Cache):
         for tensor in (*self.keys, *self.values):
             tensor[dst, :, :length] = tensor[src, :, :length]
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if layer_idx == len(self.keys):
             for tensors, states in ((self.keys, key_states), (self.values, value_states)):
                 tensors.append(states.new_zeros(self.rows, states.shape[1], self.capacity, states.shape[3]))
@@ -120,12 +124,17 @@ class SlotKVCache(Cache):
         # about its number of ops, so the cache adds as few per layer as it can.
         keys.scatter_(2, self._index_for(key_states.shape), key_states)
         values.scatter_(2, self._index_for(value_states.shape), value_states)
-        window = lambda t: t.as_strided((key_states.shape[0], t.shape[1], self._kv_len, t.shape[3]), t.stride())
+
+        def window(t: torch.Tensor) -> torch.Tensor:
+            return t.as_strided((key_states.shape[0], t.shape[1], self._kv_len, t.shape[3]), t.stride())
+
         return window(keys), window(values)
 
     def _index_for(self, shape: torch.Size) -> torch.Tensor:
         """Write positions expanded to an update's shape `[n, heads, 1, dim]`; built once per step, shared by layers."""
         if self._index is None or self._index.shape != shape:
+            if self._positions is None:
+                raise RuntimeError("SlotKVCache: a decode forward without decode_at")
             self._index = self._positions.view(-1, 1, 1, 1).expand(shape)
         return self._index
 
@@ -213,11 +222,12 @@ class _Slot:
 class TorchInferenceEngine(InferenceEngineBase):
     """Continuous-batching sampler around a Hugging Face causal LM (full attention), CPU or one GPU."""
 
+    generator: torch.Generator  # always one (seeded in __init__)
     updates_in_flight = True  # `update_weights` may be called while a `generate` runs (module docstring)
     streams_tokens = True  # requests' `on_tokens` callbacks are called as tokens are sampled
 
     @classmethod
-    def from_pretrained(cls, model_path: str, *, dtype: str = "float32", **kwargs) -> TorchInferenceEngine:
+    def from_pretrained(cls, model_path: str, *, dtype: str = "float32", **kwargs: Any) -> TorchInferenceEngine:
         """The engine over the model in `model_path` (a local HF folder or `preset:NAME`), loaded for inference."""
         model = load_model(resolve_model_path(str(model_path)), dtype=dtype).eval().requires_grad_(False)
         return cls(model, **kwargs)
@@ -230,10 +240,10 @@ class TorchInferenceEngine(InferenceEngineBase):
         device: str | torch.device = "cpu",
         seed: int = 0,
         weight_version: int = 0,
-    ):
+    ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        config = model.config
+        config = causal_lm(model).config
         if getattr(config, "is_encoder_decoder", False):
             raise ValueError("TorchInferenceEngine supports decoder-only causal LMs, not encoder-decoder models")
         layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
@@ -246,7 +256,7 @@ class TorchInferenceEngine(InferenceEngineBase):
         self.model = model.to(self.device).eval()
         self.max_batch_size = max_batch_size
         self.weight_version = weight_version
-        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.vocab_size = cast(torch.nn.Embedding, causal_lm(model).get_input_embeddings()).num_embeddings
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._open_generations = 0
@@ -277,13 +287,13 @@ class TorchInferenceEngine(InferenceEngineBase):
                 self._load(*pending)
         return pending is not None
 
-    def generate(self, requests: Iterable[GenerationRequest], params: SamplingParams) -> Iterator[Completion]:
+    def generate(self, requests: Iterable[GenerationRequest | None], params: SamplingParams) -> Iterator[Completion]:
         """Yield a `Completion` per request as each finishes (completion order), pulling `requests` lazily."""
         check_sampling_params(params)
         return self._generate(iter(requests), params)
 
     # ---------------------------------------------------------------- the loop
-    def _generate(self, requests: Iterator[GenerationRequest], params: SamplingParams) -> Iterator[Completion]:
+    def _generate(self, requests: Iterator[GenerationRequest | None], params: SamplingParams) -> Iterator[Completion]:
         with self._lock:
             self._open_generations += 1
         try:
@@ -292,6 +302,7 @@ class TorchInferenceEngine(InferenceEngineBase):
             exhausted = False
             while True:
                 if self._take_pending() and slots:
+                    assert cache is not None  # slots live in the cache
                     self._recompute(cache, slots)
                 free = self.max_batch_size - len(slots)
                 if not exhausted and free:
@@ -308,6 +319,7 @@ class TorchInferenceEngine(InferenceEngineBase):
                         return
                     time.sleep(IDLE_WAIT_S)
                     continue
+                assert cache is not None  # slots live in the cache
                 self._decode(cache, slots)
                 yield from self._retire(slots, cache)
         finally:
@@ -323,8 +335,9 @@ class TorchInferenceEngine(InferenceEngineBase):
         """Up to `wanted` new slots, stopping early at a `None` (nothing ready now); also whether the source ended."""
         new: list[_Slot] = []
         while len(new) < wanted:
-            request = next(requests, _END)
-            if request is _END:
+            try:
+                request = next(requests)
+            except StopIteration:
                 return new, True
             if request is None:
                 break
@@ -337,24 +350,25 @@ class TorchInferenceEngine(InferenceEngineBase):
             check_sampling_params(request.params)
         return _Slot(request, request.params or params)
 
-    def _retire(self, slots: list[_Slot], cache: SlotKVCache) -> Iterator[Completion]:
+    def _retire(self, slots: list[_Slot], cache: SlotKVCache | None) -> Iterator[Completion]:
         """Hand back finished slots and move the last running slots into their rows (rows stay 0..n-1)."""
-        finished = [s for s in slots if s.finish_reason]
+        finished = [(s, s.finish_reason) for s in slots if s.finish_reason]
         if not finished:
             return
         keep = len(slots) - len(finished)
         holes = [i for i in range(keep) if slots[i].finish_reason]
         movers = [i for i in range(keep, len(slots)) if not slots[i].finish_reason]
         if holes:
+            assert cache is not None  # slots live in the cache
             cache.move_rows(movers, holes, max(slots[i].cached_length for i in movers))
         for hole, mover in zip(holes, movers):
             slots[hole] = slots[mover]
         del slots[keep:]
-        for s in finished:
+        for s, reason in finished:
             r = s.request
             versions = s.token_versions
             yield Completion(
-                r.request_id, r.prompt_ids, s.response_ids, s.logprobs, s.finish_reason, versions[-1],
+                r.request_id, r.prompt_ids, s.response_ids, s.logprobs, reason, versions[-1],
                 token_versions=versions if versions[0] != versions[-1] else None,
             )
 
@@ -383,7 +397,9 @@ class TorchInferenceEngine(InferenceEngineBase):
         last, which the next decode step feeds) under the current weights. Nothing is sampled."""
         self._forward_rows(cache, 0, [s.request.prompt_ids + s.response_ids[:-1] for s in slots], 1)
 
-    def _forward_rows(self, cache: SlotKVCache, start: int, sequences: list[list[int]], logits_to_keep) -> torch.Tensor:
+    def _forward_rows(
+        self, cache: SlotKVCache, start: int, sequences: list[list[int]], logits_to_keep: int | torch.Tensor
+    ) -> torch.Tensor:
         """Run `sequences` (right-padded to q, causal: a real token never sees the padding after it) into cache rows
         `start ..` from position 0; -> the logits `logits_to_keep` selects."""
         q = max(map(len, sequences))
@@ -392,7 +408,7 @@ class TorchInferenceEngine(InferenceEngineBase):
             input_ids[row, : len(ids)] = torch.tensor(ids)
         cache.prefill_rows(start)
         causal = torch.ones(q, q, dtype=torch.bool, device=self.device).tril()
-        return self.model(
+        logits: torch.Tensor = self.model(
             input_ids=input_ids.to(self.device),
             position_ids=torch.arange(q, device=self.device)[None],
             attention_mask=self._additive(causal[None, None]),
@@ -400,6 +416,7 @@ class TorchInferenceEngine(InferenceEngineBase):
             use_cache=True,
             logits_to_keep=logits_to_keep,
         ).logits
+        return logits
 
     @torch.inference_mode()
     def _decode(self, cache: SlotKVCache, slots: list[_Slot]) -> None:
@@ -426,7 +443,7 @@ class TorchInferenceEngine(InferenceEngineBase):
 
     def _additive(self, visible: torch.Tensor) -> torch.Tensor:
         """bool mask -> additive float mask in the model's dtype (SDPA would otherwise convert it per layer)."""
-        dtype = self.model.dtype
+        dtype = causal_lm(self.model).dtype
         return torch.zeros(visible.shape, dtype=dtype, device=self.device).masked_fill_(
             ~visible, torch.finfo(dtype).min
         )
@@ -446,16 +463,16 @@ class TorchInferenceEngine(InferenceEngineBase):
                     slot.request.on_tokens([token], [logprob])
 
 
-_END = object()
-
-
 @register_inference_engine("torch")
 def make_torch_inference_engine(
-    *, model: torch.nn.Module | None = None, model_path: str | None = None, dtype: str = "float32", **kwargs
+    *, model: torch.nn.Module | None = None, model_path: str | None = None, dtype: str = "float32", **kwargs: Any
 ) -> TorchInferenceEngine:
     """Registry factory: `model=` (a loaded causal LM) or `model_path=` (a local HF folder or `preset:NAME`)."""
-    if (model is None) == (model_path is None):
-        raise ValueError("the torch inference engine needs exactly one of model= or model_path=")
+    exactly_one = ValueError("the torch inference engine needs exactly one of model= or model_path=")
     if model is None:
+        if model_path is None:
+            raise exactly_one
         return TorchInferenceEngine.from_pretrained(model_path, dtype=dtype, **kwargs)
+    if model_path is not None:
+        raise exactly_one
     return TorchInferenceEngine(model, **kwargs)

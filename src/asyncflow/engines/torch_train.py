@@ -33,17 +33,20 @@ import contextlib
 import ctypes
 import math
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from asyncflow.engines.base import LossFn, TrainEngineBase, register_train_engine
+from asyncflow.models.hf import causal_lm
 from asyncflow.models.logprobs import TrainSample
 from asyncflow.models.packing import keep_shared_prompt_attention
-from asyncflow.models.tri_model import make_reference, tri_model_logprobs
+from asyncflow.models.tri_model import Packing, make_reference, tri_model_logprobs
 from asyncflow.models.value import CriticSpec, attach_critic, critic_parameters, is_critic_key, policy_weights
 
 if TYPE_CHECKING:
+    from peft import PeftModel
+
     from asyncflow.engines.peft_lora import LoRASettings
 
 
@@ -80,7 +83,7 @@ def check_precision(precision: str, model: torch.nn.Module | None = None) -> Non
             )
 
 
-def compute_precision(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+def compute_precision(precision: str, device: torch.device) -> contextlib.AbstractContextManager[None]:
     """The context a training forward runs in: bfloat16 autocast on `device` for `bf16` (matmuls and activations in
     bf16, parameters and their gradients float32), nothing for `fp32`."""
     if precision == "bf16":
@@ -88,7 +91,7 @@ def compute_precision(precision: str, device: torch.device) -> contextlib.Abstra
     return contextlib.nullcontext()
 
 
-def enable_activation_checkpointing(model: torch.nn.Module, packing: str) -> None:
+def enable_activation_checkpointing(model: torch.nn.Module, packing: Packing) -> None:
     """Recompute every decoder layer's activations during the backward (Hugging Face gradient checkpointing,
     non-reentrant: frozen or adapter-only parameters and keyword inputs pass through). Same gradients, less memory
     held between forward and backward; it applies in training mode only. With packing possible, the model keeps
@@ -99,12 +102,13 @@ def enable_activation_checkpointing(model: torch.nn.Module, packing: str) -> Non
     if packing != "off":
         keep_shared_prompt_attention(model)
     options = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # the name of newer transformers releases
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    lm = causal_lm(model)
+    if hasattr(lm, "activation_checkpointing_enable"):  # the name of newer transformers releases
+        lm.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
-    if getattr(model.config, "use_cache", False):
-        model.config.use_cache = False  # a recomputed layer must not append to a KV cache again
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+    if getattr(lm.config, "use_cache", False):
+        lm.config.use_cache = False  # a recomputed layer must not append to a KV cache again
 
 
 @register_train_engine("torch")
@@ -121,7 +125,7 @@ class TorchTrainEngine(TrainEngineBase):
         warmup_steps: int = 0,
         total_steps: int = 1,
         use_reference: bool = False,
-        packing: str = "auto",
+        packing: Packing = "auto",
         lora: LoRASettings | None = None,
         precision: str = "fp32",
         activation_checkpointing: bool = False,
@@ -142,7 +146,8 @@ class TorchTrainEngine(TrainEngineBase):
             self.reference = teacher.eval().requires_grad_(False)
         if activation_checkpointing:
             enable_activation_checkpointing(model, packing)
-        self.adapted = None  # peft's wrapper of `model` under LoRA (the model itself is trained and run)
+        # peft's wrapper of `model` under LoRA (the model itself is trained and run)
+        self.adapted: PeftModel | None = None
         if lora is not None:
             from asyncflow.engines import peft_lora as lora_adapter  # peft is imported only when asked for
 
@@ -242,10 +247,10 @@ class TorchTrainEngine(TrainEngineBase):
             raise KeyError(f"policy weights missing from the state dict: {missing[:5]}")
         reset_adapters(self.model)
 
-    def training_state(self) -> dict:
+    def training_state(self) -> dict[str, Any]:
         """Optimizer and schedule state for checkpoints (weights go separately, as safetensors); under LoRA
         also the adapter (`adapter`, peft's names); with a critic its weights (`critic`)."""
-        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        state: dict[str, Any] = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
         if self.critic is not None:
             state["critic"] = {k: v.detach().clone() for k, v in self.critic.state_dict().items()}
         if self.adapted is not None:
@@ -254,7 +259,7 @@ class TorchTrainEngine(TrainEngineBase):
             state["adapter"] = adapter_state_dict(self.adapted)
         return state
 
-    def load_training_state(self, state: dict) -> None:
+    def load_training_state(self, state: dict[str, Any]) -> None:
         for present, key, what in ((self.adapted is not None, "adapter", "LoRA (train.lora.rank)"),
                                    (self.critic is not None, "critic", "a critic (algo.advantage: gae)")):
             if present != (key in state):
@@ -269,7 +274,7 @@ class TorchTrainEngine(TrainEngineBase):
 
             load_adapter_state_dict(self.adapted, state["adapter"])
 
-    def load_checkpoint(self, weights: Mapping[str, torch.Tensor], training_state: dict) -> None:
+    def load_checkpoint(self, weights: Mapping[str, torch.Tensor], training_state: dict[str, Any]) -> None:
         """Restore what `state_dict()` and `training_state()` returned at a checkpoint. Under LoRA the frozen
         base stays as loaded from the model folder and the adapter comes from `training_state`; the result
         must reproduce the checkpoint's merged weights (else the model folder changed since the run began)."""
@@ -287,8 +292,10 @@ class TorchTrainEngine(TrainEngineBase):
                 )
 
 
-def clip_and_step(model: torch.nn.Module, optimizer, scheduler, grad_scale: float, grad_clip: float, *,
-                  skip: bool) -> dict[str, float]:
+def clip_and_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+    grad_scale: float, grad_clip: float, *, skip: bool,
+) -> dict[str, float]:
     """Scale the accumulated gradients by `grad_scale` (the loss normaliser of the whole batch, known only once every
     micro-batch has been seen), clip the policy's and the critic's each on its own (the value loss's scale does not
     shrink the policy's update), step optimizer and schedule unless `skip` or a norm is not finite, zero them."""
@@ -308,14 +315,19 @@ def clip_and_step(model: torch.nn.Module, optimizer, scheduler, grad_scale: floa
         optimizer.step()
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0], "skipped": float(skipped), **extra}
+    return {"grad_norm": grad_norm, "lr": float(scheduler.get_last_lr()[0]), "skipped": float(skipped), **extra}
 
 
 def make_optimizer(model: torch.nn.Module, critic: CriticSpec | None, lr: float, betas: tuple[float, float],
-                   weight_decay: float, lr_schedule: str, warmup_steps: int, total_steps: int):
+                   weight_decay: float, lr_schedule: str, warmup_steps: int, total_steps: int,
+                   ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """-> (AdamW, its LR schedule): over the policy's trainable parameters, then the critic's at `critic.lr`."""
     policy, critic_params = critic_parameters(model)
-    groups = [{"params": policy}] + ([{"params": critic_params, "lr": critic.lr}] if critic_params else [])
+    groups: list[dict[str, Any]] = [{"params": policy}]
+    if critic_params:
+        if critic is None:
+            raise ValueError("the model carries a critic, but no critic spec (its learning rate) was given")
+        groups.append({"params": critic_params, "lr": critic.lr})
     optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(lr_schedule, warmup_steps, total_steps))
 
@@ -324,7 +336,7 @@ def _adapted_names(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor
     """Plain-model keys -> the keys of the same tensors once LoRA layers wrap them (`x.weight` ->
     `x.base_layer.weight`); every key must exist in `model`."""
     own = set(model.state_dict())
-    renamed = {}
+    renamed: dict[str, torch.Tensor] = {}
     for key, value in state_dict.items():
         module, _, leaf = key.rpartition(".")
         wrapped = f"{module}.base_layer.{leaf}"

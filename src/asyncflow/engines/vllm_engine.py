@@ -59,9 +59,9 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Coroutine, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -70,9 +70,11 @@ from asyncflow.engines.base import (
     GenerationRequest,
     InferenceEngineBase,
     SamplingParams,
+    TokenCallback,
     register_inference_engine,
 )
 from asyncflow.engines.torch_inference import check_prompt, check_sampling_params
+from asyncflow.models.hf import causal_lm
 from asyncflow.models.loading import ModelLoadError, resolve_model_path
 from asyncflow.weights.base import WeightSyncError
 from asyncflow.weights.buckets import DEFAULT_BUCKET_BYTES, Manifest, allocate_payload, bucket_views, pack, plan_buckets
@@ -90,7 +92,9 @@ SHUTDOWN_TIMEOUT_S = 60.0
 WEIGHT_TRANSFERS = ("collective", "file")
 WEIGHT_GROUP_HOST = "127.0.0.1"  # vLLM's workers run on this host (the engine's own processes)
 MAX_CPU_KV_CACHE_BYTES = 2**30  # vLLM's CPU backend would otherwise size its KV cache from 90% of the RAM
-_LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
+_LIVE_ENGINES: weakref.WeakSet[VLLMInferenceEngine] = weakref.WeakSet()
+_T = TypeVar("_T")
+Finished = queue.Queue[tuple[str, Any]]  # (request key, vLLM's final output or the error that ended it)
 
 
 @atexit.register
@@ -105,7 +109,8 @@ class VLLMNotInstalled(ImportError):
     pass
 
 
-def import_vllm():
+def import_vllm() -> Any:
+    """The vllm module (it ships no types)."""
     try:
         import vllm
     except ImportError as err:
@@ -136,7 +141,7 @@ def distinct_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.
     """Contiguous CPU tensors that safetensors can write: a tensor whose data another name already holds (tied
     embeddings) is copied. Views into one buffer (what a weight transport delivers) are written as they are."""
     seen: set[int] = set()
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for name, tensor in state_dict.items():
         tensor = tensor.detach().to("cpu").contiguous()
         if tensor.data_ptr() in seen:
@@ -154,7 +159,7 @@ def cpu_kv_cache_bytes(folder: Path, max_batch_size: int, max_model_len: int | N
     try:
         heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
-        per_token = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim
+        per_token: int = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim
         length = max_model_len or config["max_position_embeddings"]
     except (KeyError, TypeError, ZeroDivisionError):
         return MAX_CPU_KV_CACHE_BYTES
@@ -165,15 +170,15 @@ def cpu_kv_cache_bytes(folder: Path, max_batch_size: int, max_model_len: int | N
 class _LoopThread:
     """An asyncio event loop on a daemon thread; coroutines are run on it from other threads."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self.thread.start()
 
-    def submit(self, coro) -> concurrent.futures.Future:
+    def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def run(self, coro, timeout: float, what: str):
+    def run(self, coro: Coroutine[Any, Any, _T], timeout: float, what: str) -> _T:
         future = self.submit(coro)
         try:
             return future.result(timeout)
@@ -208,7 +213,7 @@ class VLLMInferenceEngine(InferenceEngineBase):
         weight_transfer: str = "file",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         **engine_args: Any,
-    ):
+    ) -> None:
         """`engine_args` go to vLLM's `AsyncEngineArgs` and override the defaults below; `owned_dir` is removed
         at `shutdown` (the folder a factory wrote a model into); `weight_transfer`: how `update_weights` reaches
         the workers (module docstring), `bucket_bytes` the collective path's bucket size."""
@@ -235,7 +240,7 @@ class VLLMInferenceEngine(InferenceEngineBase):
         self._weight_group: CollectiveGroup | None = None
         self.last_pause_s = 0.0  # how long the last update held generation paused (seconds)
         self._staged: tuple[Manifest, bytes, list[torch.Tensor]] | None = None  # manifest, pickled, bucket views
-        args = dict(
+        args: dict[str, Any] = dict(
             model=str(model_dir), dtype=dtype, seed=seed, max_num_seqs=max_batch_size, max_model_len=max_model_len,
             enable_prefix_caching=True, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION, enforce_eager=current_platform.is_cpu(),
@@ -245,7 +250,7 @@ class VLLMInferenceEngine(InferenceEngineBase):
             args["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(model_dir, max_batch_size, max_model_len, dtype)
         args.update(engine_args)
         self._loop = _LoopThread("vllm-client")
-        self._llm = None
+        self._llm: Any = None  # vLLM's AsyncLLM (vLLM ships no types); None once shut down
         try:
             self._llm = self._loop.run(self._start(AsyncEngineArgs(**args)), start_timeout_s, "engine start")
             self.max_model_len = self._llm.model_config.max_model_len
@@ -264,7 +269,7 @@ class VLLMInferenceEngine(InferenceEngineBase):
         _LIVE_ENGINES.add(self)
 
     @staticmethod
-    async def _start(args):
+    async def _start(args: Any) -> Any:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         return AsyncLLM.from_engine_args(args)  # on the loop's thread, so its output handler runs on this loop
@@ -273,7 +278,7 @@ class VLLMInferenceEngine(InferenceEngineBase):
         await self._llm.engine_core.set_weight_version_async(str(version))
 
     # ---------------------------------------------------------------- sampling
-    def vllm_sampling_params(self, params: SamplingParams, *, streamed: bool = False):
+    def vllm_sampling_params(self, params: SamplingParams, *, streamed: bool = False) -> Any:
         """The vLLM `SamplingParams` of `params` (`streamed`: with every step's cumulative output, else the final
         one only); ValueError for settings this engine cannot honour."""
         cached = self._sampling_cache.get((params, streamed))
@@ -308,28 +313,28 @@ class VLLMInferenceEngine(InferenceEngineBase):
             )
 
     # ---------------------------------------------------------------- generation
-    def generate(self, requests: Iterable[GenerationRequest], params: SamplingParams) -> Iterator[Completion]:
+    def generate(self, requests: Iterable[GenerationRequest | None], params: SamplingParams) -> Iterator[Completion]:
         """Yield a `Completion` per request as each finishes (completion order), pulling `requests` lazily."""
         self.vllm_sampling_params(params)
         return self._generate(iter(requests), params)
 
     def _generate(self, requests: Iterator[GenerationRequest | None], params: SamplingParams) -> Iterator[Completion]:
-        finished: queue.Queue = queue.Queue()
+        finished: Finished = queue.Queue()
         in_flight: dict[str, GenerationRequest] = {}
         exhausted = False
         try:
             while True:
                 nothing_ready = False
                 while not exhausted and len(in_flight) < self.max_batch_size:
-                    request = next(requests, StopIteration)
-                    if request is StopIteration:
+                    try:
+                        request = next(requests)
+                    except StopIteration:
                         exhausted = True
-                    elif request is None:
+                        break
+                    if request is None:
                         nothing_ready = True
-                    else:
-                        in_flight[self._submit(request, params, finished)] = request
-                        continue
-                    break
+                        break
+                    in_flight[self._submit(request, params, finished)] = request
                 if not in_flight:
                     if exhausted:
                         return
@@ -343,10 +348,10 @@ class VLLMInferenceEngine(InferenceEngineBase):
                     raise TimeoutError(
                         f"vLLM finished none of {len(in_flight)} requests in flight within {self.call_timeout_s:.0f} s"
                     ) from None
-                request = in_flight.pop(key)
+                done = in_flight.pop(key)
                 if isinstance(output, BaseException):
-                    raise RuntimeError(f"vLLM failed on request {request.request_id!r}: {output!r}") from output
-                yield self._completion(request, output)
+                    raise RuntimeError(f"vLLM failed on request {done.request_id!r}: {output!r}") from output
+                yield self._completion(done, output)
         finally:
             if in_flight and self._llm is not None:  # the caller stopped early, or a request failed
                 future = self._loop.submit(self._llm.abort(list(in_flight)))
@@ -355,15 +360,18 @@ class VLLMInferenceEngine(InferenceEngineBase):
                 except Exception:  # noqa: BLE001 - best effort; the engine may be what failed
                     pass
 
-    def _submit(self, request: GenerationRequest, params: SamplingParams, finished: queue.Queue) -> str:
+    def _submit(self, request: GenerationRequest, params: SamplingParams, finished: Finished) -> str:
         self._checked(request)
         sampling = self.vllm_sampling_params(request.params or params, streamed=request.on_tokens is not None)
         key = f"{self._id_prefix}{next(self._ids)}"
         self._loop.submit(self._run_one(key, request.prompt_ids, sampling, finished, request.on_tokens))
         return key
 
-    async def _run_one(self, key: str, prompt_ids: list[int], sampling, finished: queue.Queue, on_tokens) -> None:
-        final, delivered = None, 0
+    async def _run_one(
+        self, key: str, prompt_ids: list[int], sampling: Any, finished: Finished, on_tokens: TokenCallback | None
+    ) -> None:
+        final: Any = None  # vLLM's last RequestOutput
+        delivered = 0
         try:
             async for output in self._llm.generate({"prompt_token_ids": prompt_ids}, sampling, request_id=key):
                 final = output
@@ -379,7 +387,7 @@ class VLLMInferenceEngine(InferenceEngineBase):
             return
         finished.put((key, final.outputs[0]))
 
-    def _completion(self, request: GenerationRequest, output) -> Completion:
+    def _completion(self, request: GenerationRequest, output: Any) -> Completion:
         response_ids = list(output.token_ids)
         logprobs = [output.logprobs[i][token].logprob for i, token in enumerate(response_ids)]
         spans = output.weight_versions or []
@@ -455,24 +463,30 @@ class VLLMInferenceEngine(InferenceEngineBase):
 
     def _stage(self, state_dict: Mapping[str, torch.Tensor]) -> tuple[Manifest, bytes, list[torch.Tensor]]:
         """Pack `state_dict` into the staging buckets (allocated again only when the layout changes)."""
+        group = self._weight_group
+        assert group is not None  # update_weights joined it
         manifest = plan_buckets(state_dict, self.bucket_bytes)
         if self._staged is None or self._staged[0] != manifest:
             self._staged = None  # free the old buffer before allocating the new one
-            payload = allocate_payload(manifest, self._weight_group.device)
+            payload = allocate_payload(manifest, group.device)
             self._staged = (manifest, pickle.dumps(manifest), bucket_views(manifest, payload))
         pack(state_dict, manifest, self._staged[2])
-        if self._weight_group.device.type == "cuda":
-            torch.cuda.synchronize(self._weight_group.device)
+        if group.device.type == "cuda":
+            torch.cuda.synchronize(group.device)
         return self._staged
 
-    async def _receive_collective(self, manifest: Manifest, blob: bytes, buckets: list[torch.Tensor], version: int):
+    async def _receive_collective(
+        self, manifest: Manifest, blob: bytes, buckets: list[torch.Tensor], version: int
+    ) -> Any:
         """The workers receive and load (one `collective_rpc`) while this process broadcasts (a thread); the
         first side to fail is the one named in the error."""
+        group = self._weight_group
+        assert group is not None  # update_weights joined it
         loading = asyncio.ensure_future(self._llm.collective_rpc("asyncflow_receive_weights", args=(blob, version)))
-        sending = asyncio.get_running_loop().run_in_executor(None, self._weight_group.send, buckets, version)
+        sending = asyncio.get_running_loop().run_in_executor(None, group.send, buckets, version)
         done, _ = await asyncio.wait({loading, sending}, return_when=asyncio.FIRST_EXCEPTION)
         if loading in done and loading.exception() is not None:
-            self._weight_group.broken = True  # the sender may still be blocked; it ends with its own timeout
+            group.broken = True  # the sender may still be blocked; it ends with its own timeout
             err = loading.exception()
             raise WeightSyncError(
                 f"collective weight update to version {version} failed on the vLLM worker side: {err!r}"
@@ -480,7 +494,7 @@ class VLLMInferenceEngine(InferenceEngineBase):
         await sending  # raises the trainer side's WeightSyncError / WeightSyncTimeout
         return await loading
 
-    async def _swap(self, load, version: int) -> None:
+    async def _swap(self, load: Awaitable[Any], version: int) -> None:
         """Pause (requests kept), run `load` (the awaitable that puts the new weights into the workers), drop every
         cached KV block, label `version`, resume."""
         paused = time.perf_counter()
@@ -497,13 +511,14 @@ class VLLMInferenceEngine(InferenceEngineBase):
     # ---------------------------------------------------------------- lifetime
     def shutdown(self) -> None:
         """Stop vLLM's processes and the client loop; remove the model folder this engine wrote. Idempotent."""
-        if getattr(self, "_weight_group", None) is not None:
-            self._weight_group.close()
+        group: CollectiveGroup | None = getattr(self, "_weight_group", None)
+        if group is not None:
+            group.close()
             self._weight_group = None
         llm, self._llm = self._llm, None
         if llm is not None and self._loop.loop.is_running():
 
-            async def stop():  # on the loop: AsyncLLM cancels its output handler task there
+            async def stop() -> None:  # on the loop: AsyncLLM cancels its output handler task there
                 llm.shutdown()
 
             self._loop.run(stop(), SHUTDOWN_TIMEOUT_S, "shutdown")
@@ -514,7 +529,7 @@ class VLLMInferenceEngine(InferenceEngineBase):
 
     close = shutdown
 
-    def __del__(self):
+    def __del__(self) -> None:
         if getattr(self, "_loop", None) is None or sys.is_finalizing():
             return  # the atexit hook has stopped it, or the client loop can no longer run
         try:
@@ -548,7 +563,7 @@ def make_vllm_inference_engine(
         )
     if model is not None:
         folder = Path(tempfile.mkdtemp(prefix="asyncflow-vllm-model-"))
-        model.save_pretrained(folder)
-        dtype = dtype or str(model.dtype).removeprefix("torch.")
+        causal_lm(model).save_pretrained(folder)
+        dtype = dtype or str(causal_lm(model).dtype).removeprefix("torch.")
         return VLLMInferenceEngine(folder, dtype=dtype, owned_dir=folder, **kwargs)
     return VLLMInferenceEngine(resolve_model_path(str(model_path)), dtype=dtype or "float32", **kwargs)

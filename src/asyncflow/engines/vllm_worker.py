@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +32,11 @@ from asyncflow.weights.collective import CollectiveGroup, join_group
 
 class WeightSyncExtension:
     """Methods mixed into vLLM's worker (`self` is the worker: it has `reload_weights` and `model_runner`)."""
+
+    if TYPE_CHECKING:  # what vLLM's worker brings (never defined here: they would shadow the worker's own)
+        rank: int
+
+        def reload_weights(self, *, weights_iterator: Iterator[tuple[str, torch.Tensor]]) -> None: ...
 
     def asyncflow_load_weights(self, path: str) -> int:
         """Load every tensor of the safetensors file `path` into the model in place; returns how many."""
@@ -83,19 +89,20 @@ class WeightSyncExtension:
         sampler = getattr(getattr(self, "model_runner", None), "sampler", None)
         top_k_top_p = getattr(sampler, "topk_topp_sampler", None)
         truncating_sample = getattr(top_k_top_p, "forward", None)
-        if truncating_sample is None or getattr(sampler, "logprobs_mode", None) != "processed_logprobs":
+        processed = getattr(sampler, "logprobs_mode", None) == "processed_logprobs"
+        if top_k_top_p is None or truncating_sample is None or not processed:
             return False
         if getattr(truncating_sample, "asyncflow_pretruncation", False):
             return True
 
         # Called with temperature-scaled logits [n, V]; it may truncate them in place, so take the log-softmax first.
-        def sample(logits: torch.Tensor, generators, k, p):
+        def sample(logits: torch.Tensor, generators: Any, k: Any, p: Any) -> Any:
             if k is None and p is None:  # nothing truncated: vLLM's own log-probs are already these
                 return truncating_sample(logits, generators, k, p)
             logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
             tokens, _ = truncating_sample(logits, generators, k, p)
             return tokens, logprobs
 
-        sample.asyncflow_pretruncation = True
+        sample.asyncflow_pretruncation = True  # type: ignore[attr-defined]  # a marker on the function object
         top_k_top_p.forward = sample
         return True

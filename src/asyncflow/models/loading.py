@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import cast
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -30,7 +31,7 @@ def resolve_model_path(ref: str, *, seed: int = 0, cache_dir: str | Path | None 
     """Turn `preset:NAME` or a local folder into a local HF folder, checking it exists."""
     if ref.startswith(PRESET_PREFIX):
         name = ref[len(PRESET_PREFIX) :]
-        cache = Path(cache_dir or os.environ.get("ASYNCFLOW_CACHE", Path.home() / ".cache" / "asyncflow"))
+        cache = Path(cache_dir or os.environ.get("ASYNCFLOW_CACHE", str(Path.home() / ".cache" / "asyncflow")))
         return build_preset(name, cache / "presets" / f"{name}-seed{seed}", seed=seed)
     path = Path(ref).expanduser()
     if not path.is_dir():
@@ -54,7 +55,8 @@ def load_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu")
     if dtype not in DTYPES:
         raise ModelLoadError(f"model.dtype {dtype!r} is not one of {sorted(DTYPES)}")
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], attn_implementation="sdpa")
-    return model.to(device)
+    # transformers wraps PreTrainedModel.to with functools.wraps, which mypy reads as an unbound function
+    return model.to(device)  # type: ignore[arg-type,no-any-return]
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, use_chat_template: bool | None = None) -> list[int]:
@@ -62,11 +64,11 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, use_chat_temp
     if use_chat_template is None:
         use_chat_template = bool(getattr(tokenizer, "chat_template", None))
     if use_chat_template:
-        ids = tokenizer.apply_chat_template(
+        templated = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
         )
-        return list(ids)
-    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return list(cast("list[int]", templated))  # one conversation, tokenized, no dict: its token ids
+    ids: list[int] = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     if tokenizer.bos_token_id is not None:
         ids = [tokenizer.bos_token_id] + ids
     return ids
@@ -85,9 +87,9 @@ def prompt_lengths(
         chunk = list(prompts[start : start + batch])
         if use_chat_template:
             conversations = [[{"role": "user", "content": prompt}] for prompt in chunk]
-            ids = tokenizer.apply_chat_template(
+            ids = cast("list[list[int]]", tokenizer.apply_chat_template(
                 conversations, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
+            ))  # a batch, tokenized, no dict: token ids per conversation
             lengths.extend(len(one) for one in ids)
         else:
             lengths.extend(len(one) + bos for one in tokenizer(chunk, add_special_tokens=False)["input_ids"])

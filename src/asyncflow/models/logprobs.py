@@ -11,10 +11,13 @@ with `mask [N, L]` marking real response tokens.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from asyncflow.models.hf import causal_lm
 
 
 @dataclass
@@ -33,7 +36,7 @@ class LogProbs:
     hidden: torch.Tensor | None = None  # [N, L, H] the lm_head's input predicting each token, when requested
 
 
-def response_mask(samples: list[TrainSample], device=None) -> torch.Tensor:
+def response_mask(samples: list[TrainSample], device: torch.device | str | None = None) -> torch.Tensor:
     """`[N, L]` bool mask of trained response tokens: real (not padding) and, where a sample has a `loss_mask`,
     marked 1 there (a multi-turn episode's tool and template tokens are 0: no loss, KL or entropy on them)."""
     lengths = torch.tensor([len(s.response_ids) for s in samples], device=device)
@@ -47,7 +50,9 @@ def response_mask(samples: list[TrainSample], device=None) -> torch.Tensor:
     return mask
 
 
-def gather_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+def gather_token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / T)[target] and optionally the entropy. logits `[..., V]`, targets `[...]`."""
     logits = logits.float() / temperature
     log_z = torch.logsumexp(logits, dim=-1)
@@ -60,14 +65,14 @@ def gather_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperatu
 
 
 @contextmanager
-def lm_head_input(model: torch.nn.Module, enabled: bool = True):
+def lm_head_input(model: torch.nn.Module, enabled: bool = True) -> Iterator[dict[str, torch.Tensor]]:
     """Yields a dict whose `hidden` is, after a forward of `model`, the input of its output layer (the final
     hidden states the logits are computed from, already sliced by `logits_to_keep`)."""
     captured: dict[str, torch.Tensor] = {}
     if not enabled:
         yield captured
         return
-    handle = model.get_output_embeddings().register_forward_pre_hook(
+    handle = causal_lm(model).get_output_embeddings().register_forward_pre_hook(
         lambda module, args: captured.__setitem__("hidden", args[0])
     )
     try:
@@ -76,7 +81,9 @@ def lm_head_input(model: torch.nn.Module, enabled: bool = True):
         handle.remove()
 
 
-def padded_rows(samples: list[TrainSample], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def padded_rows(
+    samples: list[TrainSample], device: torch.device | str | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded prompt + response ids `[N, T]`, their attention mask `[N, T]` (1 on real tokens), the trained
     response tokens `[N, L]` (`response_mask`) and the position predicting each response token `[N, L]`: response
     token j of sample i sits at position P_i + j and is predicted by position P_i + j - 1 (clamped below T)."""
@@ -92,7 +99,10 @@ def padded_rows(samples: list[TrainSample], device) -> tuple[torch.Tensor, torch
     return input_ids.to(device), attention.to(device), mask, positions.clamp(max=input_ids.shape[1] - 1)
 
 
-def masked_logprobs(logits, targets, mask, temperature: float, with_entropy: bool, hidden=None) -> LogProbs:
+def masked_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, temperature: float, with_entropy: bool,
+    hidden: torch.Tensor | None = None,
+) -> LogProbs:
     """`LogProbs` of `targets [N, L]` under `logits [N, L, V]`, 0 where `mask [N, L]` is false."""
     logprobs, entropy = gather_token_logprobs(logits, targets, temperature, with_entropy)
     if entropy is not None:

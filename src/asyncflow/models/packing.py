@@ -34,14 +34,17 @@ after the call returned, and the recompute must run the same attention as the fo
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from asyncflow.models.hf import causal_lm
 from asyncflow.models.logprobs import LogProbs, TrainSample, lm_head_input, masked_logprobs
 from asyncflow.models.logprobs import response_mask as trained_token_mask
 
@@ -168,34 +171,44 @@ def plan_shared_prompt(samples: list[TrainSample], device: torch.device | str = 
     def cu(lengths: list[int]) -> torch.Tensor:
         return F.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
 
-    to = dict(device=device)
     return SharedPromptLayout(
-        input_ids=torch.tensor(tokens, **to)[None],
-        position_ids=torch.tensor(positions, **to)[None],
-        prompt_index=prompt_index.to(**to),
-        response_query_index=response_query_index.to(**to),
-        response_key_index=response_key_index.to(**to),
-        response_mask=response_mask.to(**to),
-        output_index=output_index.to(**to),
-        predictor_index=predictor_index.to(**to),
-        targets=targets.to(**to),
-        mask=mask.to(**to),
-        varlen_key_index=torch.cat(varlen_keys).to(**to),
-        cu_seqlens_q=cu(q_lens).to(**to),
-        cu_seqlens_k=cu(k_lens).to(**to),
+        input_ids=torch.tensor(tokens, device=device)[None],
+        position_ids=torch.tensor(positions, device=device)[None],
+        prompt_index=prompt_index.to(device=device),
+        response_query_index=response_query_index.to(device=device),
+        response_key_index=response_key_index.to(device=device),
+        response_mask=response_mask.to(device=device),
+        output_index=output_index.to(device=device),
+        predictor_index=predictor_index.to(device=device),
+        targets=targets.to(device=device),
+        mask=mask.to(device=device),
+        varlen_key_index=torch.cat(varlen_keys).to(device=device),
+        cu_seqlens_q=cu(q_lens).to(device=device),
+        cu_seqlens_k=cu(k_lens).to(device=device),
         max_seqlen_q=max(q_lens),
         max_seqlen_k=max(k_lens),
     )
 
 
-def _gathered_sdpa(q, k, v, query_index, key_index, mask, scaling, dropout):
+def _gathered_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_index: torch.Tensor,
+    key_index: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+    dropout: float,
+) -> torch.Tensor:
     """SDPA over gathered segments. q `[T, H, D]`, k/v `[T, Hkv, D]`, indices `[S, Q]`/`[S, K]` -> `[S, Q, H, D]`.
 
     `mask=None` means plain causal: exact for right-padded prompts, since a real query never sees a
     later (padded) key and the outputs of padded queries are dropped (zero gradient).
     """
-    def gather(x, index):  # index_select: its backward (index_add) is much cheaper on CPU than x[index]'s
-        return x.index_select(0, index.flatten()).unflatten(0, index.shape).transpose(1, 2)
+    def gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        # index_select: its backward (index_add) is much cheaper on CPU than x[index]'s
+        rows: torch.Tensor = x.index_select(0, index.flatten()).unflatten(0, index.shape)
+        return rows.transpose(1, 2)
 
     out = F.scaled_dot_product_attention(
         gather(q, query_index),
@@ -220,7 +233,7 @@ def shared_prompt_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     shared_prompt_layout: SharedPromptLayout | None = None,
-    **kwargs,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: query `[1, H, T, D]`, key/value `[1, Hkv, T, D]` -> `[1, T, H, D]`.
     Without a layout (an unpacked forward of a model pinned by `keep_shared_prompt_attention`) it is SDPA."""
@@ -254,24 +267,25 @@ AttentionInterface.register(ATTENTION_NAME, shared_prompt_attention)
 def keep_shared_prompt_attention(model: torch.nn.Module) -> None:
     """Run every forward of `model` (an SDPA model) through `shared_prompt_attention`: packed calls with their
     layout, the others as SDPA. Needed when layers are recomputed in the backward (activation checkpointing)."""
-    current = model.config._attn_implementation
+    current = causal_lm(model).config._attn_implementation
     if current not in ("sdpa", ATTENTION_NAME):
         raise ValueError(f"shared-prompt packing with activation checkpointing needs the sdpa attention, not "
                          f"{current!r} (set train.packing=off)")
-    model.set_attn_implementation(ATTENTION_NAME)
+    causal_lm(model).set_attn_implementation(ATTENTION_NAME)
 
 
 @contextmanager
-def _attention_implementation(model: torch.nn.Module, name: str):
-    previous = model.config._attn_implementation
+def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
+    lm = causal_lm(model)
+    previous = lm.config._attn_implementation
     if previous == name:
         yield
         return
-    model.set_attn_implementation(name)
+    lm.set_attn_implementation(name)
     try:
         yield
     finally:
-        model.set_attn_implementation(previous)
+        lm.set_attn_implementation(previous)
 
 
 def packed_response_logprobs(

@@ -12,11 +12,12 @@ byte-identical weights.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)
@@ -72,12 +73,13 @@ def build_char_tokenizer(
     return fast
 
 
-def preset_config(name: str, vocab_size: int, pad_id: int, bos_id: int, eos_id: int):
+def preset_config(name: str, vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> PretrainedConfig:
     """The transformers config of preset `name` for a given vocabulary."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
     arch, hidden, layers, heads, kv_heads, inter, max_pos = PRESETS[name]
-    return {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch](
+    config_class: Callable[..., PretrainedConfig] = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    return config_class(
         vocab_size=vocab_size,
         hidden_size=hidden,
         num_hidden_layers=layers,

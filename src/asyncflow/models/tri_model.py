@@ -22,13 +22,19 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, cast
 
 import torch
 
 from asyncflow.models.logprobs import LogProbs, TrainSample, response_logprobs
-from asyncflow.models.packing import PackingError, group_runs, packed_response_logprobs, plan_shared_prompt
-from asyncflow.models.value import ValueHead, packed_response_values, response_values
+from asyncflow.models.packing import (
+    PackingError,
+    SharedPromptLayout,
+    group_runs,
+    packed_response_logprobs,
+    plan_shared_prompt,
+)
+from asyncflow.models.value import ValueHead, ValueModel, packed_response_values, response_values
 
 Packing = Literal["auto", "on", "off"]
 PACK_MIN_TOKEN_SAVING = 0.10
@@ -60,18 +66,24 @@ def make_reference(policy: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(policy).eval().requires_grad_(False)
 
 
-def _critic_values(critic: torch.nn.Module, samples: list[TrainSample], current, layout) -> torch.Tensor:
+def _critic_values(
+    critic: torch.nn.Module, samples: list[TrainSample], current: LogProbs, layout: SharedPromptLayout | None
+) -> torch.Tensor:
     """Values `[N, L]` of `critic`: a `ValueHead` reads the policy forward's hidden states (`current.hidden`), a
     `ValueModel` runs its own forward on the same layout (packed or not) as the policy."""
     if isinstance(critic, ValueHead):
+        if current.hidden is None:
+            raise ValueError("a value head needs the policy forward's hidden states (with_hidden=True)")
         hidden = current.hidden if critic.train_trunk else current.hidden.detach()
-        return critic(hidden).masked_fill(~current.mask, 0.0)
+        values: torch.Tensor = critic(hidden)
+        return values.masked_fill(~current.mask, 0.0)
+    separate = cast(ValueModel, critic)  # attach_critic makes a ValueHead or a ValueModel
     if layout is None:
-        return response_values(critic, samples)
+        return response_values(separate, samples)
     device = next(critic.parameters()).device
     if layout.input_ids.device != device:
         layout = plan_shared_prompt(samples, device)
-    return packed_response_values(critic, layout)
+    return packed_response_values(separate, layout)
 
 
 def tri_model_logprobs(
@@ -97,7 +109,7 @@ def tri_model_logprobs(
     packed = packing == "on" or (packing == "auto" and should_pack(samples))
     layout = plan_shared_prompt(samples, device) if packed else None  # one plan for every model on `device`
 
-    def logprobs(model: torch.nn.Module, **kwargs) -> LogProbs:
+    def logprobs(model: torch.nn.Module, **kwargs: Any) -> LogProbs:
         if layout is None:
             return response_logprobs(model, samples, temperature=temperature, **kwargs)
         own_plan = layout if next(model.parameters()).device == device else None
@@ -125,7 +137,7 @@ class TriModel:
         old_policy: torch.nn.Module | None = None,
         *,
         packing: Packing = "auto",
-    ):
+    ) -> None:
         self.policy = policy
         self.reference = make_reference(policy) if isinstance(reference, str) and reference == "copy" else reference
         self.old_policy = old_policy

@@ -19,10 +19,11 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
+from asyncflow.models.hf import causal_lm
 from asyncflow.models.logprobs import TrainSample, padded_rows
 from asyncflow.models.packing import ATTENTION_NAME, SharedPromptLayout, _attention_implementation
 
@@ -45,7 +46,7 @@ class CriticSpec:
 class ValueHead(torch.nn.Module):
     """hidden [..., H] -> values [...] (float32): one linear unit, initialised to zero."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype = torch.float32, train_trunk: bool = True):
+    def __init__(self, hidden_size: int, dtype: torch.dtype = torch.float32, train_trunk: bool = True) -> None:
         super().__init__()
         self.train_trunk = train_trunk  # on the policy's trunk: whether the value loss reaches the trunk
         self.head = torch.nn.Linear(hidden_size, 1, dtype=dtype)
@@ -53,28 +54,31 @@ class ValueHead(torch.nn.Module):
         torch.nn.init.zeros_(self.head.bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).to(torch.float32, copy=True)  # not a view
+        values: torch.Tensor = self.head(hidden.to(self.head.weight.dtype))
+        return values.squeeze(-1).to(torch.float32, copy=True)  # not a view
 
 
 class ValueModel(torch.nn.Module):
     """A separate critic: `trunk` (a causal LM, used up to its final hidden states) + `value` (`ValueHead`).
     forward(input_ids [B, T], **model kwargs) -> values [B, T] at every position."""
 
-    def __init__(self, trunk: torch.nn.Module):
+    def __init__(self, trunk: torch.nn.Module) -> None:
         super().__init__()
         self.trunk = trunk
-        self.value = ValueHead(trunk.config.hidden_size, next(trunk.parameters()).dtype)
+        self.value = ValueHead(causal_lm(trunk).config.hidden_size, next(trunk.parameters()).dtype)
 
-    def forward(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
-        hidden = self.trunk.base_model(input_ids=input_ids, **kwargs).last_hidden_state
-        return self.value(hidden)
+    def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        hidden = causal_lm(self.trunk).base_model(input_ids=input_ids, **kwargs).last_hidden_state
+        values: torch.Tensor = self.value(hidden)
+        return values
 
 
 def attach_critic(policy: torch.nn.Module, spec: CriticSpec) -> torch.nn.Module:
     """Add the critic of `spec` to `policy` as its submodule `CRITIC` (trainable); returns the critic."""
     weight = next(policy.parameters())
+    critic: torch.nn.Module
     if spec.kind == "head":
-        critic = ValueHead(policy.config.hidden_size, weight.dtype, spec.train_trunk)
+        critic = ValueHead(causal_lm(policy).config.hidden_size, weight.dtype, spec.train_trunk)
     elif spec.kind == "separate":
         from asyncflow.models.loading import load_model
 
@@ -104,7 +108,8 @@ def policy_weights(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 def critic_parameters(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
     """(policy parameters, critic parameters) of `model` that require grad, in module order."""
-    policy, critic = [], []
+    policy: list[torch.nn.Parameter] = []
+    critic: list[torch.nn.Parameter] = []
     for name, p in model.named_parameters():
         if p.requires_grad:
             (critic if is_critic_key(name) else policy).append(p)
@@ -114,12 +119,14 @@ def critic_parameters(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter],
 def response_values(critic: ValueModel, samples: list[TrainSample]) -> torch.Tensor:
     """Values `[N, L]` of a separate critic on right-padded prompt + response rows (the unpacked path)."""
     input_ids, attention, mask, positions = padded_rows(samples, next(critic.parameters()).device)
-    values = critic(input_ids, attention_mask=attention)  # [N, T]
+    values: torch.Tensor = critic(input_ids, attention_mask=attention)  # [N, T]
     return values.gather(1, positions).masked_fill(~mask, 0.0)
 
 
 def packed_response_values(critic: ValueModel, layout: SharedPromptLayout) -> torch.Tensor:
     """Values `[N, L]` of a separate critic on a shared-prompt packed row (`plan_shared_prompt`)."""
     with _attention_implementation(critic.trunk, ATTENTION_NAME):
-        values = critic(layout.input_ids, position_ids=layout.position_ids, shared_prompt_layout=layout)  # [1, T]
+        values: torch.Tensor = critic(
+            layout.input_ids, position_ids=layout.position_ids, shared_prompt_layout=layout
+        )  # [1, T]
     return values[0, layout.predictor_index].masked_fill(~layout.mask, 0.0)

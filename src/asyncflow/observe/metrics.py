@@ -51,7 +51,7 @@ class MetricsLogger:
                 rows = read_metrics(self.run_dir, drop_cut_off_last_line=True)
                 kept = [row for row in rows if row["step"] <= resume_from_step]
                 tmp = self.path.with_suffix(".jsonl.tmp")
-                tmp.write_text("".join(_encode(row["step"], row) for row in kept), encoding="utf-8")
+                tmp.write_text("".join(_encode(int(row["step"]), row) for row in kept), encoding="utf-8")
                 os.replace(tmp, self.path)
         self._writers: list[Any] = []  # each with write(step, values) and close()
         if wandb is not None:

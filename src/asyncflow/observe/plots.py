@@ -34,6 +34,7 @@ def plot_metrics(
     """Line plots of `keys` against step, one panel per key present in the rows. `source` is a run
     directory (out_png defaults to RUN_DIR/metrics.png) or a list of metric rows. Returns the PNG
     path, or None (nothing written) when none of the keys has a value."""
+    rows: Sequence[Mapping[str, Any]]
     if isinstance(source, (str, Path)):
         rows = read_metrics(source)
         out_png = Path(source) / METRICS_PNG if out_png is None else out_png

@@ -187,7 +187,7 @@ class Timeline:
         numbers = list(windows)
         ends = [windows[number][1] for number in numbers]
         count = min(steps, len(numbers))
-        firsts = range(len(numbers) - count + 1)  # a stretch is numbers[first : first + count]
+        firsts: Sequence[int] = range(len(numbers) - count + 1)  # a stretch is numbers[first : first + count]
         consecutive = [first for first in firsts if numbers[first + count - 1] - numbers[first] == count - 1]
         firsts = consecutive or list(firsts)  # a stretch across a gap in the record only when there is no other
         names: dict[int, set[str]] = {number: set() for number in numbers}

@@ -13,20 +13,29 @@ simulated `timeline.json` / `timeline.png` and `plan.md` in DIR.
 
 from __future__ import annotations
 
+import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
+if TYPE_CHECKING:
+    from asyncflow.config import Config
+    from asyncflow.plan.planner import PlanSpec
 
-def _set(data: dict, dotted: str, value) -> None:
+LoadConfig = Callable[[argparse.Namespace], "Config"]  # the CLI's config from its arguments
+
+
+def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, last = dotted.split(".")
     for key in parents:
         data = data.setdefault(key, {})
     data[last] = value
 
 
-def plan_spec(path: str | None, overrides: list[str], from_run: str | None = None):
+def plan_spec(path: str | None, overrides: list[str], from_run: str | None = None) -> PlanSpec:
     from asyncflow.plan.planner import PlanSpec
     from asyncflow.plan.workload import lengths_from_run
 
@@ -39,7 +48,7 @@ def plan_spec(path: str | None, overrides: list[str], from_run: str | None = Non
     return PlanSpec.model_validate(data)
 
 
-def cmd_profile(args, load) -> int:
+def cmd_profile(args: argparse.Namespace, load: LoadConfig) -> int:
     from asyncflow.plan.measure import measure_profile
 
     profile = measure_profile(load(args), repeats=args.repeats, name=args.name)
@@ -48,7 +57,7 @@ def cmd_profile(args, load) -> int:
     return 0
 
 
-def cmd_plan(args) -> int:
+def cmd_plan(args: argparse.Namespace) -> int:
     from asyncflow.plan.planner import plan, render, write_outputs
 
     config = args.config if args.config and "=" not in args.config else None
@@ -66,7 +75,11 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def add_commands(sub, add_common, load) -> None:
+def add_commands(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    add_common: Callable[[argparse.ArgumentParser], None],
+    load: LoadConfig,
+) -> None:
     profile = sub.add_parser("profile", help="measure this machine's cost functions for a config's model")
     add_common(profile)
     profile.add_argument("--out", default="profile.yaml", help="profile file to write (.yaml or .json)")

@@ -21,12 +21,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
+import numpy as np
 import yaml
 from pydantic import BaseModel, Field
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
+Seconds = TypeVar("Seconds", float, np.ndarray)  # a cost of one call, or element-wise of an array of calls
 
 
 class ModelShape(BaseModel):
@@ -50,7 +52,7 @@ class ModelShape(BaseModel):
         return 2 * self.layers * self.kv_dim * self.bytes_per_param
 
     @classmethod
-    def from_hf_config(cls, config: dict, bytes_per_param: float = 2.0) -> ModelShape:
+    def from_hf_config(cls, config: dict[str, Any], bytes_per_param: float = 2.0) -> ModelShape:
         """From a Hugging Face `config.json` (Llama / Qwen style keys); parameters counted from the shapes."""
         h, L = config["hidden_size"], config["num_hidden_layers"]
         heads = config["num_attention_heads"]
@@ -234,7 +236,8 @@ class Costs:
     def decode_step(self, active: float, context: float) -> float:
         return self.decode_step_s + active * (self.decode_row_s + context * self.decode_row_token_s)
 
-    def prefill(self, prompt_tokens: float, rows: float) -> float:
+    def prefill(self, prompt_tokens: Seconds, rows: Seconds) -> Seconds:
+        """Seconds of a prefill; element-wise over arrays of prompt tokens and rows."""
         return prompt_tokens * self.prefill_token_s + rows * self.prefill_row_s
 
     def train(self, tokens: float, packed: bool = False) -> float:
@@ -250,6 +253,8 @@ class Costs:
         if profile.kind == "spec":
             if model is None:
                 raise ValueError("a spec profile needs a model shape")
+            if profile.hardware is None:
+                raise ValueError(f"profile {profile.name!r} is kind: spec but has no hardware")
             return cls.from_spec(profile.hardware, model, rollout_devices=rollout_devices, train_devices=train_devices)
         return cls(
             decode_step_s=profile.decode_step_s, decode_row_s=profile.decode_row_s,

@@ -24,7 +24,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from asyncflow.plan.costs import Costs, ModelShape, Profile
-from asyncflow.plan.sim import SimSpec, simulate
+from asyncflow.plan.sim import Mode, SimSpec, simulate
 from asyncflow.plan.workload import Workload
 
 
@@ -70,7 +70,7 @@ class Prediction:
         return self.mode
 
 
-def _costs(profile: Profile, model: ModelShape, tp: int, train: int, switch_s: float = 0.0) -> Costs:
+def _costs(profile: Profile, model: ModelShape | None, tp: int, train: int, switch_s: float = 0.0) -> Costs:
     from dataclasses import replace
 
     return replace(Costs.from_profile(profile, model, rollout_devices=tp, train_devices=train), switch_s=switch_s)
@@ -84,7 +84,7 @@ def plan(spec: PlanSpec) -> list[Prediction]:
     G, rows = spec.workload.group_size, spec.workload.rows
     tp = spec.rollout_tp if profile.kind == "spec" else 1
 
-    def run(mode: str, k: int, resume: bool, roll: int) -> Prediction:
+    def run(mode: Mode, k: int, resume: bool, roll: int) -> Prediction:
         train = spec.devices - roll if mode != "sync" else spec.devices
         replicas = max(1, roll // tp) if mode != "sync" else max(1, spec.devices // tp)
         sim = SimSpec(
@@ -108,7 +108,8 @@ def plan(spec: PlanSpec) -> list[Prediction]:
         lo, hi = max(tp, int(spec.devices * 0.1)), int(spec.devices * 0.9)
         step = max(tp, (hi - lo) // max(1, spec.splits - 1) // tp * tp)
         splits = sorted({min(r, spec.devices - 1) for r in range(lo - lo % tp or tp, hi + 1, step)} - {0})
-    modes = [("stream", 0, False)] + [("async", k, resume) for k in spec.staleness for resume in (False, True)]
+    modes: list[tuple[Mode, int, bool]] = [("stream", 0, False)]
+    modes += [("async", k, resume) for k in spec.staleness for resume in (False, True)]
     for mode, k, resume in modes:
         out.append(min((run(mode, k, resume, r) for r in splits), key=lambda p: p.step_s))
     return out

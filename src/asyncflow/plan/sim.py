@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
 from asyncflow.plan.costs import Costs
 from asyncflow.workers.loops import oldest_admissible_version
+
+Mode = Literal["sync", "stream", "async"]
 
 
 @dataclass
@@ -49,7 +51,7 @@ class SimSpec:
     """One simulated run. Lengths are `[steps, prompts * group_size]` arrays (row r of a step belongs to group
     r // group_size)."""
 
-    mode: Literal["sync", "stream", "async"]
+    mode: Mode
     prompt_lengths: np.ndarray
     response_lengths: np.ndarray
     group_size: int
@@ -79,11 +81,11 @@ class SimSpec:
 
     @property
     def steps(self) -> int:
-        return self.response_lengths.shape[0]
+        return int(self.response_lengths.shape[0])
 
     @property
     def rows(self) -> int:
-        return self.response_lengths.shape[1]
+        return int(self.response_lengths.shape[1])
 
 
 @dataclass
@@ -101,7 +103,7 @@ class SimResult:
     call's `Costs.queue_beside_call_s`)."""
     trained_order: list[list[int]] = field(default_factory=list)
     """Per step, the group indices in the order the trainer read them (kept for small runs only)."""
-    events: list[dict] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def total_s(self) -> float:
@@ -117,7 +119,8 @@ class SimResult:
     @property
     def staleness(self) -> np.ndarray:
         """`[steps, replicas]`: policy version minus generating version, for every replica's share."""
-        return np.arange(len(self.step_end_s))[:, None] - self.generated_by
+        lag: np.ndarray = np.arange(len(self.step_end_s))[:, None] - self.generated_by
+        return lag
 
     def busy(self) -> dict[str, float]:
         total = self.total_s
@@ -157,7 +160,7 @@ def generation_offsets(prompts: np.ndarray, lengths: np.ndarray, slots: int, cos
     per_step = costs.decode_step_s + active * (costs.decode_row_s + context * costs.decode_row_token_s)
     prefill = costs.prefill(prompts.sum(axis=1, keepdims=True), (prompts > 0).sum(axis=1, keepdims=True))
     done = np.cumsum(steps * per_step, axis=1) + prefill
-    offsets = np.empty_like(done)
+    offsets: np.ndarray = np.empty_like(done)
     np.put_along_axis(offsets, order, done, axis=1)
     return offsets
 
@@ -174,7 +177,7 @@ def visible_offsets(offsets: np.ndarray, write_rows: int) -> np.ndarray:
     return out
 
 
-def _queued_offsets(prompts, lengths, slots: int, costs: Costs, context: float) -> np.ndarray:
+def _queued_offsets(prompts: np.ndarray, lengths: np.ndarray, slots: int, costs: Costs, context: float) -> np.ndarray:
     """Continuous batching with more rows than slots: rows enter in order as slots free up."""
     n = len(lengths)
     out = np.empty(n)
@@ -199,10 +202,11 @@ def _queued_offsets(prompts, lengths, slots: int, costs: Costs, context: float) 
 class _Trace:
     """Spans in the timeline's event format (`asyncflow.observe.timeline`), or nothing when off."""
 
-    def __init__(self, on: bool):
-        self.on, self.events = on, []
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self.events: list[dict[str, Any]] = []
 
-    def span(self, worker: str, name: str, start: float, end: float, **args) -> None:
+    def span(self, worker: str, name: str, start: float, end: float, **args: Any) -> None:
         if self.on and end >= start:
             self.events.append({"kind": "span", "worker": worker, "name": name, "start_s": float(start),
                                 "end_s": float(end), "args": args})
@@ -272,7 +276,7 @@ def micro_batch_tokens(prompts: np.ndarray, responses: np.ndarray, group_size: i
     return (packed, True) if packed <= 0.9 * unpacked else (unpacked, False)
 
 
-def padded_tokens(spec: SimSpec, step: int, rows) -> tuple[float, bool]:
+def padded_tokens(spec: SimSpec, step: int, rows: slice | np.ndarray) -> tuple[float, bool]:
     """`micro_batch_tokens` of `rows` of step `step`."""
     return micro_batch_tokens(spec.prompt_lengths[step][rows], spec.response_lengths[step][rows], spec.group_size)
 
@@ -389,7 +393,9 @@ def _simulate_overlapped(spec: SimSpec) -> SimResult:
                      orders if keep_order else [], trace.events)
 
 
-def _in_flight_pause(avail: np.ndarray, start: np.ndarray, offsets: np.ndarray, c: Costs, prompts) -> np.ndarray:
+def _in_flight_pause(
+    avail: np.ndarray, start: np.ndarray, offsets: np.ndarray, c: Costs, prompts: np.ndarray
+) -> np.ndarray:
     """`resume`: a version published while a replica generates pauses it once (the swap, and the prefill of the
     context of the rows in flight, approximated by their prompts) from that moment on."""
     end = start + offsets.max(axis=1)

@@ -32,7 +32,8 @@ class Lengths(BaseModel):
     values: list[int] = []
     """empirical: lengths to draw from."""
 
-    def sample(self, shape, rng: np.random.Generator) -> np.ndarray:
+    def sample(self, shape: int | tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+        out: np.ndarray
         if self.kind == "fixed":
             out = np.full(shape, self.mean)
         elif self.kind == "uniform":

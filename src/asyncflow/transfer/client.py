@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -50,14 +50,16 @@ from asyncflow.transfer.storage import StorageUnit
 
 ALIVE_CHECK_S = 1.0  # how often a waiting `loader` asks its `alive` callback
 
-Call = tuple[Any, str, tuple, dict]  # (target, method name, args, kwargs)
+Call = tuple[Any, str, tuple[Any, ...], dict[str, Any]]  # (target, method name, args, kwargs)
+_T = TypeVar("_T")
 
 
 class _Done:
-    def __init__(self, results: list | None = None, error: BaseException | None = None) -> None:
-        self.results, self.error = results, error
+    def __init__(self, results: list[Any] | None = None, error: BaseException | None = None) -> None:
+        self.results: list[Any] = [] if results is None else results
+        self.error = error
 
-    def wait(self, timeout: float) -> list:
+    def wait(self, timeout: float) -> list[Any]:
         if self.error is not None:
             raise self.error
         return self.results
@@ -118,7 +120,12 @@ class TransferQueue:
         they stop counting against capacity and before the partition clears."""
         controller = Controller(num_storage_units, capacity, on_full, tasks)
         units = [StorageUnit(rank, num_storage_units, controller) for rank in range(num_storage_units)]
-        controller.on_clear = lambda partition: [unit.drop(partition) for unit in units]
+
+        def drop(partition: str) -> None:
+            for unit in units:
+                unit.drop(partition)
+
+        controller.on_clear = drop
         return cls(controller, units, LocalTransport(), timeout)
 
     @property
@@ -164,10 +171,10 @@ class TransferQueue:
     def release(self, task: str, consumer: str, unless_ready: Sequence[str]) -> dict[str, list[int]]:
         """Make the rows `consumer` took for `task` deliverable again where `unless_ready` columns are not all
         written (the consumer died holding them). Returns the released rows per partition."""
-        return self._control("release", task, consumer, list(unless_ready))
+        return cast("dict[str, list[int]]", self._control("release", task, consumer, list(unless_ready)))
 
-    def status(self, partition: str) -> dict:
-        return self._control("status", partition)
+    def status(self, partition: str) -> dict[str, Any]:
+        return cast("dict[str, Any]", self._control("status", partition))
 
     # ---- producing ------------------------------------------------------------------------------
     def append(
@@ -177,7 +184,7 @@ class TransferQueue:
         *,
         group_ids: Sequence[int | None] | None = None,
         weight_version: int | Sequence[int | None] | None = None,
-        metadata: dict | Sequence[dict] | None = None,
+        metadata: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
         timeout: float | None = None,
     ) -> list[int]:
         """Append new rows; returns their global indices. `columns[c]`: one tensor per row (or a tensor whose
@@ -194,8 +201,8 @@ class TransferQueue:
         wait = self.timeout if timeout is None else timeout
         unit, self._next_unit = self._next_unit, (self._next_unit + 1) % len(self._units)
         packed = {column: pack_rows(r) for column, r in rows.items()}
-        call = (self._units[unit], "append", (partition, packed, group_ids, versions, metas, wait), {})
-        return self._call([call], wait + self.timeout)[0]
+        call: Call = (self._units[unit], "append", (partition, packed, group_ids, versions, metas, wait), {})
+        return cast("list[int]", self._call([call], wait + self.timeout)[0])
 
     def write(
         self,
@@ -204,7 +211,7 @@ class TransferQueue:
         columns: Mapping[str, Any],
         *,
         weight_version: int | Sequence[int | None] | None = None,
-        metadata: dict | Sequence[dict | None] | None = None,
+        metadata: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
         wait: bool = True,
     ) -> PendingWrite | None:
         """Write further columns of existing rows, and update their weight version / metadata with them
@@ -223,14 +230,17 @@ class TransferQueue:
         versions = _per_row(weight_version, len(indices), "weight_version", partition)
         metas = _per_row(metadata, len(indices), "metadata", partition)
         by_unit = self._by_unit(indices)
-        undo = lambda: None
+        undo: Callable[[], Any] = lambda: None
         if len(by_unit) > 1:  # a write spanning units reserves its cells first, so it is all-or-nothing
             self._control("reserve", partition, indices, specs)
             undo = partial(self._control, "unreserve", partition, indices, list(specs))
-        calls = []
+        calls: list[Call] = []
         for unit, positions in by_unit.items():
             packed = {column: pack_rows([r[p] for p in positions]) for column, r in rows.items()}
-            pick = lambda values: [values[p] for p in positions]
+
+            def pick(values: list[_T]) -> list[_T]:
+                return [values[p] for p in positions]
+
             args = (partition, pick(indices), packed, pick(versions), pick(metas))
             calls.append((self._units[unit], "write", args, {}))
         try:
@@ -264,9 +274,11 @@ class TransferQueue:
         the rows (see `release`)."""
         wait = self.timeout if timeout is None else timeout
         args = (partition, task, list(columns), batch_size, sampler, wait, block, list(ack), consumer)
-        return self._control("request", *args, wait=wait if block else 0.0)
+        return cast("BatchMeta | None", self._control("request", *args, wait=wait if block else 0.0))
 
-    def get(self, meta: BatchMeta, columns: Sequence[str] | None = None, *, padded: bool = False, pad_value=0) -> Batch:
+    def get(
+        self, meta: BatchMeta, columns: Sequence[str] | None = None, *, padded: bool = False, pad_value: float = 0
+    ) -> Batch:
         """Read `columns` (default: those requested) of the rows in `meta`, in meta order, from the units."""
         columns = list(meta.columns if columns is None else columns)
         for column in columns:
@@ -278,17 +290,18 @@ class TransferQueue:
         if not meta or not columns:
             return Batch(meta, {}, {}, padded)
         groups = self._by_unit(meta.indices)
-        calls = [
+        calls: list[Call] = [
             (self._units[u], "read", (meta.partition, [meta.indices[p] for p in pos], columns), {})
             for u, pos in groups.items()
         ]
         results = self._call(calls, self.timeout)
-        data, lengths = {}, {}
+        data: dict[str, torch.Tensor] = {}
+        lengths: dict[str, torch.Tensor] = {}
         for column in columns:
             if len(results) == 1:
                 values, row_lengths = results[0][column]
             else:
-                ordered: list = [None] * len(meta)
+                ordered: list[Any] = [None] * len(meta)
                 for positions, result in zip(groups.values(), results):
                     for p, row in zip(positions, unpack_rows(result[column])):
                         ordered[p] = row
@@ -326,7 +339,18 @@ class TransferQueue:
         batches = self._batches(partition, task, columns, batch_size, sampler, padded, wait, consumer, alive)
         return prefetched(batches, wait + self.timeout) if prefetch else batches
 
-    def _batches(self, partition, task, columns, batch_size, sampler, padded, wait, consumer, alive) -> Iterator[Batch]:
+    def _batches(
+        self,
+        partition: str,
+        task: str,
+        columns: Sequence[str],
+        batch_size: int,
+        sampler: Sampler | None,
+        padded: bool,
+        wait: float,
+        consumer: str | None,
+        alive: Callable[[], None] | None,
+    ) -> Iterator[Batch]:
         done: list[int] = []
         while True:
             deadline = time.monotonic() + wait
@@ -360,12 +384,12 @@ class TransferQueue:
                 out[key] = out.get(key, 0) + value
         return out
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Controller metadata and every unit's cells; plain Python and tensors, for `torch.save`.
         Take it while producers and consumers are paused, so both halves describe the same moment."""
         return {"controller": self._control("state_dict"), "storage": self._on_units("state_dict")}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["storage"]) != len(self._units):
             raise ValueError(
                 f"checkpoint has {len(state['storage'])} storage units, this queue {len(self._units)}; "
@@ -375,13 +399,13 @@ class TransferQueue:
         self._call([(u, "load_state_dict", (s,), {}) for u, s in zip(self._units, state["storage"])], self.timeout)
 
     # ---- internals ----------------------------------------------------------------------------------
-    def _call(self, calls: list[Call], timeout: float) -> list:
-        return self._transport.submit(calls).wait(timeout)
+    def _call(self, calls: list[Call], timeout: float) -> list[Any]:
+        return cast("list[Any]", self._transport.submit(calls).wait(timeout))
 
-    def _control(self, method: str, *args, wait: float = 0.0):
+    def _control(self, method: str, *args: Any, wait: float = 0.0) -> Any:
         return self._call([(self._controller, method, args, {})], wait + self.timeout)[0]
 
-    def _on_units(self, method: str, *args) -> list:
+    def _on_units(self, method: str, *args: Any) -> list[Any]:
         return self._call([(unit, method, args, {}) for unit in self._units], self.timeout)
 
     def _by_unit(self, indices: Sequence[int]) -> dict[int, list[int]]:
@@ -391,11 +415,11 @@ class TransferQueue:
         return groups
 
 
-def prefetched(items: Iterator, timeout: float) -> Iterator:
+def prefetched(items: Iterator[_T], timeout: float) -> Iterator[_T]:
     """Yield `items`, each produced by a daemon thread while the caller works on the one before (never
     more than one ahead); the producer's error is raised here. Each wait for the next item is bounded
     by `timeout`. Once the generator is closed the thread takes no further item."""
-    ready: queue.SimpleQueue = queue.SimpleQueue()
+    ready: queue.SimpleQueue[tuple[Any, BaseException | None]] = queue.SimpleQueue()
     may_produce = threading.Semaphore(1)  # released each time the caller takes an item
     stop = threading.Event()
     end = object()
@@ -432,7 +456,7 @@ def prefetched(items: Iterator, timeout: float) -> Iterator:
         stop.set()
 
 
-def _per_row(value: Any, num: int, name: str, partition: str) -> list:
+def _per_row(value: Any, num: int, name: str, partition: str) -> list[Any]:
     """One entry per row: None or a single int/dict applies to every row; otherwise a sequence of `num`."""
     if value is None or isinstance(value, (int, dict)):
         return [value] * num

@@ -31,7 +31,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from asyncflow.transfer.samplers import Candidate, OldestFirst, Sampler
 from asyncflow.transfer.schema import (
@@ -56,7 +56,7 @@ class _Row:
     index: int
     group_id: int | None
     weight_version: int | None
-    metadata: dict
+    metadata: dict[str, Any]
     ready: dict[str, int] = field(default_factory=dict)  # column -> dim-0 length (0 for scalars)
     candidate: Candidate = None  # type: ignore[assignment]  # without length; rebuilt when the version changes
 
@@ -110,7 +110,7 @@ class Controller:
         self.on_change: Callable[[str | None], None] | None = None  # the Ray actor's wake-up hook
         self._partitions: dict[str, _Partition] = {}
         self._cleared: dict[str, str] = {}  # name -> "consumed" (finished by every registered task) or "cleared"
-        self.on_clear: Callable[[str], None] | None = None  # drops the partition's data from the storage units
+        self.on_clear: Callable[[str], object] | None = None  # drops the partition's data from the storage units
         self._tasks: list[str] = list(dict.fromkeys(tasks))
         self._counters: Counter[str] = Counter()
 
@@ -221,7 +221,7 @@ class Controller:
         lengths: dict[str, list[int] | None],
         group_ids: Sequence[int | None],
         weight_versions: Sequence[int | None],
-        metadata: Sequence[dict],
+        metadata: Sequence[dict[str, Any]],
     ) -> list[int] | None:
         """Called by the storage unit that just stored new rows (`indices` are its own, unique): they join the
         partition with their `columns` ready, all at once. None while the partition is full."""
@@ -257,7 +257,17 @@ class Controller:
             self._wake(partition)
             return list(indices)
 
-    def add_rows(self, partition, indices, columns, lengths, group_ids, weight_versions, metadata, timeout: float):
+    def add_rows(
+        self,
+        partition: str,
+        indices: Sequence[int],
+        columns: dict[str, ColumnSpec],
+        lengths: dict[str, list[int] | None],
+        group_ids: Sequence[int | None],
+        weight_versions: Sequence[int | None],
+        metadata: Sequence[dict[str, Any]],
+        timeout: float,
+    ) -> list[int] | None:
         """`try_add_rows`, blocking up to `timeout` seconds while the partition is full (backpressure)."""
         fields = (group_ids, weight_versions, metadata)
         attempt = lambda: self.try_add_rows(partition, indices, columns, lengths, *fields)
@@ -286,7 +296,7 @@ class Controller:
         columns: dict[str, ColumnSpec],
         lengths: dict[str, list[int] | None],
         weight_versions: Sequence[int | None] | None = None,
-        metadata: Sequence[dict | None] | None = None,
+        metadata: Sequence[dict[str, Any] | None] | None = None,
     ) -> None:
         """Called by a storage unit after storing cells: they become ready, with their row-level fields."""
         with self._lock:
@@ -298,8 +308,9 @@ class Controller:
                     part.reserved.discard((row, column))
                 if weight_versions is not None and weight_versions[i] is not None:
                     entry.set_version(weight_versions[i])
-                if metadata is not None and metadata[i]:
-                    entry.metadata.update(metadata[i])
+                extra = None if metadata is None else metadata[i]
+                if extra:
+                    entry.metadata.update(extra)
             part.schema.update({c: spec for c, spec in columns.items() if c not in part.schema})
             for column in columns:
                 self._counters[f"produced/{column}"] += len(rows)
@@ -397,7 +408,7 @@ class Controller:
         return self._block(partition, attempt, timeout, explain, task, block)
 
     # ---- introspection, metrics, checkpoints ----------------------------------------------------
-    def status(self, partition: str) -> dict:
+    def status(self, partition: str) -> dict[str, Any]:
         with self._lock:
             part = self._partitions.get(partition)
             if part is None:
@@ -439,15 +450,17 @@ class Controller:
 
     def record_wait(self, who: str, seconds: float) -> None:
         with self._lock:
-            self._counters[f"wait_s/{who}"] += seconds
+            # seconds are floats: a Counter adds any numbers, though typeshed types its values as int
+            self._counters[f"wait_s/{who}"] += seconds  # type: ignore[assignment]
             self._counters[f"waits/{who}"] += 1
-            self._counters[f"wait_max_s/{who}"] = max(self._counters[f"wait_max_s/{who}"], seconds)
+            longest = f"wait_max_s/{who}"
+            self._counters[longest] = max(self._counters[longest], seconds)  # type: ignore[assignment]
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
             return dict(self._counters)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Plain Python (loadable with `torch.load(weights_only=True)`)."""
         with self._lock:
             partitions = {
@@ -467,7 +480,7 @@ class Controller:
                 "partitions": partitions, "counters": dict(self._counters),
             }  # fmt: skip
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         with self._lock:
             self._tasks = list(state["tasks"])
             self._cleared = dict(state["cleared"])
@@ -540,7 +553,9 @@ class Controller:
             part = self._partitions[partition] = _Partition(None, self.capacity, None, False, {})
         return part
 
-    def _cells_for_write(self, partition: str, rows: Sequence[int], columns: dict, allow_reserved: bool) -> _Partition:
+    def _cells_for_write(
+        self, partition: str, rows: Sequence[int], columns: dict[str, ColumnSpec], allow_reserved: bool
+    ) -> _Partition:
         names = ", ".join(columns)
         part = self._partition_for_write(partition, f"write row {rows[0]} column(s) {names} of", create=False)
         for row in rows:
@@ -555,7 +570,7 @@ class Controller:
                     raise FilledCellError(f"partition {partition!r} row {row} column {column!r}: already being written")
         return part
 
-    def _check_schema(self, partition: str, part: _Partition, columns: dict[str, ColumnSpec], row) -> None:
+    def _check_schema(self, partition: str, part: _Partition, columns: dict[str, ColumnSpec], row: int) -> None:
         for column, spec in columns.items():
             known = part.schema.get(column)
             if known is None and part.closed_columns:

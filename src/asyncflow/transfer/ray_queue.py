@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import ray
@@ -29,14 +30,17 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from asyncflow.transfer.client import Call, TransferQueue
 from asyncflow.transfer.controller import Controller
-from asyncflow.transfer.schema import Packed, TransferTimeout
+from asyncflow.transfer.samplers import Sampler
+from asyncflow.transfer.schema import BatchMeta, ColumnSpec, Packed, TransferTimeout
 from asyncflow.transfer.storage import StorageUnit
 
+T = TypeVar("T")
 
-def _to_wire(columns: dict[str, Packed]) -> dict:
+
+def _to_wire(columns: dict[str, Packed]) -> dict[str, tuple[np.ndarray | torch.Tensor, list[int] | None]]:
     """Packed columns with numpy values where the dtype has one: Ray ships numpy arrays out of band, much
     faster than pickled tensors (docs/benchmark-log.md). Other dtypes (bfloat16) travel as tensors."""
-    out = {}
+    out: dict[str, tuple[np.ndarray | torch.Tensor, list[int] | None]] = {}
     for column, (values, lengths) in columns.items():
         try:
             out[column] = (values.numpy(), lengths)
@@ -45,7 +49,7 @@ def _to_wire(columns: dict[str, Packed]) -> dict:
     return out
 
 
-def _from_wire(columns: dict) -> dict[str, Packed]:
+def _from_wire(columns: dict[str, tuple[Any, list[int] | None]]) -> dict[str, Packed]:
     """Inverse of `_to_wire`; copies, since arrays Ray hands back may be read-only views of its object store."""
     return {c: (torch.from_numpy(np.array(v)) if isinstance(v, np.ndarray) else v, n) for c, (v, n) in columns.items()}
 
@@ -56,8 +60,8 @@ def _cause(err: BaseException) -> BaseException:
     return err
 
 
-def _forward(attr: str, name: str):
-    async def method(self, *args, **kwargs):
+def _forward(attr: str, name: str) -> Callable[..., Coroutine[Any, Any, Any]]:
+    async def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         return getattr(getattr(self, attr), name)(*args, **kwargs)
 
     method.__name__ = name
@@ -65,7 +69,7 @@ def _forward(attr: str, name: str):
 
 
 class _ControllerActor:
-    def __init__(self, **config) -> None:
+    def __init__(self, **config: Any) -> None:
         self.controller = Controller(**config)
         self.controller.on_change = self._changed
         self._events: dict[str, asyncio.Event] = {}  # per partition, set (and replaced) on every change
@@ -76,8 +80,9 @@ class _ControllerActor:
                 self._events.pop(name).set()
 
     async def _wait(
-        self, partition: str, attempt: Callable, timeout: float, explain: Callable[[], str], who: str, block=True
-    ):
+        self, partition: str, attempt: Callable[[], T | None], timeout: float, explain: Callable[[], str], who: str,
+        block: bool = True,
+    ) -> T | None:
         """The asyncio twin of `Controller._block`: waits on an event that every state change sets."""
         start = time.monotonic()
         try:
@@ -96,19 +101,38 @@ class _ControllerActor:
         finally:
             self.controller.record_wait(who, time.monotonic() - start)
 
-    def attach_units(self, units: list) -> None:
+    def attach_units(self, units: list[Any]) -> None:
         self.controller.on_clear = lambda partition: [unit.drop.remote(partition) for unit in units]
 
     async def request(
-        self, partition, task, columns, batch_size, sampler=None, timeout=60.0, block=True, ack=(), consumer=None
-    ):
+        self,
+        partition: str,
+        task: str,
+        columns: Sequence[str],
+        batch_size: int,
+        sampler: Sampler | None = None,
+        timeout: float = 60.0,
+        block: bool = True,
+        ack: Sequence[int] = (),
+        consumer: str | None = None,
+    ) -> BatchMeta | None:
         ctrl = self.controller
         ctrl.ack(partition, task, ack)
         attempt = lambda: ctrl.try_request(partition, task, columns, batch_size, sampler, consumer)
         explain = lambda: ctrl.explain_request(partition, task, columns, batch_size)
         return await self._wait(partition, attempt, timeout, explain, task, block)
 
-    async def add_rows(self, partition, indices, columns, lengths, group_ids, weight_versions, metadata, timeout):
+    async def add_rows(
+        self,
+        partition: str,
+        indices: Sequence[int],
+        columns: dict[str, ColumnSpec],
+        lengths: dict[str, list[int] | None],
+        group_ids: Sequence[int | None],
+        weight_versions: Sequence[int | None],
+        metadata: Sequence[dict[str, Any]],
+        timeout: float,
+    ) -> list[int] | None:
         ctrl = self.controller
         fields = (group_ids, weight_versions, metadata)
         attempt = lambda: ctrl.try_add_rows(partition, indices, columns, lengths, *fields)
@@ -122,31 +146,49 @@ for _name in ("create_partition", "register_task", "seal", "ack", "clear", "rese
 
 
 class _StorageActor:
-    def __init__(self, rank: int, num_units: int, controller) -> None:
+    def __init__(self, rank: int, num_units: int, controller: Any) -> None:
         self.unit = StorageUnit(rank, num_units)
         self.controller = controller
 
-    async def append(self, partition, columns, group_ids, weight_versions, metadata, timeout) -> list[int]:
-        columns = _from_wire(columns)
+    async def append(
+        self,
+        partition: str,
+        columns: dict[str, tuple[Any, list[int] | None]],
+        group_ids: Sequence[int | None],
+        weight_versions: Sequence[int | None],
+        metadata: Sequence[dict[str, Any]],
+        timeout: float,
+    ) -> list[int]:
+        packed = _from_wire(columns)
         rows = self.unit.new_indices(len(group_ids))
-        specs, lengths = self.unit.store(partition, rows, columns)
+        specs, lengths = self.unit.store(partition, rows, packed)
         try:
             fields = (group_ids, weight_versions, metadata)
-            return await self.controller.add_rows.remote(partition, rows, specs, lengths, *fields, timeout)
+            added: list[int] = await self.controller.add_rows.remote(partition, rows, specs, lengths, *fields, timeout)
+            return added
         except BaseException as err:
             self.unit.discard(partition, rows, list(columns))
             raise _cause(err) from None
 
-    async def write(self, partition, rows, columns, weight_versions=None, metadata=None) -> None:
-        columns = _from_wire(columns)
-        specs, lengths = self.unit.store(partition, rows, columns)
+    async def write(
+        self,
+        partition: str,
+        rows: Sequence[int],
+        columns: dict[str, tuple[Any, list[int] | None]],
+        weight_versions: Sequence[int | None] | None = None,
+        metadata: Sequence[dict[str, Any] | None] | None = None,
+    ) -> None:
+        packed = _from_wire(columns)
+        specs, lengths = self.unit.store(partition, rows, packed)
         try:
             await self.controller.mark_ready.remote(partition, rows, specs, lengths, weight_versions, metadata)
         except BaseException as err:
             self.unit.discard(partition, rows, list(columns))
             raise _cause(err) from None
 
-    async def read(self, partition, rows, columns) -> dict:
+    async def read(
+        self, partition: str, rows: Sequence[int], columns: Sequence[str]
+    ) -> dict[str, tuple[np.ndarray | torch.Tensor, list[int] | None]]:
         return _to_wire(self.unit.read(partition, rows, columns))
 
 
@@ -161,11 +203,11 @@ _PACKED_ARG = {"append": 1, "write": 2}  # position of the packed columns in the
 
 
 class _RayPending:
-    def __init__(self, calls: list[Call], refs: list) -> None:
+    def __init__(self, calls: list[Call], refs: list[Any]) -> None:
         self.methods = [method for _, method, _, _ in calls]
         self.refs = refs
 
-    def wait(self, timeout: float) -> list:
+    def wait(self, timeout: float) -> list[Any]:
         try:
             results = ray.get(self.refs, timeout=timeout)
             return [_from_wire(r) if m == "read" else r for r, m in zip(results, self.methods)]
@@ -189,7 +231,7 @@ class RayTransport:
     arrays (see `_to_wire`); arguments are serialized when submitted, so callers may reuse them."""
 
     def submit(self, calls: list[Call]) -> _RayPending:
-        refs = []
+        refs: list[Any] = []
         for target, method, args, kwargs in calls:
             if method in _PACKED_ARG:
                 at = _PACKED_ARG[method]

@@ -22,7 +22,7 @@ from typing import NamedTuple
 class Candidate(NamedTuple):
     """A row that is ready for the request's columns and not yet consumed by the task."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # the row's index; shadows tuple.index (a method no caller uses)
     group_id: int | None
     weight_version: int | None
     length: int  # summed dim-0 lengths of the sampler's `length_columns` (0 when it needs none)
@@ -56,7 +56,9 @@ class OldestFirst(Sampler):
 
     length_columns = ()
 
-    def select(self, candidates, batch_size, drain, group_size):
+    def select(
+        self, candidates: list[Candidate], batch_size: int, drain: bool, group_size: int | None
+    ) -> list[list[int]]:
         if len(candidates) < batch_size and not drain:
             return []
         return [[c.index for c in oldest_first(candidates)[:batch_size]]]
@@ -70,7 +72,9 @@ class GroupSampler(Sampler):
     def __init__(self, group_size: int | None = None) -> None:
         self.group_size = group_size
 
-    def select(self, candidates, batch_size, drain, group_size):
+    def select(
+        self, candidates: list[Candidate], batch_size: int, drain: bool, group_size: int | None
+    ) -> list[list[int]]:
         size = self.group_size or group_size
         if not size:
             raise ValueError("GroupSampler needs a group_size (from the sampler or the partition)")
@@ -90,7 +94,9 @@ class GroupSampler(Sampler):
 class SimilarLength(Sampler):
     """`batch_size` rows whose lengths span the narrowest range (less padding, even compute)."""
 
-    def select(self, candidates, batch_size, drain, group_size):
+    def select(
+        self, candidates: list[Candidate], batch_size: int, drain: bool, group_size: int | None
+    ) -> list[list[int]]:
         if len(candidates) < batch_size:
             return [[c.index for c in oldest_first(candidates)]] if drain and candidates else []
         by_length = sorted(candidates, key=lambda c: c.length)
@@ -109,7 +115,9 @@ class TokenBalanced(Sampler):
         self.dp_size = dp_size
         self.base = base or OldestFirst()
 
-    def select(self, candidates, batch_size, drain, group_size):
+    def select(
+        self, candidates: list[Candidate], batch_size: int, drain: bool, group_size: int | None
+    ) -> list[list[int]]:
         chosen = [i for part in self.base.select(candidates, batch_size, drain, group_size) for i in part]
         length_of = {c.index: c.length for c in candidates}
         parts = karmarkar_karp([length_of[i] for i in chosen], self.dp_size)
@@ -122,7 +130,7 @@ def karmarkar_karp(lengths: list[int], k: int) -> list[list[int]]:
     Repeatedly merges the two partial k-way partitions with the largest spread (max sum - min sum),
     pairing the heaviest set of one with the lightest of the other."""
     tie = itertools.count()
-    heap = []
+    heap: list[tuple[int, int, list[int], list[list[int]]]] = []
     for pos, n in enumerate(lengths):
         sums, sets = [n] + [0] * (k - 1), [[pos]] + [[] for _ in range(k - 1)]
         heap.append((-n, next(tie), sums, sets))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -78,14 +78,15 @@ class ColumnSpec(NamedTuple):
 
 
 Packed = tuple[torch.Tensor, "list[int] | None"]
+_T = TypeVar("_T")
 
 
-def column_rows(value: Any) -> list:
+def column_rows(value: Any) -> list[Any]:
     """A column as one entry per row: a sequence of tensors, or a tensor whose dim 0 indexes rows."""
     return list(value.unbind(0)) if isinstance(value, torch.Tensor) else list(value)
 
 
-def check_rows(partition: str, column: str, rows: list, row_names: Sequence[int | str]) -> ColumnSpec:
+def check_rows(partition: str, column: str, rows: list[Any], row_names: Sequence[int | str]) -> ColumnSpec:
     """The column's spec, after checking every row is a tensor of one dtype, rank and trailing shape.
     `row_names` name the rows in errors (global indices, or batch positions for new rows)."""
     if len(rows) == 1 == len(row_names) and isinstance(rows[0], torch.Tensor):  # a single-row write: one spec
@@ -148,7 +149,7 @@ class BatchMeta:
     lengths: dict[str, list[int]] = field(default_factory=dict)
     group_ids: list[int | None] = field(default_factory=list)
     weight_versions: list[int | None] = field(default_factory=list)
-    metadata: list[dict] = field(default_factory=list)
+    metadata: list[dict[str, Any]] = field(default_factory=list)
     parts: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -157,7 +158,7 @@ class BatchMeta:
     def select(self, positions: Sequence[int]) -> BatchMeta:
         """The rows at `positions` (a single part)."""
 
-        def pick(values: list) -> list:
+        def pick(values: list[_T]) -> list[_T]:
             return [values[p] for p in positions]
 
         return replace(
@@ -173,7 +174,8 @@ class BatchMeta:
 
     def split(self) -> list[BatchMeta]:
         """One BatchMeta per part, e.g. per data-parallel rank for a token-balanced batch."""
-        out, start = [], 0
+        out: list[BatchMeta] = []
+        start = 0
         for size in self.parts:
             out.append(self.select(range(start, start + size)))
             start += size

@@ -70,19 +70,35 @@ class StorageUnit:
                 for row in rows:
                     table.get(column, {}).pop(row, None)
 
-    def append(self, partition: str, columns: dict[str, Packed], group_ids, weight_versions, metadata, timeout: float):
+    def append(
+        self,
+        partition: str,
+        columns: dict[str, Packed],
+        group_ids: Sequence[int | None],
+        weight_versions: Sequence[int | None],
+        metadata: Sequence[dict[str, Any]],
+        timeout: float,
+    ) -> list[int] | None:
         """Store new rows under fresh indices, then add them to the partition (waiting up to `timeout` while it
         is full). Returns their indices."""
         rows = self.new_indices(len(group_ids))
         specs, lengths = self.store(partition, rows, columns)
         try:
             fields = (group_ids, weight_versions, metadata)
-            return self.controller.add_rows(partition, rows, specs, lengths, *fields, timeout)
+            added: list[int] | None = self.controller.add_rows(partition, rows, specs, lengths, *fields, timeout)
+            return added
         except BaseException:
             self.discard(partition, rows, list(columns))
             raise
 
-    def write(self, partition: str, rows: Sequence[int], columns: dict, weight_versions=None, metadata=None):
+    def write(
+        self,
+        partition: str,
+        rows: Sequence[int],
+        columns: dict[str, Packed],
+        weight_versions: Sequence[int | None] | None = None,
+        metadata: Sequence[dict[str, Any] | None] | None = None,
+    ) -> None:
         """Store cells of existing rows, then tell the controller they are ready (with row-level field updates)."""
         specs, lengths = self.store(partition, rows, columns)
         try:
@@ -118,12 +134,12 @@ class StorageUnit:
         with self._lock:
             return dict(self._counters)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """{"appended": n, "cells": {partition: {column: [rows, values, lengths]}}}, each column packed."""
         with self._lock:
             snapshot = {p: {c: dict(cells) for c, cells in table.items()} for p, table in self._cells.items()}
             appended = self._appended
-        state: dict = {}
+        state: dict[str, dict[str, list[Any]]] = {}
         for partition, table in snapshot.items():
             state[partition] = {}
             for column, cells in table.items():
@@ -132,7 +148,7 @@ class StorageUnit:
                     state[partition][column] = [rows, *pack_rows([cells[r] for r in rows])]
         return {"appended": appended, "cells": state}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         cells = {
             partition: {column: dict(zip(rows, unpack_rows((v, n)))) for column, (rows, v, n) in table.items()}
             for partition, table in state["cells"].items()

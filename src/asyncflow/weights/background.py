@@ -68,6 +68,7 @@ class BackgroundSender:
         with self._cond:
             self._raise_if_unusable()
             check_increasing(self.transport, self.last_version, version)
+            staged: _Staged | None
             if self._pending is not None:
                 staged, self._pending = self._pending, None
                 self.superseded += 1
@@ -105,9 +106,10 @@ class BackgroundSender:
                 with self._cond:
                     while self._pending is None and not self._closing:
                         self._cond.wait()
-                    if self._closing:
+                    pending = self._pending
+                    if self._closing or pending is None:  # None only when closing (the wait above)
                         return
-                    staged, self._pending, self._sending = self._pending, None, True
+                    staged, self._pending, self._sending = pending, None, True
                 self._send(staged.version, staged.manifest, staged.buckets)
                 with self._cond:
                     self._sending = False

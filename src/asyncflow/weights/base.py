@@ -53,7 +53,11 @@ class ReceiverSpec(Protocol):
 
 class WeightPublisher(Protocol):
     transport: str
-    receiver_spec: ReceiverSpec
+
+    @property
+    def receiver_spec(self) -> ReceiverSpec:
+        """What receivers open (a picklable spec of this transport); read-only, so a publisher may narrow it."""
+        ...
 
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Snapshot `state_dict` as `version` and make it visible to receivers, without waiting for them."""

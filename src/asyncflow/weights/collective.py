@@ -119,12 +119,14 @@ class CollectiveGroup:
             return buffer, self._start(buffer, version, f"bucket {i + 1}/{count}")
 
         upcoming = post(0) if count else None
-        for i in range(count):
+        i = 0
+        while upcoming is not None:  # bucket i is posted
             buffer, posted = upcoming
             self._wait(posted)
             upcoming = post(i + 1) if i + 1 < count else None
             for e in members[i]:
                 yield e.name, buffer[e.offset : e.offset + e.numel].view(e.shape)
+            i += 1
 
     def close(self) -> None:
         if self.group is not None:

@@ -30,21 +30,23 @@ from asyncflow.weights.buckets import DEFAULT_BUCKET_BYTES, Manifest, allocate_p
 
 
 # --------------------------------------------------------------------------- the store actor
-@ray.remote(num_cpus=0)
 class WeightStore:
     """The newest (version, manifest bytes, bucket refs); refs arrive nested so Ray keeps them as refs."""
 
     def __init__(self) -> None:
-        self._latest: tuple[int, bytes, list[ray.ObjectRef]] | None = None
+        self._latest: tuple[int, bytes, list[ray.ObjectRef[Any]]] | None = None
 
-    def put(self, version: int, manifest: bytes, refs: list[ray.ObjectRef]) -> None:
+    def put(self, version: int, manifest: bytes, refs: list[ray.ObjectRef[Any]]) -> None:
         if self._latest is None or version > self._latest[0]:
             self._latest = (version, manifest, refs)
 
-    def newer_than(self, have_version: int) -> tuple[int, bytes, list[ray.ObjectRef]] | None:
+    def newer_than(self, have_version: int) -> tuple[int, bytes, list[ray.ObjectRef[Any]]] | None:
         if self._latest is None or self._latest[0] <= have_version:
             return None
         return self._latest
+
+
+WeightStoreActor = ray.remote(num_cpus=0)(WeightStore)  # the call form: typed as an ActorClass, unlike the decorator
 
 
 def _get(refs: Any, timeout_s: float, what: str) -> Any:
@@ -83,7 +85,8 @@ class RayWeightPublisher(BackgroundPublisher):
     ):
         self.timeout_s = timeout_s
         name = store_name or f"asyncflow-weight-store-{uuid.uuid4().hex[:12]}"
-        self._store = WeightStore.options(name=name, namespace=namespace).remote()
+        # an actor handle: ray's types do not cover its methods' .remote
+        self._store: Any = WeightStoreActor.options(name=name, namespace=namespace).remote()
         self.receiver_spec = RaySpec(name, namespace, timeout_s)
         self._sender = BackgroundSender(self.transport, self._send, bucket_bytes=bucket_bytes)
 

@@ -117,17 +117,20 @@ class SharedMemoryPublisher:
             raise ValueError(
                 "shared_memory: the state dict layout differs from the first publish (fixed per publisher)"
             )
+        mm, data = self._mm, self._bytes
+        if mm is None or data is None:  # not reached: _create sets both, and close is caught above
+            raise WeightSyncError("shared_memory: publish after close")
         slot = 1 - self._active
         start = self._data_start + slot * self._stride
-        seq, _ = _SLOT.unpack_from(self._mm, start)
+        seq, _ = _SLOT.unpack_from(mm, start)
         seq |= 1  # odd: being written (already odd if an earlier publish into this slot raised)
-        _SLOT.pack_into(self._mm, start, seq, version)
-        payload = self._bytes[start + _SLOT_HEADER : start + _SLOT_HEADER + manifest.payload_bytes]
+        _SLOT.pack_into(mm, start, seq, version)
+        payload = data[start + _SLOT_HEADER : start + _SLOT_HEADER + manifest.payload_bytes]
         pack(state_dict, manifest, bucket_views(manifest, payload))
         del payload
-        _SLOT.pack_into(self._mm, start, seq + 1, version)
-        magic, _, closed, manifest_len, stride = _CONTROL.unpack_from(self._mm, 0)
-        _CONTROL.pack_into(self._mm, 0, magic, slot, closed, manifest_len, stride)
+        _SLOT.pack_into(mm, start, seq + 1, version)
+        magic, _, closed, manifest_len, stride = _CONTROL.unpack_from(mm, 0)
+        _CONTROL.pack_into(mm, 0, magic, slot, closed, manifest_len, stride)
         self._active, self._last_version = slot, version
         if first:
             os.rename(self.path + ".tmp", self.path)
@@ -176,7 +179,7 @@ class SharedMemoryReceiver(PollingReceiver):
     def poll(self, have_version: int) -> Received | None:
         if self._mm is None and not self._attach():
             return None
-        if self._bytes is None or self._manifest is None:
+        if self._mm is None or self._bytes is None or self._manifest is None:  # _attach set _mm; close cleared the rest
             raise WeightSyncError("shared_memory: receiver used after close")
         manifest = self._manifest
         for _ in range(_TORN_READ_RETRIES):

@@ -43,6 +43,11 @@ def make_group(store: Any, rank: int, world_size: int, backend: str, timeout_s: 
     raise ValueError(f"torch_distributed: unknown backend {backend!r} (gloo or nccl)")
 
 
+def _store_set(store: Any, key: str, value: bytes) -> None:
+    """`store.set(key, value)` with bytes: the C++ store takes str or bytes; torch's stub says str only."""
+    store.set(key, value)
+
+
 def _broadcast(group: Any, buckets: list[torch.Tensor], timeout_s: float, version: int) -> None:
     """Broadcast every bucket from rank 0, in order; each waits at most `timeout_s`."""
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -132,16 +137,16 @@ class TorchDistributedPublisher(BackgroundPublisher):
         manifest_id = self._manifests.get(manifest)
         if manifest_id is None:
             manifest_id = self._manifests[manifest] = len(self._manifests)
-            self._store.set(f"manifest/{manifest_id}", pickle.dumps(manifest))
+            _store_set(self._store, f"manifest/{manifest_id}", pickle.dumps(manifest))
         self._sends += 1
-        self._store.set(f"announce/{self._sends}", pickle.dumps((version, manifest_id)))
+        _store_set(self._store, f"announce/{self._sends}", pickle.dumps((version, manifest_id)))
         _broadcast(self._group, buckets, self.timeout_s, version)
 
     def close(self) -> None:
         self._closed.set()
         if not self._sender.close(self.timeout_s):
             return  # a broadcast is still stuck; it ends with its own timeout
-        self._store.set("closed", b"1")
+        _store_set(self._store, "closed", b"1")
         if self._group is not None:
             self._group.shutdown()
             self._group = None
