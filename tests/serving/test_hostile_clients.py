@@ -174,7 +174,7 @@ def test_huge_arrays_of_bad_items_are_small_400s_and_nobody_waits(served):
             while not stop.is_set():
                 for path, body in requests:
                     started = time.perf_counter()
-                    response = http.post(path, content=body)
+                    response = http.post(path, content=body, headers={"Content-Type": "application/json"})
                     refused.append((response.status_code, response.json()["error"]["param"], len(response.content),
                                     time.perf_counter() - started))
 
