@@ -201,21 +201,11 @@ def make_app(served: ServedModel, *, api_key: str, recorder: EpisodeRecorder | N
         raise ValueError("the server needs an API key")
     limits = limits or ServingLimits()
     app = FastAPI(title="asyncflow OpenAI-compatible server", docs_url=None, redoc_url=None, openapi_url=None)
-    expected = f"Bearer {api_key}".encode()
     api = _API(served, recorder, request_timeout_s, limits)
-    # Added first, so it runs inside `authorize` (middleware added later wraps it): no body of a client without
+    # Added first, so it runs inside `Authorize` (middleware added later wraps it): no body of a client without
     # the key is read.
     app.add_middleware(BufferedBody, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
-
-    @app.middleware("http")
-    async def authorize(request: Request, call_next):
-        if request.url.path == "/health":  # answered without the key, so it keeps no connection open
-            return closing(await api.health())
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            return closing(error_response(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                                          code="invalid_api_key"))
-        return await call_next(request)
+    app.add_middleware(Authorize, api_key=api_key, health=api.health)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
@@ -265,6 +255,28 @@ def parse_request(raw: bytes, model: type[BaseModel], limits: ServingLimits):
         raise APIError(400, f"{where or 'body'}: {first['msg']}", param=where or None) from None
 
 
+class Authorize:
+    """ASGI middleware: `GET /health` answers without the key (`health()`); any other request without
+    `Authorization: Bearer <api_key>` gets 401. Both answers close the connection (module docstring). Plain ASGI:
+    a request costs no task or stream of its own here (a flood of connections is cheap to refuse)."""
+
+    def __init__(self, app, *, api_key: str, health):
+        self.app, self.expected, self.health = app, f"Bearer {api_key}".encode(), health
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if scope["path"] == "/health":
+            response = await self.health()
+        else:
+            given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            if hmac.compare_digest(given, self.expected):
+                return await self.app(scope, receive, send)
+            response = error_response(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                                      code="invalid_api_key")
+        await closing(response)(scope, receive, send)
+
+
 class BufferedBody:
     """ASGI middleware: read an HTTP request's body whole before the app runs, at most `max_bytes` (413) and
     within `timeout_s` of starting (408), then hand the app that body; later `receive` calls (a disconnect
@@ -292,15 +304,16 @@ class BufferedBody:
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             raise APIError(413, f"body: {int(declared)} bytes is over the limit of {self.max_bytes} "
                            "(limits.max_body_bytes)", param="body", code="body_too_large")
+        try:
+            return await asyncio.wait_for(self._pieces(receive), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"body: not received whole within {self.timeout_s:g} s (limits.body_timeout_s)",
+                           param="body", code="body_timeout") from None
+
+    async def _pieces(self, receive) -> bytes:
         chunks, size = [], 0
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout_s
         while True:
-            try:
-                message = await asyncio.wait_for(receive(), deadline - loop.time())
-            except asyncio.TimeoutError:
-                raise APIError(408, f"body: not received whole within {self.timeout_s:g} s (limits.body_timeout_s)",
-                               param="body", code="body_timeout") from None
+            message = await receive()
             if message["type"] == "http.disconnect":
                 raise APIError(400, "body: the client went away", param="body")
             chunk = message.get("body", b"")

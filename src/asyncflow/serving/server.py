@@ -31,6 +31,7 @@ import functools
 import socket
 import threading
 import time
+from collections import OrderedDict
 
 import h11
 import uvicorn
@@ -52,9 +53,10 @@ class ConnectionBudget:
         self.max_admitted = limits.max_connections
         self.max_pending = limits.max_pending_connections
         self.max_pending_per_client = limits.max_pending_per_client
+        # OrderedDict: finding the oldest stays O(1) however many were removed before it (a dict's does not)
         self._open: set = set()
-        self._pending: dict = {}  # connection -> (client address, since): insertion order is age
-        self._pending_by_client: dict[str, dict] = {}
+        self._pending: OrderedDict = OrderedDict()  # connection -> (client address, since), oldest first
+        self._pending_by_client: dict[str, OrderedDict] = {}
 
     def opened(self, connection) -> None:
         self._open.add(connection)
@@ -75,13 +77,13 @@ class ConnectionBudget:
             closing.append(oldest)
             self.closed(oldest)
         self._pending[connection] = (client, now)
-        self._pending_by_client.setdefault(client, {})[connection] = None
+        self._pending_by_client.setdefault(client, OrderedDict())[connection] = None
         return closing
 
     def _oldest_to_close(self, client: str, now: float):
         """The oldest pending connection of `client` if it has its limit pending, else the oldest of all if they are
         at theirs; None if there is room or that connection has not had `PENDING_GRACE_S` yet."""
-        mine = self._pending_by_client.get(client, {})
+        mine = self._pending_by_client.get(client, ())
         if len(mine) >= self.max_pending_per_client:
             line = mine
         elif len(self._pending) >= self.max_pending:
