@@ -190,7 +190,8 @@ async def _floods(port: int, heads: int, bodies: int, stop, results) -> None:
         await asyncio.sleep(0.2)
     for task in tasks:
         task.cancel()  # (`wait_for` may swallow a cancellation: then the loop's `stop` check ends the task)
-    await asyncio.wait(tasks, timeout=30)
+    if tasks:
+        await asyncio.wait(tasks, timeout=30)
     results.put({flood: dict(counts) for flood, counts in outcomes.items()})
 
 

@@ -195,17 +195,15 @@ class ChatRequest(_Sampling):
 
 # ---------------------------------------------------------------- the app
 def make_app(served: ServedModel, *, api_key: str, recorder: EpisodeRecorder | None = None,
-             request_timeout_s: float = 600.0, limits: ServingLimits | None = None) -> FastAPI:
-    """The FastAPI app; run it with uvicorn (`asyncflow.serving.server`, with the same `limits`)."""
+             request_timeout_s: float = 600.0, limits: ServingLimits | None = None):
+    """The ASGI app: the FastAPI routes behind `Authorize` and `BufferedBody`, plain ASGI layers in front of FastAPI
+    so that a connection still sending its body costs no more than a coroutine waiting for it. Run it with
+    uvicorn (`asyncflow.serving.server`, with the same `limits`)."""
     if not api_key:
         raise ValueError("the server needs an API key")
     limits = limits or ServingLimits()
     app = FastAPI(title="asyncflow OpenAI-compatible server", docs_url=None, redoc_url=None, openapi_url=None)
     api = _API(served, recorder, request_timeout_s, limits)
-    # Added first, so it runs inside `Authorize` (middleware added later wraps it): no body of a client without
-    # the key is read.
-    app.add_middleware(BufferedBody, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
-    app.add_middleware(Authorize, api_key=api_key, health=api.health)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
@@ -223,7 +221,9 @@ def make_app(served: ServedModel, *, api_key: str, recorder: EpisodeRecorder | N
         app.add_api_route(prefix + "/v1/models", api.models, methods=["GET"])
         app.add_api_route(prefix + "/v1/completions", api.completions, methods=["POST"])
         app.add_api_route(prefix + "/v1/chat/completions", api.chat, methods=["POST"])
-    return app
+    # The key is checked first: no body of a client without it is read.
+    buffered = BufferedBody(app, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
+    return Authorize(buffered, api_key=api_key, health=api.health)
 
 
 def parse_request(raw: bytes, model: type[BaseModel], limits: ServingLimits):
@@ -279,8 +279,8 @@ class Authorize:
 
 class BufferedBody:
     """ASGI middleware: read an HTTP request's body whole before the app runs, at most `max_bytes` (413) and
-    within `timeout_s` of starting (408), then hand the app that body; later `receive` calls (a disconnect
-    during a streamed answer) go to the client as usual."""
+    within `timeout_s` of starting (408), then hand the app that body (nothing, if the client went away first);
+    later `receive` calls (a disconnect during a streamed answer) go to the client as usual."""
 
     def __init__(self, app, *, max_bytes: int, timeout_s: float):
         self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
@@ -292,6 +292,8 @@ class BufferedBody:
             body = await self._read(scope, receive)
         except APIError as err:
             return await closing(JSONResponse(err.body, err.status))(scope, receive, send)
+        if body is None:  # the client went away: nobody to answer
+            return
         first = [{"type": "http.request", "body": body, "more_body": False}]
 
         async def replay():
@@ -299,7 +301,7 @@ class BufferedBody:
 
         await self.app(scope, replay, send)
 
-    async def _read(self, scope, receive) -> bytes:
+    async def _read(self, scope, receive) -> bytes | None:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             raise APIError(413, f"body: {int(declared)} bytes is over the limit of {self.max_bytes} "
@@ -310,12 +312,12 @@ class BufferedBody:
             raise APIError(408, f"body: not received whole within {self.timeout_s:g} s (limits.body_timeout_s)",
                            param="body", code="body_timeout") from None
 
-    async def _pieces(self, receive) -> bytes:
+    async def _pieces(self, receive) -> bytes | None:
         chunks, size = [], 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                raise APIError(400, "body: the client went away", param="body")
+                return None
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:

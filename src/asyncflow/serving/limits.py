@@ -45,7 +45,7 @@ class ServingLimits(BaseModel):
         "do not count (see --max-pending-connections)."))
     max_pending_connections: int = Field(256, ge=1, description=(
         "Most connections still sending a request (head or body) or silent since connecting; a new connection "
-        "beyond it closes the oldest of them that has had a second to send its request."))
+        "beyond it closes the oldest of them that has had 1-2 s to send its request."))
     max_pending_per_client: int = Field(64, ge=1, description=(
         "As --max-pending-connections, for the connections from one client address."))
 

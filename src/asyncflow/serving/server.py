@@ -17,9 +17,9 @@ Invariants:
 - A connection is *pending* from connecting (or from the first byte of its next request) until its request has
   arrived whole, head and body. Pending connections never count against `max_connections`: they cannot make
   a whole request wait or get 503, however many there are. A new connection beyond `max_pending_connections`
-  pending (or `max_pending_per_client` from its address) closes the oldest pending ones that have had
-  `PENDING_GRACE_S` to send their request, so a client that sends its request within that time is never
-  closed to make room, and the open sockets stay within the budget plus those opened in the last second.
+  pending (or `max_pending_per_client` from its address) closes the oldest pending ones that have had their
+  `PENDING_GRACE_S` (1-2 s) to send their request, so a client that sends its request within a second is never
+  closed to make room, and the open sockets stay within the budget plus those opened in the last two seconds.
 - `max_connections` counts the connections holding a whole request or kept alive after one; a request head
   that arrives while they are that many gets 503 at once. (The API closes the connection after a request
   without the key, so only authorised requests leave a connection open.)
@@ -28,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import functools
+import random
 import socket
 import threading
 import time
@@ -39,8 +40,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from asyncflow.serving.limits import ServingLimits
 
-PENDING_GRACE_S = 1.0
-"""A pending connection younger than this is never closed to make room for another."""
+PENDING_GRACE_S = (1.0, 2.0)
+"""A pending connection is never closed to make room for another before it is this old: a time drawn in this range
+for each (a flood's connections, opened together, are then closed, and reopened, a few at a time)."""
 
 
 class ConnectionBudget:
@@ -55,7 +57,7 @@ class ConnectionBudget:
         self.max_pending_per_client = limits.max_pending_per_client
         # OrderedDict: finding the oldest stays O(1) however many were removed before it (a dict's does not)
         self._open: set = set()
-        self._pending: OrderedDict = OrderedDict()  # connection -> (client address, since), oldest first
+        self._pending: OrderedDict = OrderedDict()  # connection -> (client address, closable from), oldest first
         self._pending_by_client: dict[str, OrderedDict] = {}
 
     def opened(self, connection) -> None:
@@ -76,13 +78,13 @@ class ConnectionBudget:
         while (oldest := self._oldest_to_close(client, now)) is not None:
             closing.append(oldest)
             self.closed(oldest)
-        self._pending[connection] = (client, now)
+        self._pending[connection] = (client, now + random.uniform(*PENDING_GRACE_S))
         self._pending_by_client.setdefault(client, OrderedDict())[connection] = None
         return closing
 
     def _oldest_to_close(self, client: str, now: float):
         """The oldest pending connection of `client` if it has its limit pending, else the oldest of all if they are
-        at theirs; None if there is room or that connection has not had `PENDING_GRACE_S` yet."""
+        at theirs; None if there is room or that connection has not had its `PENDING_GRACE_S` yet."""
         mine = self._pending_by_client.get(client, ())
         if len(mine) >= self.max_pending_per_client:
             line = mine
@@ -91,7 +93,7 @@ class ConnectionBudget:
         else:
             return None
         oldest = next(iter(line))
-        return oldest if now - self._pending[oldest][1] >= PENDING_GRACE_S else None
+        return oldest if now >= self._pending[oldest][1] else None
 
     def admitted(self, connection) -> None:
         """`connection`'s request has arrived whole (or it closed): it is no longer pending."""
