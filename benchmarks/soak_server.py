@@ -15,8 +15,8 @@ loop (and so every other client); the slowest three are listed with the kinds of
 Prints one JSON object: status counts per kind ("closed": closed by the server without an answer), valid requests
 answered 5xx or failed (must be 0), hostile requests answered other than 4xx or closed (must be 0), what the
 server did to the flood connections, probe latency (max, p99), resident memory of the server process after
-warm-up, by quarter of the run and at the end. The trickling-head case is not in the mix (it is slow by design):
-tests/serving/test_hostile_requests.py covers it.
+warm-up, by quarter of the run and at the end. A head trickled a byte at a time is not in the mix of requests (it
+is slow by design): the partial-head flood trickles one on each of its connections.
 
     .venv/bin/python benchmarks/soak_server.py --requests 3000 --concurrency 16 --flood-heads 1100 --flood-bodies 1100
 """

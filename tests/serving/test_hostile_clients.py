@@ -220,7 +220,7 @@ def test_a_trickled_body_gets_408_at_its_deadline_however_steadily_it_trickles(s
                      "Content-Length: 100\r\n\r\n".encode())
         started, answer = time.monotonic(), b""
         sock.settimeout(0.3)
-        while not answer and time.monotonic() - started < TIMEOUT_S + 3:
+        while not answer and time.monotonic() - started < TIMEOUT_S + 4:
             try:
                 sock.send(b" ")  # a byte every 0.3 s: a per-piece timeout would never fire
                 answer = sock.recv(65536)
@@ -230,7 +230,7 @@ def test_a_trickled_body_gets_408_at_its_deadline_however_steadily_it_trickles(s
                 break
     finally:
         sock.close()
-    assert b" 408 " in answer.split(b"\r\n")[0] and time.monotonic() - started < TIMEOUT_S + 1, answer
+    assert b" 408 " in answer.split(b"\r\n")[0] and time.monotonic() - started < TIMEOUT_S + 2, answer
 
 
 def test_requests_beyond_max_connections_get_503_and_pending_connections_do_not_count(served):
@@ -245,7 +245,7 @@ def test_requests_beyond_max_connections_get_503_and_pending_connections_do_not_
         assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=VALID, headers=AUTH,
                           timeout=10).status_code == 503
         held.pop().close()
-        time.sleep(0.2)
+        time.sleep(0.5)
         assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=VALID, headers=AUTH,
                           timeout=10).status_code == 200
     finally:
@@ -288,7 +288,7 @@ def test_the_prompt_limit_counts_every_field_the_template_renders_before_tokenis
     statuses, latencies = while_attacked(port, attack, seconds=2)
     assert_bystander_served(statuses, latencies)
     assert refused and all(status == 400 and error["param"] == "messages" and "max_prompt_chars" in error["message"]
-                           and seconds < 1 for status, error, seconds in refused), refused
+                           and seconds < 3 for status, error, seconds in refused), refused
 
 
 # ---------------------------------------------------------------- V6: --port 0
