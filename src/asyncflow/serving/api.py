@@ -242,9 +242,8 @@ def parse_request(raw: bytes, model: type[BaseModel], limits: ServingLimits):
         raise APIError(400, f"malformed JSON body: {err}") from None
     if not isinstance(data, dict):
         raise APIError(400, "body: a JSON object is expected", param="body")
-    for field, limit in (("messages", limits.max_messages), ("stop", limits.max_stop_strings)):
-        if isinstance(data.get(field), list) and len(data[field]) > limit:
-            key = "max_messages" if field == "messages" else "max_stop_strings"
+    for field, key in (("messages", "max_messages"), ("stop", "max_stop_strings")):
+        if isinstance(data.get(field), list) and len(data[field]) > (limit := getattr(limits, key)):
             raise APIError(400, f"{field}: {len(data[field])} items is over the limit of {limit} (limits.{key})",
                            param=field)
     try:
