@@ -4,14 +4,21 @@ Starts the real command (`asyncflow serve preset:tiny-llama`, its own process) o
 `--requests` requests from `--concurrency` clients: valid completions and chats (plain, streamed to the end, and
 streamed then dropped after the first chunk, extreme but valid sampling settings, stop strings at the limits) and
 hostile ones (NaN / underflowing settings, token ids outside the vocabulary, bodies / prompts / stop strings /
-prompts x n over the limits, deep JSON, garbage bytes, half-open connections, a stalled body).
+prompts x n over the limits, deep JSON, garbage bytes, half-open connections, a stalled body, a body trickled a
+byte at a time, heads over the size limit in one write, arrays of 10^5-10^6 bad items just under the body limit,
+a chat whose `tool_calls` the template renders to 1.8 million characters).
+Throughout, from another process, two floods hold more connections than the server's whole limit, each
+reopened as soon as the server closes it: `--flood-heads` connections sending part of a request head without
+the key, and `--flood-bodies` sending a request with the key whose body trickles a byte a second.
 Meanwhile a probe asks `GET /health` every 50 ms: its slowest answer bounds how long any request held the event
 loop (and so every other client); the slowest three are listed with the kinds of request in flight then.
-Prints one JSON object: status counts per kind, 5xx among valid requests (must be 0), probe latency (max, p99),
-resident memory of the server process after warm-up, by quarter of the run and at the end. The trickling-head
-case is not in the mix (it is slow by design): tests/serving/test_hostile_requests.py covers it.
+Prints one JSON object: status counts per kind ("closed": closed by the server without an answer), valid requests
+answered 5xx or failed (must be 0), hostile requests answered other than 4xx or closed (must be 0), what the
+server did to the flood connections, probe latency (max, p99), resident memory of the server process after
+warm-up, by quarter of the run and at the end. A head trickled a byte at a time is not in the mix of requests (it
+is slow by design): the partial-head flood trickles one on each of its connections.
 
-    .venv/bin/python benchmarks/soak_server.py --requests 3000 --concurrency 16
+    .venv/bin/python benchmarks/soak_server.py --requests 3000 --concurrency 16 --flood-heads 1100 --flood-bodies 1100
 """
 
 from __future__ import annotations
@@ -19,9 +26,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,15 +41,9 @@ import httpx
 
 KEY = "soak-key"
 NAME = "tiny"
-TEMPLATE = ("{% for m in messages %}<s>{{ m.role }}: {{ m.content }}</s>{% endfor %}"
+TEMPLATE = ("{% for m in messages %}<s>{{ m.role }}: {{ m.content }}{{ m.tool_calls or '' }}</s>{% endfor %}"
             "{% if add_generation_prompt %}<s>assistant: {% endif %}")
 WORDS = "the a one two three four five plus minus equals is of and".split()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_kib(pid: int) -> int:
@@ -69,22 +70,50 @@ async def streamed(http, body, *, drop_after_first: bool) -> int:
         return response.status_code
 
 
-async def raw_socket(port: int, payload: bytes, hold_s: float) -> int:
-    """Send `payload` and keep the connection open up to `hold_s`; 200 if the server closed it (or answered)."""
+async def raw_socket(port: int, payload: bytes, hold_s: float, trickle: bytes = b"", every_s: float = 1.0):
+    """Send `payload`, then a byte of `trickle` every `every_s`, for up to `hold_s`: the status the server answered
+    with, "closed" if it closed the connection without an answer, 599 if it was still open at the end."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    deadline = time.monotonic() + hold_s
     try:
         writer.write(payload)
         await writer.drain()
-        try:
-            await asyncio.wait_for(reader.read(), hold_s)
-            return 200  # closed by the server within the bound
-        except asyncio.TimeoutError:
-            return 599  # still open: the server did not enforce its timeouts
+        for byte in trickle or b" ":
+            try:
+                answer = await asyncio.wait_for(reader.read(), min(every_s if trickle else hold_s,
+                                                                   max(deadline - time.monotonic(), 0)))
+                return int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1 ") else "closed"
+            except asyncio.TimeoutError:
+                if time.monotonic() >= deadline:
+                    return 599  # still open: the server did not enforce its deadlines
+                writer.write(bytes([byte]))
+        return 599
+    except ConnectionError:
+        return "closed"
     finally:
         writer.close()
 
 
-def make_request(rng: random.Random, http, port: int):
+def huge_arrays() -> dict[str, tuple[str, bytes]]:
+    """Bodies just under the 2 MiB limit whose arrays would each cost one validation error per item (built once:
+    building them is the client's CPU, not the server's)."""
+    def body(**fields) -> bytes:
+        return json.dumps({"model": NAME, "max_tokens": 2, **fields}, separators=(",", ":")).encode()
+
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "x " * 900_000}}]
+    return {
+        "bad_floats_prompt": ("/v1/completions", body(prompt=[0.5] * 500_000)),
+        "bad_nulls_prompt": ("/v1/completions", body(prompt=[None] * 400_000)),
+        "bad_nested_prompt": ("/v1/completions", body(prompt=[[[0]]] * 300_000)),
+        "bad_int_stops": ("/v1/completions", body(prompt="a", stop=[1] * 1_000_000)),
+        "bad_role_messages": ("/v1/chat/completions", body(messages=[{"role": "x"}] * 140_000)),
+        "bad_floats_under_item_limit": ("/v1/completions", body(prompt=[0.5] * 150_000)),
+        "long_tool_calls": ("/v1/chat/completions", body(messages=[{"role": "assistant", "tool_calls": calls}])),
+    }
+
+
+
+def make_request(rng: random.Random, http, port: int, huge: dict[str, tuple[str, bytes]]):
     base = {"model": NAME, "max_tokens": rng.randint(1, 8)}
     valid = [
         ("completion", lambda: post(http, "/v1/completions", json={**base, "prompt": text(rng, rng.randint(1, 40))})),
@@ -114,10 +143,56 @@ def make_request(rng: random.Random, http, port: int):
         ("stalled_body", lambda: raw_socket(port, (
             f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
             "Content-Length: 500\r\n\r\n{\"model\"").encode(), 15)),
+        ("trickled_body", lambda: raw_socket(port, (
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            "Content-Length: 500\r\n\r\n").encode(), 15, b'{"model": ' + b" " * 400, every_s=0.5)),
+        ("big_head", lambda: raw_socket(port, (
+            f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"X-Pad: {'y' * rng.choice([17 * 1024, 100 * 1024])}\r\n\r\n").encode(), 15)),
+        *((kind, lambda path=path, body=body: post(http, path, content=body, headers={
+            "Content-Type": "application/json"})) for kind, (path, body) in huge.items()),
     ]
     is_valid = rng.random() < 0.6
     kind, make = rng.choice(valid if is_valid else hostile)
     return kind, is_valid, make
+
+
+# ---------------------------------------------------------------- the floods, in their own process
+FLOOD_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+FLOOD_BODY_HEAD = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                   "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n").encode()
+
+
+def run_floods(port: int, heads: int, bodies: int, stop, results) -> None:
+    """`heads` connections sending part of a head without the key and `bodies` sending a request with the key whose
+    body trickles, a byte a second each, every one reopened once the server answers or closes it, until `stop`
+    (a multiprocessing Event) is set; then puts {flood: {what the server did: count}} on `results`."""
+    asyncio.run(_floods(port, heads, bodies, stop, results))
+
+
+async def _floods(port: int, heads: int, bodies: int, stop, results) -> None:
+    outcomes: dict[str, Counter] = defaultdict(Counter)
+
+    async def hold(flood: str, opening: bytes, trickle: bytes) -> None:
+        while not stop.is_set():
+            try:
+                outcome = await raw_socket(port, opening, 3600, trickle)
+            except OSError as err:  # refused or out of file descriptors: try again shortly
+                outcome = type(err).__name__
+                await asyncio.sleep(0.1)
+            outcomes[flood][outcome] += 1
+
+    tasks = [asyncio.create_task(hold("partial_head_no_key", FLOOD_HEAD, b"X-Pad: " + b"y" * 100_000))
+             for _ in range(heads)]
+    tasks += [asyncio.create_task(hold("trickled_body_with_key", FLOOD_BODY_HEAD, b'{"model": ' + b" " * 100_000))
+              for _ in range(bodies)]
+    while not stop.is_set():
+        await asyncio.sleep(0.2)
+    for task in tasks:
+        task.cancel()  # (`wait_for` may swallow a cancellation: then the loop's `stop` check ends the task)
+    if tasks:
+        await asyncio.wait(tasks, timeout=30)
+    results.put({flood: dict(counts) for flood, counts in outcomes.items()})
 
 
 async def soak(args, port: int, pid: int) -> dict:
@@ -129,7 +204,7 @@ async def soak(args, port: int, pid: int) -> dict:
             await post(http, "/v1/completions", json={"model": NAME, "prompt": "one two", "max_tokens": 4})
         rss_start = rss_kib(pid)
         statuses: dict[str, Counter] = defaultdict(Counter)
-        valid_5xx, errors = 0, Counter()
+        valid_5xx, errors, hostile_not_refused = 0, Counter(), Counter()
         probe_latencies: list[float] = []
         slowest: list[tuple[float, list[str]]] = []  # the slowest probes and the kinds in flight when they began
         in_flight: Counter = Counter()
@@ -152,8 +227,9 @@ async def soak(args, port: int, pid: int) -> dict:
                     await asyncio.sleep(0.05)
 
         queue: asyncio.Queue = asyncio.Queue()
+        huge = huge_arrays()
         for _ in range(args.requests):
-            queue.put_nowait(make_request(rng, http, port))
+            queue.put_nowait(make_request(rng, http, port, huge))
 
         async def client():
             nonlocal valid_5xx
@@ -163,27 +239,42 @@ async def soak(args, port: int, pid: int) -> dict:
                 try:
                     status = await make()
                 except (httpx.HTTPError, OSError) as err:  # e.g. the server closing a refused upload
-                    status = f"{type(err).__name__}"
-                    errors[kind] += 1
+                    status = "timeout" if isinstance(err, httpx.TimeoutException) else "closed"
+                    errors[f"{kind}: {type(err).__name__}"] += 1
                 finally:
                     in_flight[kind] -= 1
                 statuses[kind][status] += 1
                 if is_valid and (not isinstance(status, int) or status >= 500):
                     valid_5xx += 1
+                if not is_valid and status != "closed" and not (isinstance(status, int) and 400 <= status < 500):
+                    hostile_not_refused[kind] += 1
 
+        spawn = multiprocessing.get_context("spawn")
+        stop_floods, flood_results = spawn.Event(), spawn.Queue()
+        flooder = spawn.Process(target=run_floods, args=(port, args.flood_heads, args.flood_bodies, stop_floods,
+                                                          flood_results), daemon=True)
+        flooder.start()
+        await asyncio.sleep(5)  # the floods open their connections (and the server closes the first of them)
         started = time.monotonic()
         prober = asyncio.create_task(probe())
         await asyncio.gather(*(client() for _ in range(args.concurrency)))
         elapsed = time.monotonic() - started
         done.set()
         await prober
+        stop_floods.set()
+        floods = await asyncio.to_thread(flood_results.get, timeout=120)
+        flooder.join(30)
         health = (await http.get("/health")).json()
         final = await post(http, "/v1/completions", json={"model": NAME, "prompt": "one two", "max_tokens": 4})
     probe_sorted = sorted(probe_latencies)
     return {
         "requests": args.requests, "concurrency": args.concurrency, "seconds": round(elapsed, 1),
         "valid_requests_5xx_or_failed": valid_5xx,
+        "hostile_requests_not_4xx_or_closed": dict(hostile_not_refused),
         "statuses": {kind: dict(counter) for kind, counter in sorted(statuses.items())},
+        "transport_errors": dict(errors),
+        "floods": {"connections": {"partial_head_no_key": args.flood_heads,
+                                   "trickled_body_with_key": args.flood_bodies}, "what_the_server_did": floods},
         "probe_health_latency_s": {"max": round(probe_sorted[-1], 3),
                                    "p99": round(probe_sorted[int(0.99 * (len(probe_sorted) - 1))], 3),
                                    "median": round(statistics.median(probe_sorted), 3), "samples": len(probe_sorted),
@@ -202,32 +293,31 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="preset:tiny-llama")
+    parser.add_argument("--flood-heads", type=int, default=1100, help="connections sending part of a head, no key")
+    parser.add_argument("--flood-bodies", type=int, default=1100, help="connections trickling a body, with the key")
     args = parser.parse_args()
-    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        template = Path(tmp) / "template.jinja"
+        template, port_file = Path(tmp) / "template.jinja", Path(tmp) / "port"
         template.write_text(TEMPLATE)
-        cli = [sys.executable, "-m", "asyncflow.cli", "serve", args.model, "--port", str(port), "--name", NAME,
-               "--chat-template", str(template), "--threads", "1", "--header-timeout-s", "5", "--body-timeout-s", "5"]
+        cli = [sys.executable, "-m", "asyncflow.cli", "serve", args.model, "--port", "0", "--port-file", str(port_file),
+               "--name", NAME, "--chat-template", str(template), "--threads", "1", "--header-timeout-s", "5",
+               "--body-timeout-s", "5"]
         server = subprocess.Popen(cli, env={**os.environ, "ASYNCFLOW_API_KEY": KEY}, stdout=subprocess.DEVNULL,
                                   stderr=open(Path(tmp) / "server.log", "w"))
         try:
             deadline = time.monotonic() + 180
-            while True:
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
+            while not port_file.exists():
                 if server.poll() is not None or time.monotonic() > deadline:
                     sys.exit(f"the server did not start: {(Path(tmp) / 'server.log').read_text()[-2000:]}")
                 time.sleep(0.5)
-            result = asyncio.run(soak(args, port, server.pid))
+            result = asyncio.run(soak(args, int(port_file.read_text()), server.pid))
         finally:
             server.terminate()
             server.wait(30)
     print(json.dumps(result, indent=1))
-    return 0 if result["valid_requests_5xx_or_failed"] == 0 and result["normal_request_at_end"] == 200 else 1
+    held = (result["valid_requests_5xx_or_failed"] == 0 and not result["hostile_requests_not_4xx_or_closed"]
+            and result["normal_request_at_end"] == 200)
+    return 0 if held else 1
 
 
 if __name__ == "__main__":

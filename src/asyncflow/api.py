@@ -217,17 +217,19 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, mer
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           name: str | None = None, engine: str = "torch", max_batch_size: int = 64, device: str = "cpu",
           dtype: str = "float32", seed: int = 0, chat_template: str | None = None, request_timeout_s: float = 600.0,
-          limits=None) -> None:
+          limits=None, port_file: str | None = None) -> None:
     """An OpenAI-compatible server over `model` (a Hugging Face folder, `preset:NAME`, a run folder or a checkpoint
     folder), as `asyncflow serve`; blocks until interrupted. Without `api_key` one is generated and printed; a
-    host reachable from other machines needs one. `limits`: a `ServingLimits` (defaults otherwise)."""
+    host reachable from other machines needs one. `limits`: a `ServingLimits` (defaults otherwise). The port it
+    listens on (`port=0`: a free one) is printed, and written to `port_file` when given, once it accepts
+    connections."""
     import secrets
 
     from asyncflow.workflow.serve import build_app, load_served
 
     try:
         from asyncflow.serving.limits import ServingLimits
-        from asyncflow.serving.server import serve_forever
+        from asyncflow.serving.server import bind, serve_forever
     except ImportError as err:
         raise ValueError(f"asyncflow serve needs the serve extra (pip install 'asyncflow-rl[serve]'): {err}") from None
     limits = limits or ServingLimits()
@@ -237,18 +239,31 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
                               "(--api-key-file FILE or $ASYNCFLOW_API_KEY), or serve on 127.0.0.1")
         log.warning("serving on %s, reachable from other machines: anyone who can reach it and holds the key can "
                     "use the model", host)
-    _check_can_listen(host, port)
+    try:  # bound before the model loads, so a port in use fails at once in one line
+        sock = bind(host, port)
+    except OSError as err:
+        raise ConfigError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    port = sock.getsockname()[1]
     key = api_key or secrets.token_urlsafe(24)
-    weights = load_served(model, dtype=dtype, device=device)
-    app, service = build_app(
-        weights, api_key=key, name=name, engine=engine, max_batch_size=max_batch_size, device=device, seed=seed,
-        chat_template=chat_template, request_timeout_s=request_timeout_s, limits=limits,
-    )
-    if not api_key:
-        print(f"API key (generated): {key}", flush=True)
-    print(f"serving {name or weights.name!r} at http://{host}:{port}/v1", flush=True)
     try:
-        serve_forever(app, host=host, port=port, limits=limits)
+        weights = load_served(model, dtype=dtype, device=device)
+        app, service = build_app(
+            weights, api_key=key, name=name, engine=engine, max_batch_size=max_batch_size, device=device, seed=seed,
+            chat_template=chat_template, request_timeout_s=request_timeout_s, limits=limits,
+        )
+    except BaseException:
+        sock.close()
+        raise
+
+    def announce() -> None:
+        if not api_key:
+            print(f"API key (generated): {key}", flush=True)
+        print(f"serving {name or weights.name!r} at http://{host}:{port}/v1", flush=True)
+        if port_file:
+            _write_atomically(Path(port_file), f"{port}\n")
+
+    try:
+        serve_forever(app, sock, limits=limits, on_listening=announce)
     finally:
         service.close()
 
@@ -262,12 +277,8 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _check_can_listen(host: str, port: int) -> None:
-    """Bind `host:port` once before loading the model, so a port in use fails at once in one line."""
-    import socket
-
-    try:
-        with socket.create_server((host, port)):
-            pass
-    except OSError as err:
-        raise ConfigError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+def _write_atomically(path: Path, text: str) -> None:
+    """`text` into `path` whole or not at all (a reader never sees half of it)."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    partial.replace(path)

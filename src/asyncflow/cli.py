@@ -135,7 +135,7 @@ def cmd_serve(args) -> int:
     api.serve(
         args.model, host=args.host, port=args.port, api_key=given_key, name=args.name, engine=args.engine,
         max_batch_size=args.max_batch_size, device=args.device, dtype=args.dtype, seed=args.seed,
-        chat_template=chat_template, request_timeout_s=args.request_timeout, limits=limits,
+        chat_template=chat_template, request_timeout_s=args.request_timeout, limits=limits, port_file=args.port_file,
     )
     return 0
 
@@ -202,7 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model", help="a Hugging Face model folder, preset:NAME, a run folder (its newest checkpoint) "
                        "or a checkpoint folder RUN_DIR/checkpoints/step_N")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
-    serve.add_argument("--port", type=_port, default=8000)
+    serve.add_argument("--port", type=_port, default=8000, help="TCP port (0: a free one, printed; see --port-file)")
+    serve.add_argument("--port-file", help="write the port, once the server accepts connections, to this file "
+                       "(whole, one line): how a script finds the port of --port 0")
     serve.add_argument("--api-key", help="the Bearer key clients must send (visible in ps: prefer --api-key-file or "
                        "$ASYNCFLOW_API_KEY; without any, a generated one, printed; required off loopback)")
     serve.add_argument("--api-key-file", help="a file holding the Bearer key (its first line)")

@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP API over an `EngineService`: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
 
-Owns: the request models (pydantic), their checks, prompt rendering (the tokenizer's chat template), stop
+Owns: the request models (pydantic), their parsing and checks, prompt rendering (the tokenizer's chat template), stop
 strings, the responses (plain and server-sent events) and the OpenAI error shape. Built with FastAPI; this
 package is the only one that imports the HTTP stack.
 
@@ -27,12 +27,17 @@ new text's ids, so the ids sampled earlier reach the model, and the training row
 Invariants:
 - Every request needs `Authorization: Bearer <key>`; without it, or with another key: 401 (`GET /health`
   alone answers without a key: 200 while the engine serves, 503 when it cannot, with its failure count).
+  Both answers close the connection, so only a request with the key leaves a connection open (the server
+  counts the connections still sending a request apart: `asyncflow.serving.server`).
 - No request can hurt another (`ServingLimits`, docs/serving-limits.md): the body is read whole, within a size
-  limit (413) and a per-piece timeout (408), before the app sees it; prompt length, stop strings (count,
-  length) and prompts x n are bounded (400 naming the field); sampling settings are finite and in ranges that
-  cannot make NaN; token ids are checked before anything decodes them; tokenising, chat templates and decoding
-  run on worker threads, never on the event loop; stop strings are matched in linear time. An error inside
-  the engine fails the requests it was running (503) and the engine serves the next one.
+  limit (413) and a deadline (408), before the app sees it; parsing and validation (`parse_request`) run on a
+  worker thread in time bounded by the limits, not by the body: its JSON items are counted before parsing, the
+  counts of messages and stop strings before validation, and an array's validation stops at its first bad item
+  (one small error naming the field); prompt length (chat: everything the template rendered), stop strings
+  and prompts x n are bounded before tokenising (400 naming the field); sampling settings are finite and in
+  ranges that cannot make NaN; token ids are checked before anything decodes them; tokenising, chat templates
+  and decoding run on worker threads, never on the event loop; stop strings are matched in linear time. An
+  error inside the engine fails the requests it was running (503) and the engine serves the next one.
 - Bad input (malformed JSON, an unknown field or model, a value out of range, a prompt too long for the
   model, token ids outside the vocabulary, a chat template that fails) is refused with a 4xx JSON error
   `{"error": {"message", "type", "param", "code"}}` before it reaches the engine, so no request can stop
@@ -60,12 +65,11 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from asyncflow.engines.base import Completion, SamplingParams
@@ -104,6 +108,12 @@ def error_response(status: int, message: str, **fields) -> JSONResponse:
     return JSONResponse(error_body(message, **fields), status)
 
 
+def closing(response: Response) -> Response:
+    """`response`, after which the connection is closed (so the server counts it no longer: `serving.server`)."""
+    response.headers["connection"] = "close"
+    return response
+
+
 class APIError(Exception):
     """A request refused with `status` and an `error_body(message, **fields)`."""
 
@@ -113,6 +123,11 @@ class APIError(Exception):
 
 
 # ---------------------------------------------------------------- requests
+T = TypeVar("T")
+Items = Annotated[list[T], Field(fail_fast=True)]
+"""A JSON array whose validation stops at its first bad item: one error, not one per item."""
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN / Infinity in the JSON: 400
 
@@ -122,7 +137,7 @@ class _Sampling(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)  # -1 or 0: off
     n: int = Field(1, ge=1, le=64)
-    stop: str | list[str] | None = Field(None, validate_default=True)
+    stop: str | Items[str] | None = Field(None, validate_default=True)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     seed: int | None = None  # accepted and ignored: the engine's one generator is shared by every caller
@@ -150,11 +165,11 @@ class _Sampling(BaseModel):
         stops = [value] if isinstance(value, str) else list(value or [])
         if any(not s for s in stops):
             raise ValueError("stop strings may not be empty")
-        return stops  # count and length: `ServingLimits`, checked by the API
+        return stops  # count and length: `ServingLimits`, checked by the API (`parse_request`, `_check_size`)
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | Items[int] | Items[str] | Items[Items[int]]
     logprobs: int | None = Field(None, ge=0, le=1)  # only the sampled token's log-prob is known
     echo: Literal[False] = False
 
@@ -168,11 +183,11 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # tool_call_id, name, ...: handed to the chat template
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[_TextPart] | None = None
+    content: str | Items[_TextPart] | None = None
 
 
 class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Items[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=1)  # only the sampled token's log-prob is known
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -180,39 +195,19 @@ class ChatRequest(_Sampling):
 
 # ---------------------------------------------------------------- the app
 def make_app(served: ServedModel, *, api_key: str, recorder: EpisodeRecorder | None = None,
-             request_timeout_s: float = 600.0, limits: ServingLimits | None = None) -> FastAPI:
-    """The FastAPI app; run it with uvicorn (`asyncflow.serving.server`, with the same `limits`)."""
+             request_timeout_s: float = 600.0, limits: ServingLimits | None = None):
+    """The ASGI app: the FastAPI routes behind `Authorize` and `BufferedBody`, plain ASGI layers in front of FastAPI
+    so that a connection still sending its body costs no more than a coroutine waiting for it. Run it with
+    uvicorn (`asyncflow.serving.server`, with the same `limits`)."""
     if not api_key:
         raise ValueError("the server needs an API key")
     limits = limits or ServingLimits()
     app = FastAPI(title="asyncflow OpenAI-compatible server", docs_url=None, redoc_url=None, openapi_url=None)
-    expected = f"Bearer {api_key}".encode()
     api = _API(served, recorder, request_timeout_s, limits)
-    # Added first, so it runs inside `authorize` (middleware added later wraps it): no body of a client without
-    # the key is read.
-    app.add_middleware(BufferedBody, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
-
-    @app.middleware("http")
-    async def authorize(request: Request, call_next):
-        if request.url.path == "/health":
-            return await api.health()
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            return error_response(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                                  code="invalid_api_key")
-        return await call_next(request)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
         return JSONResponse(err.body, err.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, err: RequestValidationError):
-        first = err.errors()[0]
-        if first.get("type") == "json_invalid":
-            return error_response(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}")
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return error_response(400, f"{where or 'body'}: {first['msg']}", param=where or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, err: StarletteHTTPException):
@@ -226,13 +221,65 @@ def make_app(served: ServedModel, *, api_key: str, recorder: EpisodeRecorder | N
         app.add_api_route(prefix + "/v1/models", api.models, methods=["GET"])
         app.add_api_route(prefix + "/v1/completions", api.completions, methods=["POST"])
         app.add_api_route(prefix + "/v1/chat/completions", api.chat, methods=["POST"])
-    return app
+    # The key is checked first: no body of a client without it is read.
+    buffered = BufferedBody(app, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
+    return Authorize(buffered, api_key=api_key, health=api.health)
+
+
+def parse_request(raw: bytes, model: type[BaseModel], limits: ServingLimits):
+    """The request `model` in the JSON body `raw`, in time bounded by `limits` whatever the body holds: its items are
+    counted before it is parsed, the arrays with a limit are measured before validation, and validation stops at an
+    array's first bad item. Raises `APIError` (400 naming the field, one error however many items are bad)."""
+    items = sum(raw.count(c) for c in (b",", b"[", b"{"))
+    if items > limits.max_json_items:
+        raise APIError(400, f"body: {items} JSON items (commas, '[' and '{{') is over the limit of "
+                       f"{limits.max_json_items} (limits.max_json_items)", param="body")
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, "malformed JSON body: nested too deeply") from None
+    except ValueError as err:
+        raise APIError(400, f"malformed JSON body: {err}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "body: a JSON object is expected", param="body")
+    for field, key in (("messages", "max_messages"), ("stop", "max_stop_strings")):
+        if isinstance(data.get(field), list) and len(data[field]) > (limit := getattr(limits, key)):
+            raise APIError(400, f"{field}: {len(data[field])} items is over the limit of {limit} (limits.{key})",
+                           param=field)
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        first = err.errors(include_url=False)[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise APIError(400, f"{where or 'body'}: {first['msg']}", param=where or None) from None
+
+
+class Authorize:
+    """ASGI middleware: `GET /health` answers without the key (`health()`); any other request without
+    `Authorization: Bearer <api_key>` gets 401. Both answers close the connection (module docstring). Plain ASGI:
+    a request costs no task or stream of its own here (a flood of connections is cheap to refuse)."""
+
+    def __init__(self, app, *, api_key: str, health):
+        self.app, self.expected, self.health = app, f"Bearer {api_key}".encode(), health
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if scope["path"] == "/health":
+            response = await self.health()
+        else:
+            given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            if hmac.compare_digest(given, self.expected):
+                return await self.app(scope, receive, send)
+            response = error_response(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                                      code="invalid_api_key")
+        await closing(response)(scope, receive, send)
 
 
 class BufferedBody:
     """ASGI middleware: read an HTTP request's body whole before the app runs, at most `max_bytes` (413) and
-    waiting at most `timeout_s` for each piece (408), then hand the app that body; later `receive` calls (a
-    disconnect during a streamed answer) go to the client as usual."""
+    within `timeout_s` of starting (408), then hand the app that body (nothing, if the client went away first);
+    later `receive` calls (a disconnect during a streamed answer) go to the client as usual."""
 
     def __init__(self, app, *, max_bytes: int, timeout_s: float):
         self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
@@ -243,9 +290,9 @@ class BufferedBody:
         try:
             body = await self._read(scope, receive)
         except APIError as err:
-            response = JSONResponse(err.body, err.status)
-            response.headers["connection"] = "close"
-            return await response(scope, receive, send)
+            return await closing(JSONResponse(err.body, err.status))(scope, receive, send)
+        if body is None:  # the client went away: nobody to answer
+            return
         first = [{"type": "http.request", "body": body, "more_body": False}]
 
         async def replay():
@@ -253,20 +300,23 @@ class BufferedBody:
 
         await self.app(scope, replay, send)
 
-    async def _read(self, scope, receive) -> bytes:
+    async def _read(self, scope, receive) -> bytes | None:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             raise APIError(413, f"body: {int(declared)} bytes is over the limit of {self.max_bytes} "
                            "(limits.max_body_bytes)", param="body", code="body_too_large")
+        try:
+            return await asyncio.wait_for(self._pieces(receive), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"body: not received whole within {self.timeout_s:g} s (limits.body_timeout_s)",
+                           param="body", code="body_timeout") from None
+
+    async def _pieces(self, receive) -> bytes | None:
         chunks, size = [], 0
         while True:
-            try:
-                message = await asyncio.wait_for(receive(), self.timeout_s)
-            except asyncio.TimeoutError:
-                raise APIError(408, f"body: nothing arrived for {self.timeout_s:g} s (limits.body_timeout_s)",
-                               param="body", code="body_timeout") from None
+            message = await receive()
             if message["type"] == "http.disconnect":
-                raise APIError(400, "body: the client went away", param="body")
+                return None
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
@@ -309,7 +359,12 @@ class _API:
         service = self.served.service
         return None if service is None else "token" if service.streams_tokens else "choice"
 
-    async def completions(self, body: CompletionRequest, episode_id: str | None = None):
+    async def _parse(self, request: Request, model: type[BaseModel]):
+        """The request's body as `model`, parsed and validated on a worker thread (`parse_request`)."""
+        return await asyncio.to_thread(parse_request, await request.body(), model, self.limits)
+
+    async def completions(self, request: Request, episode_id: str | None = None):
+        body = await self._parse(request, CompletionRequest)
         self._check_model(body.model)
         self._episode(episode_id, body.n)
         prompts = body.prompt
@@ -319,7 +374,8 @@ class _API:
             raise APIError(400, "prompt: empty", param="prompt")
         if episode_id is not None and len(prompts) > 1:
             raise APIError(400, "one prompt per call within an episode", param="prompt")
-        self._check_size(body, len(prompts), sum(len(p) if isinstance(p, str) else 0 for p in prompts), "prompt")
+        self._check_size(body, len(prompts))
+        self._check_chars(sum(len(p) if isinstance(p, str) else 0 for p in prompts), "prompt")
 
         def prepare():
             rendered = [self._completion_prompt(p, episode_id) for p in prompts]
@@ -328,12 +384,11 @@ class _API:
         rendered, params = await asyncio.to_thread(prepare)
         return await self._answer(body, rendered, params, "completion", episode_id, body.logprobs is not None)
 
-    async def chat(self, body: ChatRequest, episode_id: str | None = None):
+    async def chat(self, request: Request, episode_id: str | None = None):
+        body = await self._parse(request, ChatRequest)
         self._check_model(body.model)
         self._episode(episode_id, body.n)
-        chars = sum(len(m.content) if isinstance(m.content, str) else sum(len(part.text) for part in m.content or [])
-                    for m in body.messages)
-        self._check_size(body, 1, chars, "messages")
+        self._check_size(body, 1)
 
         def prepare():
             ids, text = self._chat_prompt(body.messages, episode_id)
@@ -360,18 +415,19 @@ class _API:
         return await asyncio.to_thread(respond)
 
     # ------------------------------------------------------------ checks and prompts
-    def _check_size(self, body: _Sampling, prompts: int, prompt_chars: int, prompt_param: str) -> None:
-        """The `ServingLimits` a request can break before any tokenising: 400 naming the field and the limit."""
+    def _check_chars(self, chars: int, param: str) -> None:
+        """A prompt's text (chat: as the template rendered it) before tokenising: 400 over `max_prompt_chars`."""
+        if chars > self.limits.max_prompt_chars:
+            raise APIError(400, f"{param}: {chars} characters is over the limit of {self.limits.max_prompt_chars} "
+                           "(limits.max_prompt_chars)", param=param)
+
+    def _check_size(self, body: _Sampling, prompts: int) -> None:
+        """The `ServingLimits` a valid request can break before any tokenising: 400 naming the field and the limit
+        (the count of stop strings and of messages: `parse_request`, before validation)."""
         limits = self.limits
-        if prompt_chars > limits.max_prompt_chars:
-            raise APIError(400, f"{prompt_param}: {prompt_chars} characters is over the limit of "
-                           f"{limits.max_prompt_chars} (limits.max_prompt_chars)", param=prompt_param)
         if prompts * body.n > limits.max_choices:
             raise APIError(400, f"n: {prompts} prompt(s) x n={body.n} asks for {prompts * body.n} samples, over the "
                            f"limit of {limits.max_choices} (limits.max_choices)", param="n")
-        if len(body.stop) > limits.max_stop_strings:
-            raise APIError(400, f"stop: {len(body.stop)} stop strings is over the limit of {limits.max_stop_strings} "
-                           "(limits.max_stop_strings)", param="stop")
         longest = max(map(len, body.stop), default=0)
         if longest > limits.max_stop_chars:
             raise APIError(400, f"stop: a stop string of {longest} characters is over the limit of "
@@ -435,6 +491,7 @@ class _API:
                                                  add_generation_prompt=True)
         except Exception as err:  # jinja raises its own kinds (a template's raise_exception, a bad field)
             raise APIError(400, f"the chat template failed on these messages: {err}", param="messages") from None
+        self._check_chars(len(text), "messages")  # every field the template renders counts, not `content` only
         ids = self._continued(episode_id, "chat", text)
         if ids is None:
             ids = self._encode(text)
