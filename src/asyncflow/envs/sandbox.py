@@ -113,6 +113,11 @@ class SandboxLimits:
     sandbox_uid: int = 65534
     """The host uid (and gid) the code runs as when the trainer is root (`strict`); `nobody` by default."""
 
+    def __post_init__(self) -> None:
+        if self.sandbox_uid <= 0 or self.max_threads < 1:
+            raise ValueError(f"sandbox_uid must be a positive uid (got {self.sandbox_uid}) and max_threads at least 1 "
+                             f"(got {self.max_threads})")
+
 
 CHILD_ENVIRONMENT = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"}
 
@@ -158,12 +163,20 @@ def _bwrap_args(bwrap: str, scratch_mb: int, userns_fds: tuple[int, int] | None)
             "--chdir", "/tmp"]
 
 
+def _readable(fd: int, timeout_s: float) -> bool:
+    """Whether `fd` becomes readable within `timeout_s` (poll: a trainer's descriptors may number past select's
+    1024)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(0.0, timeout_s) * 1000))
+
+
 def _read_child_pid(info_fd: int, deadline: float) -> int:
     """The pid bwrap writes (JSON `child-pid`) to `info_fd` once its namespaces exist; `SandboxUnavailable` when
     it closes the pipe first or takes past `deadline`."""
     data = b""
     while True:
-        if not select.select([info_fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+        if not _readable(info_fd, deadline - time.monotonic()):
             raise SandboxUnavailable(f"bwrap did not report its namespaces within {_SETUP_TIMEOUT_S:g} s")
         chunk = os.read(info_fd, 4096)
         if not chunk:
@@ -254,7 +267,7 @@ def _wait(child: subprocess.Popen, timeout_s: float) -> resource.struct_rusage:
     timeout its process group is killed and `TimeoutError` raised."""
     pidfd = os.pidfd_open(child.pid)
     try:
-        exited = select.select([pidfd], [], [], timeout_s)[0]
+        exited = _readable(pidfd, timeout_s)
     finally:
         os.close(pidfd)
     if not exited:
