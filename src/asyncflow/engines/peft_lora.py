@@ -27,6 +27,9 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from peft.tuners.lora import LoraLayer
 
 ADAPTER = "default"  # peft's adapter name; a policy carries one adapter
+LoRAWrapper = PeftModel
+"""peft's wrapper of a model with adapters (what `add_adapters` returns), named here so that callers type it
+without importing peft."""
 
 
 @dataclass(frozen=True)

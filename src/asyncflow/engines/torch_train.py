@@ -45,9 +45,7 @@ from asyncflow.models.tri_model import Packing, make_reference, tri_model_logpro
 from asyncflow.models.value import CriticSpec, attach_critic, critic_parameters, is_critic_key, policy_weights
 
 if TYPE_CHECKING:
-    from peft import PeftModel
-
-    from asyncflow.engines.peft_lora import LoRASettings
+    from asyncflow.engines.peft_lora import LoRASettings, LoRAWrapper
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
@@ -147,7 +145,7 @@ class TorchTrainEngine(TrainEngineBase):
         if activation_checkpointing:
             enable_activation_checkpointing(model, packing)
         # peft's wrapper of `model` under LoRA (the model itself is trained and run)
-        self.adapted: PeftModel | None = None
+        self.adapted: LoRAWrapper | None = None
         if lora is not None:
             from asyncflow.engines import peft_lora as lora_adapter  # peft is imported only when asked for
 

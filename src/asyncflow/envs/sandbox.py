@@ -279,7 +279,7 @@ def _wait(child: subprocess.Popen, timeout_s: float) -> resource.struct_rusage:
     return usage
 
 
-def limit_error(limits: SandboxLimits, returncode: int, usage: resource.struct_rusage, output_bytes: int,
+def _limit_error(limits: SandboxLimits, returncode: int, usage: resource.struct_rusage, output_bytes: int,
                 last_line: str) -> ToolLimitError | None:
     """The error to report for a finished child (None: it succeeded), from what the supervisor observed: the
     output file's size and the kernel's CPU-time accounting of the child. The exit status and `last_line` (text
@@ -323,7 +323,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> str:
         out.seek(0)
         text = out.read(limits.max_output_bytes + 1).decode("utf-8", errors="replace")
     lines = text.strip().splitlines()
-    error = limit_error(limits, child.returncode, usage, output_bytes, lines[-1] if lines else "")
+    error = _limit_error(limits, child.returncode, usage, output_bytes, lines[-1] if lines else "")
     if error is not None:
         raise error
     return text
