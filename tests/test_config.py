@@ -1,6 +1,6 @@
 import pytest
 
-from asyncflow.config import ConfigError, dump_config, load_config
+from asyncflow.config import MOVED_KEYS, ConfigError, build_config, dump_config, load_config
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -47,13 +47,10 @@ def test_resolved_config_round_trips(tmp_path):
     assert load_config(tmp_path / "config.yaml") == config
 
 
-def test_legacy_tis_cap_is_token_tis():
-    """Configs written before `algo.mismatch_correction` (a run folder's config.yaml too) load unchanged."""
-    algo = load_config(None, ["algo.tis_cap=3.0"]).algo
-    assert (algo.mismatch_correction, algo.mismatch_threshold) == ("token_tis", 3.0)
-    assert load_config(None, ["algo.tis_cap=null"]).algo.mismatch_correction == "off"
+def test_the_mismatch_threshold_is_checked_against_its_correction():
     with pytest.raises(ConfigError, match="algo.mismatch_threshold"):
         load_config(None, ["algo.mismatch_correction=geo_mis", "algo.mismatch_threshold=0.5"])
+
 
 def test_world_size_needs_a_multi_rank_engine():
     with pytest.raises(ConfigError, match=r"train.world_size=2 needs a multi-rank engine \(train.engine=fsdp2\)"):
@@ -61,32 +58,60 @@ def test_world_size_needs_a_multi_rank_engine():
     assert load_config(None, ["train.engine=fsdp2", "train.world_size=2"]).train.world_size == 2
 
 
-def test_vllm_weight_transfer_is_a_checked_key():
-    from asyncflow.config import build_config
+def test_vllm_settings_are_a_section_of_the_vllm_engine():
+    vllm = ["rollout.engine=vllm"]
+    assert build_config({}, vllm).rollout.factory_options() == {"weight_transfer": "file",
+                                                                 "gpu_memory_utilization": 0.4}
+    options = build_config({}, [*vllm, "rollout.vllm.weight_transfer=collective", "rollout.vllm.kv_cache_gb=0.5",
+                                "rollout.engine_options={gpu_memory_utilization: 0.9}"]).rollout.factory_options()
+    assert options == {"weight_transfer": "collective", "gpu_memory_utilization": 0.9, "kv_cache_memory_bytes": 2**29}
+    assert build_config({}, []).rollout.factory_options() == {}  # the torch engine takes none of them
+    with pytest.raises(ConfigError, match="weight_transfer"):
+        build_config({}, [*vllm, "rollout.vllm.weight_transfer=nccl"])
 
-    assert build_config({}, []).rollout.vllm_weight_transfer == "file"
-    assert build_config({}, ["rollout.vllm_weight_transfer=collective"]).rollout.vllm_weight_transfer == "collective"
-    with pytest.raises(ConfigError, match="vllm_weight_transfer"):
-        build_config({}, ["rollout.vllm_weight_transfer=nccl"])
 
+def test_each_policy_loss_has_its_own_clip_range(tmp_path):
+    def clip(*overrides):
+        loss = load_config(None, list(overrides)).algo.loss
+        return loss.kind, loss.clip_low, loss.clip_high
 
-def test_each_policy_loss_reads_its_own_clip_keys(tmp_path):
-    assert load_config(None, []).algo.clip_range() == (0.2, 0.28)  # ppo
-    assert load_config(None, ["algo.loss=gspo"]).algo.clip_range() == (3e-4, 4e-4)
-    assert load_config(None, ["algo.loss=cispo", "algo.cispo_clip_high=1.5"]).algo.clip_range() == (1.0, 1.5)
-    config = load_config(None, ["algo.loss=gspo", "algo.gspo_clip_high=0.001"])
-    dump_config(config, tmp_path / "config.yaml")  # every key written: the other losses' at their defaults
+    assert clip() == ("ppo", 0.2, 0.28)
+    assert clip("algo.loss=gspo") == ("gspo", 3e-4, 4e-4)
+    assert clip("algo.loss=cispo", "algo.loss.clip_high=1.5") == ("cispo", 1.0, 1.5)
+    assert clip("algo.loss.clip_high=0.3") == ("ppo", 0.2, 0.3)  # no kind given: the default loss
+    assert build_config({"algo": {"loss": "gspo"}}, ["algo.loss.clip_high=0.001"]).algo.loss.clip_high == 0.001
+    config = load_config(None, ["algo.loss=gspo", "algo.loss.clip_high=0.001"])
+    dump_config(config, tmp_path / "config.yaml")  # written as {kind: gspo, clip_low: ..., clip_high: ...}
     assert load_config(tmp_path / "config.yaml") == config
 
 
 @pytest.mark.parametrize("overrides, fragment", [
-    (["algo.gspo_clip_low=0.01"], "algo.gspo_clip_low=0.01 applies to algo.loss=gspo only, but algo.loss is ppo"),
-    (["algo.loss=gspo", "algo.cispo_clip_high=2"], "algo.cispo_clip_high=2.0 applies to algo.loss=cispo only"),
-    (["algo.loss=cispo", "algo.clip_high=0.3"], "algo.clip_high=0.3 applies to algo.loss=ppo only"),
-    (["algo.loss=gspo", "algo.gspo_clip_low=1"], "algo.gspo_clip_low: Input should be less than 1"),
-    (["algo.loss=grpo"], "algo.loss: Input should be 'ppo', 'gspo' or 'cispo'"),
+    (["algo.loss=gspo", "algo.loss.clip_low=1"], "algo.loss.gspo.clip_low: Input should be less than 1"),
+    (["algo.loss=grpo"], "algo.loss: 'grpo' is not one of 'ppo', 'gspo', 'cispo'"),
+    (["algo.loss.kind=cispo", "algo.loss.clip_lo=0.1"], "algo.loss.cispo.clip_lo: unknown key"),
+    (["rollout.vllm.kv_cache_gb=1"], "rollout.vllm.kv_cache_gb applies to rollout.engine=vllm only"),
+    (["algo.critic.value_coef=1"], "algo.critic.value_coef applies to algo.advantage=gae"),
 ])  # fmt: skip
-def test_a_clip_key_of_another_loss_is_refused(overrides, fragment):
+def test_a_variants_keys_are_checked_against_it(overrides, fragment):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_KEYS))
+def test_a_moved_key_is_refused_with_its_new_spelling(old):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"{old}=1"])
+    assert f"{old} has moved: write {MOVED_KEYS[old]}" in str(err.value)
+    section, key = old.split(".")
+    assert key not in type(getattr(load_config(None, []), section)).model_fields, "a moved key is not a field"
+
+
+@pytest.mark.parametrize("entry, fragment", [
+    ({"base_url": "http://127.0.0.1:1/v1", "model": "m"}, "reward.fns.0: a mapping here needs its `kind`"),
+    ({"kind": "judgee", "base_url": "http://127.0.0.1:1/v1", "model": "m"}, "reward.fns.0: 'judgee' is not one of"),
+])  # fmt: skip
+def test_a_reward_entry_mapping_is_tagged_by_its_kind(entry, fragment):
+    with pytest.raises(ConfigError) as err:
+        build_config({"reward": {"fns": [entry]}})
     assert fragment in str(err.value)

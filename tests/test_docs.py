@@ -36,7 +36,6 @@ OVERRIDE = re.compile(rf"(?<![\w./$-])((?:{'|'.join(SECTIONS)})(?:\.\w+)+)=")  #
 FILE_SUFFIXES = {"py", "md", "pt", "safetensors", "json", "jsonl", "yaml", "yml", "png", "txt", "log", "jinja", "sh"}
 # dotted names in the docs that are deliberately not keys of the schema, each with its reason
 NOT_KEYS = {
-    "algo.tis_cap": "the old spelling of algo.mismatch_threshold that still loads (docs/workflows.md says so)",
     "train.lrr": "the misspelt key of an example error message (docs/cli.md)",
     "model.load_weights": "a method of vLLM's model (docs/vllm-weights.md), not a config key",
 }

@@ -144,14 +144,16 @@ class JudgeRewardConfig(Section):
         return self.model_dump(exclude={"kind"})
 
 
-def _reward_entry_kind(entry: Any) -> str:
-    return "judge" if isinstance(entry, (dict, JudgeRewardConfig)) else "name"
+def _reward_entry_kind(entry: Any) -> str | None:
+    if isinstance(entry, dict):
+        return entry.get("kind")
+    return "judge" if isinstance(entry, JudgeRewardConfig) else "function"
 
 
-#: An entry of `reward.fns`: a name or spec string, or a mapping (a judge); told apart before validation, so an
-#: error names what is wrong with the entry as written.
+#: An entry of `reward.fns`: a name or spec string, or a mapping tagged by its `kind` (`judge`); told apart before
+#: validation, so an error names what is wrong with the entry as written.
 RewardEntry = Annotated[
-    Annotated[str, Tag("name")] | Annotated[JudgeRewardConfig, Tag("judge")], Discriminator(_reward_entry_kind)
+    Annotated[str, Tag("function")] | Annotated[JudgeRewardConfig, Tag("judge")], Discriminator(_reward_entry_kind)
 ]
 
 
@@ -185,18 +187,46 @@ class RewardConfig(Section):
     (e.g. `{brevity: 0.1}`)."""
 
 
+def _changed_fields(section: BaseModel) -> list[str]:
+    """The fields of `section` set to other values than their defaults (nested sections as a whole)."""
+    fields = type(section).model_fields
+    return [k for k in fields if getattr(section, k) != fields[k].get_default(call_default_factory=True)]
+
+
+class VLLMConfig(Section):
+    """The `vllm` rollout engine's settings (`rollout.engine: vllm`; docs/vllm.md)."""
+
+    gpu_memory_fraction: float = Field(0.4, gt=0, le=1)
+    """On a GPU: the share of the device's memory each engine may take (weights, activations, KV cache; vLLM's
+    `gpu_memory_utilization`). The default leaves room for a trainer on the same GPU; raise it when the rollout
+    engine has the GPU to itself."""
+    kv_cache_gb: float | None = Field(None, gt=0)
+    """KV cache size per engine in GiB (vLLM's `kv_cache_memory_bytes`); null = sized from `gpu_memory_fraction`
+    on a GPU, from the model and `rollout.max_batch_size` on a CPU."""
+    weight_transfer: Literal["collective", "file"] = "file"
+    """How new weights reach vLLM's workers (docs/vllm-weights.md). `collective`: the process that owns the engine
+    and vLLM's workers share a process group (gloo on CPU, NCCL on CUDA, which needs them on different GPUs) and
+    each version is broadcast as a few large buckets straight into the model, no file on the way. `file`: a
+    safetensors file in /dev/shm that the workers reload; the default, as on vLLM's CPU build it measured faster
+    than gloo over TCP loopback (BENCHMARKS.md)."""
+
+    def factory_options(self) -> dict[str, Any]:
+        """These settings as keyword arguments of `asyncflow.engines.vllm_engine`'s factory."""
+        options: dict[str, Any] = {"weight_transfer": self.weight_transfer,
+                                   "gpu_memory_utilization": self.gpu_memory_fraction}
+        if self.kv_cache_gb is not None:
+            options["kv_cache_memory_bytes"] = int(self.kv_cache_gb * 2**30)
+        return options
+
+
 class RolloutConfig(Section):
     engine: str = "torch"
     """Inference engine from the registry (or `package.module:factory`)."""
-    gpu_memory_fraction: float = Field(0.4, gt=0, le=1)
-    """`vllm` on a GPU: the share of the device's memory each engine may take (weights, activations, KV cache;
-    vLLM's `gpu_memory_utilization`). The default leaves room for a trainer on the same GPU; raise it when the
-    rollout engine has the GPU to itself."""
-    kv_cache_gb: float | None = Field(None, gt=0)
-    """`vllm`: KV cache size per engine in GiB (vLLM's `kv_cache_memory_bytes`); null = sized from
-    `gpu_memory_fraction` on a GPU, from the model and `max_batch_size` on a CPU."""
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+    """Settings of the `vllm` engine (refused with another engine)."""
     engine_options: dict[str, Any] = Field(default_factory=dict)
-    """Further keyword arguments of the engine's factory (for `vllm`: any `AsyncEngineArgs` field)."""
+    """Further keyword arguments of the engine's factory (for `vllm`: any `AsyncEngineArgs` field); they take
+    precedence over the engine's own section."""
     prompts_per_step: int = Field(32, ge=1)
     """Prompts per training step (each sampled `group_size` times)."""
     group_size: int = Field(8, ge=1)
@@ -227,12 +257,20 @@ class RolloutConfig(Section):
     has (its KV cache recomputed); each token records the version that sampled it, trains against its own
     sampling log-prob, and a row counts for `workflow.max_staleness` by its oldest token. Needs an engine with
     `updates_in_flight` (the built-in `torch` engine has it)."""
-    vllm_weight_transfer: Literal["collective", "file"] = "file"
-    """How new weights reach vLLM's workers (`rollout.engine=vllm` only; docs/vllm-weights.md). `collective`:
-    the process that owns the engine and vLLM's workers share a process group (gloo on CPU, NCCL on CUDA, which
-    needs them on different GPUs) and each version is broadcast as a few large buckets straight into the model,
-    no file on the way. `file`: a safetensors file in /dev/shm that the workers reload; the default, as on vLLM's
-    CPU build it measured faster than gloo over TCP loopback (BENCHMARKS.md)."""
+
+    @model_validator(mode="after")
+    def _engine_sections_of_the_chosen_engine(self) -> RolloutConfig:
+        """An engine's own section, changed while another engine runs, would do nothing: refused."""
+        changed = _changed_fields(self.vllm)
+        if self.engine != "vllm" and changed:
+            raise ValueError(f"rollout.vllm.{changed[0]} applies to rollout.engine=vllm only, but rollout.engine is "
+                             f"{self.engine}")
+        return self
+
+    def factory_options(self) -> dict[str, Any]:
+        """Keyword arguments of the engine's factory: its own section's, then `engine_options`."""
+        own = self.vllm.factory_options() if self.engine == "vllm" else {}
+        return {**own, **self.engine_options}
 
 
 class EnvConfig(Section):
@@ -278,11 +316,55 @@ class EnvConfig(Section):
     """`python` tool: stdout + stderr beyond this stop the child (RLIMIT_FSIZE) and become an error."""
 
 
-_LOSS_CLIP_KEYS = {  # each policy loss's (lower, upper) clip range
-    "ppo": ("clip_low", "clip_high"),
-    "gspo": ("gspo_clip_low", "gspo_clip_high"),
-    "cispo": ("cispo_clip_low", "cispo_clip_high"),
-}
+class PPOLossConfig(Section):
+    """`algo.loss: ppo` (the default): the clipped surrogate on each token's ratio pi/pi_old (PPO, GRPO, DAPO)."""
+
+    kind: Literal["ppo"] = "ppo"
+    """The loss (`algo.loss: ppo` is this kind at its defaults)."""
+    clip_low: float = Field(0.2, ge=0)
+    """Lower clip range (ratio >= 1 - clip_low)."""
+    clip_high: float = Field(0.28, ge=0)
+    """Upper clip range (DAPO clip-higher: ratio <= 1 + clip_high)."""
+
+
+class GSPOLossConfig(Section):
+    """`algo.loss: gspo`: the clipped surrogate on each response's sequence ratio, the geometric mean of its tokens'
+    ratios (GSPO; the paper aggregates with `algo.loss_agg: seq_mean_token_mean`)."""
+
+    kind: Literal["gspo"] = "gspo"
+    """The loss (`algo.loss: gspo` is this kind at its defaults)."""
+    clip_low: float = Field(3e-4, ge=0, lt=1)
+    """Lower clip range (sequence ratio >= 1 - clip_low); the default is the GSPO paper's."""
+    clip_high: float = Field(4e-4, ge=0)
+    """Upper clip range (sequence ratio <= 1 + clip_high); the default is the GSPO paper's."""
+
+
+class CISPOLossConfig(Section):
+    """`algo.loss: cispo`: every token's log-prob gradient weighted by its clipped, stop-gradient ratio, no token
+    dropped (CISPO, MiniMax-M1; the paper aggregates with `token_mean`)."""
+
+    kind: Literal["cispo"] = "cispo"
+    """The loss (`algo.loss: cispo` is this kind at its defaults)."""
+    clip_low: float = Field(1.0, ge=0, le=1)
+    """Lower clip range (IS weight >= 1 - clip_low); 1 = no lower bound, as MiniMax-M1 trained."""
+    clip_high: float = Field(3.0, ge=0)
+    """Upper clip range (IS weight <= 1 + clip_high). MiniMax-M1 tuned it without publishing a value; 3 (weights
+    <= 4) is Tinker's default CISPO cap."""
+
+
+def _loss_kind(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("kind", "ppo")
+    return getattr(value, "kind", value if isinstance(value, str) else None)
+
+
+#: `algo.loss`: a loss name (its clip range at the defaults) or a mapping `{kind: NAME, clip_low: ..., clip_high:
+#: ...}`; a mapping without `kind` is the default loss, `ppo`.
+PolicyLossConfig = Annotated[
+    Annotated[PPOLossConfig, Tag("ppo")] | Annotated[GSPOLossConfig, Tag("gspo")]
+    | Annotated[CISPOLossConfig, Tag("cispo")],
+    Discriminator(_loss_kind),
+]
 
 
 class CriticConfig(Section):
@@ -298,8 +380,15 @@ class CriticConfig(Section):
     """Learning rate of the critic's parameters (its own AdamW group, on `train.lr_schedule`); `null` =
     `train.lr`."""
     train_trunk: bool = True
-    """`head`: the value loss also trains the shared trunk (scaled by `algo.value_coef`); `false` = the head
-    learns on detached hidden states and the policy's gradient is the policy loss's alone."""
+    """`head`: the value loss also trains the shared trunk (scaled by `value_coef`); `false` = the head learns on
+    detached hidden states and the policy's gradient is the policy loss's alone."""
+    value_coef: float = Field(0.5, ge=0)
+    """Value loss weight: the loss is the policy loss + value_coef * the value loss."""
+    value_clip: float | None = Field(0.2, gt=0)
+    """Clip of the value loss: each value may move at most this far from its old value (PPO's clipped value
+    loss, 0.5 * max((V - R)^2, (V_clip - R)^2)); `null` = unclipped. The old values are the critic's before
+    this step's update and one update is taken per step, so within a step V = V_old and the clip does not
+    act (`value/clip_fraction` is 0); it is kept for updates that reuse a batch."""
 
 
 class AlgoConfig(Section):
@@ -307,30 +396,17 @@ class AlgoConfig(Section):
     """Advantage estimator. `gae`: PPO with a critic (`algo.critic`): each response's reward on its last trained
     token, the critic's values (before this step's update) and `gamma` / `lam` give per-token GAE advantages and
     returns (advantages + values), per row and not whitened; the critic is trained on the returns with the
-    clipped value loss (`value_clip`, `value_coef`) next to the policy. The KL penalty (`kl_coef`) stays in the
-    loss, not in the rewards."""
-    clip_low: float = Field(0.2, ge=0)
-    """Lower PPO clip range (ratio >= 1 - clip_low)."""
-    clip_high: float = Field(0.28, ge=0)
-    """Upper PPO clip range (DAPO clip-higher: ratio <= 1 + clip_high)."""
-    loss: Literal["ppo", "gspo", "cispo"] = "ppo"
-    """Policy loss (`asyncflow.algos.losses`): `ppo`, the clipped surrogate on each token's ratio pi/pi_old (PPO,
-    GRPO, DAPO; clipped by `clip_low`/`clip_high`); `gspo`, the clipped surrogate on each response's sequence ratio,
-    the geometric mean of its tokens' ratios (GSPO; `gspo_clip_low`/`gspo_clip_high`; the paper aggregates with
-    `loss_agg: seq_mean_token_mean`); `cispo`, every token's log-prob gradient weighted by its clipped,
-    stop-gradient ratio, no token dropped (CISPO, MiniMax-M1; `cispo_clip_low`/`cispo_clip_high`; the paper
-    aggregates with `token_mean`). With one update per step on rows of the current policy every ratio is 1 and
-    the three give the same gradient; they differ on stale rows (`workflow.mode: async` with
-    `stale_old_logprobs: rollout`)."""
-    gspo_clip_low: float = Field(3e-4, ge=0, lt=1)
-    """Lower GSPO clip range (sequence ratio >= 1 - gspo_clip_low); the default is the GSPO paper's."""
-    gspo_clip_high: float = Field(4e-4, ge=0)
-    """Upper GSPO clip range (sequence ratio <= 1 + gspo_clip_high); the default is the GSPO paper's."""
-    cispo_clip_low: float = Field(1.0, ge=0, le=1)
-    """Lower CISPO clip range (IS weight >= 1 - cispo_clip_low); 1 = no lower bound, as MiniMax-M1 trained."""
-    cispo_clip_high: float = Field(3.0, ge=0)
-    """Upper CISPO clip range (IS weight <= 1 + cispo_clip_high). MiniMax-M1 tuned it without publishing a value;
-    3 (weights <= 4) is Tinker's default CISPO cap."""
+    clipped value loss (`critic.value_clip`, `critic.value_coef`) next to the policy. The KL penalty (`kl_coef`)
+    stays in the loss, not in the rewards."""
+    loss: PolicyLossConfig = Field(default_factory=PPOLossConfig)
+    """Policy loss (`asyncflow.algos.losses`) and its clip range, by name (`ppo`, `gspo`, `cispo`) or as
+    `{kind: NAME, clip_low: L, clip_high: H}` (dotted: `algo.loss=gspo algo.loss.clip_high=5e-4`): `ppo`, the
+    clipped surrogate on each token's ratio pi/pi_old (PPO, GRPO, DAPO); `gspo`, the clipped surrogate on each
+    response's sequence ratio, the geometric mean of its tokens' ratios (GSPO); `cispo`, every token's log-prob
+    gradient weighted by its clipped, stop-gradient ratio, no token dropped (CISPO, MiniMax-M1). Each kind has
+    its own clip keys and defaults (`PPOLossConfig`, `GSPOLossConfig`, `CISPOLossConfig`). With one update per
+    step on rows of the current policy every ratio is 1 and the three give the same gradient; they differ on
+    stale rows (`workflow.mode: async` with `stale_old_logprobs: rollout`)."""
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
     """How per-token losses become one number."""
     kl_coef: float = Field(0.0, ge=0)
@@ -343,8 +419,6 @@ class AlgoConfig(Section):
     """Discount (GAE, REINFORCE++)."""
     lam: float = Field(0.95, ge=0, le=1)
     """GAE lambda."""
-    value_coef: float = Field(0.5, ge=0)
-    """Value loss weight (PPO with a critic): the loss is the policy loss + value_coef * the value loss."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal."""
     overlong_filter: bool = False
@@ -381,39 +455,17 @@ class AlgoConfig(Section):
     trains on distillation alone (rewards are still scored and logged as `reward/*`, but not trained on)."""
     critic: CriticConfig = Field(default_factory=CriticConfig)
     """The value model (`advantage: gae` only)."""
-    value_clip: float | None = Field(0.2, gt=0)
-    """Clip of the value loss: each value may move at most this far from its old value (PPO's clipped value
-    loss, 0.5 * max((V - R)^2, (V_clip - R)^2)); `null` = unclipped. The old values are the critic's before
-    this step's update and one update is taken per step, so within a step V = V_old and the clip does not
-    act (`value/clip_fraction` is 0); it is kept for updates that reuse a batch."""
-
-    @model_validator(mode="before")
+    @field_validator("loss", mode="before")
     @classmethod
-    def _legacy_tis_cap(cls, data: Any) -> Any:
-        """`tis_cap: C` (configs written before `mismatch_correction`) = `token_tis` with threshold C."""
-        if isinstance(data, dict) and "tis_cap" in data:
-            data = dict(data)
-            cap = data.pop("tis_cap")
-            if cap is not None:
-                data.setdefault("mismatch_correction", "token_tis")
-                data.setdefault("mismatch_threshold", cap)
-        return data
+    def _loss_by_name(cls, value: Any) -> Any:
+        """`loss: gspo` = `loss: {kind: gspo}` (its clip range at the defaults)."""
+        return {"kind": value} if isinstance(value, str) else value
 
     @field_validator("mismatch_correction", mode="before")
     @classmethod
     def _yaml_off(cls, value: Any) -> Any:
         """YAML 1.1 reads a bare `off` as false."""
         return "off" if value is False else value
-
-    @model_validator(mode="after")
-    def _clip_keys_of_the_chosen_loss(self) -> AlgoConfig:
-        """A clip key of another loss than the chosen one, changed from its default, would do nothing: refused."""
-        for loss, keys in _LOSS_CLIP_KEYS.items():
-            changed = [k for k in keys if getattr(self, k) != type(self).model_fields[k].default]
-            if loss != self.loss and changed:
-                raise ValueError(f"algo.{changed[0]}={getattr(self, changed[0])} applies to algo.loss={loss} only, "
-                                 f"but algo.loss is {self.loss}")
-        return self
 
     @model_validator(mode="after")
     def _teacher_or_reference(self) -> AlgoConfig:
@@ -425,22 +477,13 @@ class AlgoConfig(Section):
             )
         return self
 
-    def clip_range(self) -> tuple[float, float]:
-        """(clip_low, clip_high) of the chosen `loss`: the bounds 1 - low and 1 + high of the ratio it clips."""
-        low, high = _LOSS_CLIP_KEYS[self.loss]
-        return getattr(self, low), getattr(self, high)
-
     @model_validator(mode="after")
     def _critic_keys_need_gae(self) -> AlgoConfig:
         """A critic key changed while no critic is trained would do nothing: refused."""
-        if self.advantage != "gae":
-            fields = type(self).model_fields
-            changed = [f"critic.{k}" for k, v in self.critic.model_dump().items()
-                       if v != CriticConfig.model_fields[k].default]
-            changed += [k for k in ("value_clip", "value_coef") if getattr(self, k) != fields[k].default]
-            if changed:
-                raise ValueError(f"algo.{changed[0]} applies to algo.advantage=gae (PPO with a critic) only, "
-                                 f"but algo.advantage is {self.advantage}")
+        changed = _changed_fields(self.critic)
+        if self.advantage != "gae" and changed:
+            raise ValueError(f"algo.critic.{changed[0]} applies to algo.advantage=gae (PPO with a critic) only, "
+                             f"but algo.advantage is {self.advantage}")
         return self
 
 
@@ -736,6 +779,23 @@ class AgentConfig(Section):
     tokenizer's own); also what renders a `verifiers:` environment's prompts (`env.name`)."""
 
 
+#: Keys that moved, by their old dotted spelling: a config that still uses one is refused with the new one.
+MOVED_KEYS = {
+    "rollout.gpu_memory_fraction": "rollout.vllm.gpu_memory_fraction",
+    "rollout.kv_cache_gb": "rollout.vllm.kv_cache_gb",
+    "rollout.vllm_weight_transfer": "rollout.vllm.weight_transfer",
+    "algo.clip_low": "algo.loss.clip_low (with algo.loss: ppo)",
+    "algo.clip_high": "algo.loss.clip_high (with algo.loss: ppo)",
+    "algo.gspo_clip_low": "algo.loss.clip_low (with algo.loss: gspo)",
+    "algo.gspo_clip_high": "algo.loss.clip_high (with algo.loss: gspo)",
+    "algo.cispo_clip_low": "algo.loss.clip_low (with algo.loss: cispo)",
+    "algo.cispo_clip_high": "algo.loss.clip_high (with algo.loss: cispo)",
+    "algo.value_clip": "algo.critic.value_clip",
+    "algo.value_coef": "algo.critic.value_coef",
+    "algo.tis_cap": "algo.mismatch_correction: token_tis with algo.mismatch_threshold",
+}
+
+
 class Config(Section):
     """A run's whole configuration, one section per part (`run`, `model`, `data`, `rollout`, `algo`, `train` ...);
     built from YAML and dotted overrides by `load_config` / `build_config`, every field documented."""
@@ -758,6 +818,15 @@ class Config(Section):
     agent: AgentConfig = Field(default_factory=AgentConfig)
     stages: list[StageConfig] = Field(default_factory=list)
     """User stages (`asyncflow.workers.stage`), run between rollout and training."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_moved_keys(cls, data: Any) -> Any:
+        for old, new in MOVED_KEYS.items():
+            section, key = old.split(".")
+            if isinstance(data, dict) and isinstance(data.get(section), dict) and key in data[section]:
+                raise ValueError(f"{old} has moved: write {new}")
+        return data
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> Config:
@@ -828,6 +897,8 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node = tree
     for i, key in enumerate(keys[:-1]):
         child = node.setdefault(key, {})
+        if isinstance(child, str):  # a variant by name (`algo.loss=gspo`), then one of its keys
+            child = node[key] = {"kind": child}
         if not isinstance(child, dict):
             raise ConfigError(f"override {dotted!r}: {'.'.join(keys[: i + 1])} is not a section")
         node = child
@@ -850,9 +921,14 @@ def parse_overrides(overrides: list[str]) -> dict:
 
 
 def _merge(base: dict, extra: dict) -> dict:
+    """`extra` over `base`, section by section. A variant given by name in `base` (`algo.loss: gspo`) that `extra`
+    sets keys of (`algo.loss.clip_high=...`) is `{kind: NAME}` under those keys."""
     out = dict(base)
     for key, value in extra.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        below = out.get(key)
+        if isinstance(value, dict) and isinstance(below, str):
+            below = {"kind": below}
+        out[key] = _merge(below, value) if isinstance(value, dict) and isinstance(below, dict) else value
     return out
 
 
@@ -862,6 +938,12 @@ def _format_errors(err: ValidationError) -> str:
         key = ".".join(str(p) for p in e["loc"]) or "(root)"
         if e["type"] == "extra_forbidden":
             lines.append(f"  {key}: unknown key")
+        elif e["type"] == "union_tag_invalid":  # a variant's kind
+            lines.append(f"  {key}: {e['ctx']['tag']!r} is not one of {e['ctx']['expected_tags']}")
+        elif e["type"] == "union_tag_not_found":  # a mapping without its kind
+            lines.append(f"  {key}: a mapping here needs its `kind`")
+        elif e["type"] == "value_error":  # a validator's message, which says what it got
+            lines.append(f"  {key}: {e['msg'].removeprefix('Value error, ')}")
         else:
             got = "" if e["type"] == "missing" else f" (got {e.get('input')!r})"
             lines.append(f"  {key}: {e['msg']}{got}")

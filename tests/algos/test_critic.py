@@ -107,7 +107,8 @@ def test_a_stale_row_is_clipped_against_its_behaviour_policy_and_valued_by_the_c
     rollout = torch.tensor([[-1.5, -2.0], [-0.4, 0.0]])
     out = TriLogProbs(LogProbs(logprobs, mask), old=logprobs.detach(), ref=None, values=values,
                       old_values=values.detach())
-    algo = AlgoConfig(advantage="gae", gamma=1.0, lam=1.0, clip_low=0.2, clip_high=0.2, value_coef=0.5)
+    algo = AlgoConfig(advantage="gae", gamma=1.0, lam=1.0, loss={"clip_low": 0.2, "clip_high": 0.2},
+                      critic={"value_coef": 0.5})
     stale = torch.tensor([[True, True], [False, False]]) & mask
     loss_fn = PolicyLoss(torch.zeros(2, 2), rollout, stale, ~stale, [2, 1], algo, torch.tensor([1.0, 0.0]))
     loss, stats = loss_fn(out)

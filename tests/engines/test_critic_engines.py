@@ -45,7 +45,7 @@ def gae_loss(samples: list[TrainSample], seed: int, value_clip: float | None = 0
     rollout_logprobs = (torch.rand(len(samples), width, generator=g) * -3.0) * mask
     stale = torch.tensor([i % 4 == 0 for i in range(len(samples))])[:, None] & mask
     rewards = (torch.rand(len(samples), generator=g) > 0.5).float()
-    algo = AlgoConfig(advantage="gae", lam=0.9, gamma=0.99, value_clip=value_clip, value_coef=0.7)
+    algo = AlgoConfig(advantage="gae", lam=0.9, gamma=0.99, critic={"value_clip": value_clip, "value_coef": 0.7})
     return PolicyLoss(torch.zeros(len(samples), width), rollout_logprobs, stale, ~stale, lengths, algo, rewards)
 
 

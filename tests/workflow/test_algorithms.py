@@ -1,7 +1,7 @@
 """Every algorithm value the config accepts trains one real step; the ones it rejects are named.
 
-The `Literal` choices of `AlgoConfig` are read from the config itself, so a new estimator or
-aggregation mode is covered (or fails here) the day it is added.
+The choices of `AlgoConfig` (`Literal` values, the kinds of `algo.loss`) are read from the config itself, so a new
+estimator or aggregation mode is covered (or fails here) the day it is added.
 """
 
 from __future__ import annotations
@@ -19,7 +19,11 @@ CHOICES = ("advantage", "loss", "loss_agg", "kl_estimator", "stale_old_logprobs"
 
 
 def accepted(field: str) -> list[str]:
-    choices = typing.get_args(AlgoConfig.model_fields[field].annotation)
+    """The values of a `Literal` field, or the kinds of a field of variants (`algo.loss`)."""
+    choices = []
+    for choice in typing.get_args(AlgoConfig.model_fields[field].annotation):
+        variant = typing.get_args(choice)[0] if typing.get_origin(choice) is typing.Annotated else choice
+        choices.append(variant.model_fields["kind"].default if isinstance(variant, type) else choice)
     return [c for c in choices if c not in REJECTED.get(field, set())]
 
 
@@ -64,8 +68,8 @@ def test_the_combinations_cover_every_accepted_value():
         assert {f"algo.{field}={v}" for v in accepted(field)} <= used
 
 
-@pytest.mark.parametrize("key", ["algo.critic.kind=separate", "algo.critic.lr=1e-3", "algo.value_clip=0.5",
-                                 "algo.value_coef=1.0"])
+@pytest.mark.parametrize("key", ["algo.critic.kind=separate", "algo.critic.lr=1e-3", "algo.critic.value_clip=0.5",
+                                 "algo.critic.value_coef=1.0"])
 def test_critic_keys_without_a_critic_stop_at_config_load(key):
     with pytest.raises(ConfigError, match="applies to algo.advantage=gae"):
         build_config({}, [key])

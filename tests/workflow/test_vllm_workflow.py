@@ -25,7 +25,7 @@ def test_sync_inline(tmp_path):
     """Weights by the collective path; after each step's update vLLM's greedy output is the trainer's."""
     config = vllm_config(
         tmp_path, "train.steps=3", "workflow.mode=sync", "runtime.kind=inline",
-        "rollout.vllm_weight_transfer=collective",
+        "rollout.vllm.weight_transfer=collective",
     )
     checked = []
 
@@ -102,7 +102,7 @@ def test_async_k1_on_ray_by_the_collective_path(tmp_path, ray_cluster):
     rank 0): with max_staleness 1, the run reaches its last step only if new versions keep reaching vLLM."""
     config = vllm_config(
         tmp_path, "train.steps=4", "workflow.mode=async", "workflow.max_staleness=1", "runtime.kind=ray",
-        "runtime.rollout_cpus=1", "rollout.vllm_weight_transfer=collective",
+        "runtime.rollout_cpus=1", "rollout.vllm.weight_transfer=collective",
     )
     history = train(config).history
     rows = [h for h in history if "staleness/max" in h]

@@ -9,7 +9,7 @@ caller's thread: it pulls requests lazily until `max_batch_size` are in flight (
 iterator means "nothing ready now": decoding goes on and the iterator is asked again shortly), hands each to
 the loop as one vLLM request, and yields completions as vLLM finishes them (completion order). The samples
 of one prompt are separate requests with the same prompt ids: vLLM's prefix cache shares their full KV blocks.
-New weights reach vLLM's workers one of two ways (`weight_transfer`, config `rollout.vllm_weight_transfer`):
+New weights reach vLLM's workers one of two ways (`weight_transfer`, config `rollout.vllm.weight_transfer`):
 - `collective`: at start this process and every vLLM worker join a private process group through the
   worker extension (`asyncflow.engines.vllm_worker`; gloo on CPU, NCCL on CUDA: `asyncflow.weights.collective`).
   An update packs the state dict into a few large buckets (`asyncflow.weights.buckets`) in a staging buffer kept
@@ -221,7 +221,7 @@ class VLLMInferenceEngine(InferenceEngineBase):
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if weight_transfer not in WEIGHT_TRANSFERS:
             raise ValueError(
-                f"rollout.vllm_weight_transfer must be one of {', '.join(WEIGHT_TRANSFERS)}, got {weight_transfer!r}"
+                f"rollout.vllm.weight_transfer must be one of {', '.join(WEIGHT_TRANSFERS)}, got {weight_transfer!r}"
             )
         import_vllm()
         from vllm.engine.arg_utils import AsyncEngineArgs

@@ -128,14 +128,13 @@ class PolicyLoss:
     def __call__(self, out: TriLogProbs) -> tuple[torch.Tensor, dict[str, float]]:
         algo, device = self.algo, out.policy.logprobs.device
         rollout_logprobs = self.rollout_logprobs.to(device)
-        clip_low, clip_high = algo.clip_range()
         advantages, value_part = self.advantages.to(device), None
         if self.rewards is not None:
             if out.values is None:
                 raise ValueError("algo.advantage=gae needs the critic's values: the training engine ran no critic")
             advantages, returns = outcome_gae(self.rewards.to(device), out.old_values, out.policy.mask, algo.gamma,
                                               algo.lam)
-            value_part = value_objective(out.values, out.old_values, returns, out.policy.mask, algo.value_clip,
+            value_part = value_objective(out.values, out.old_values, returns, out.policy.mask, algo.critic.value_clip,
                                          algo.loss_agg)
         advantages, distill_stats = distilled_advantages(advantages, out, algo)
         loss, stats = rl_objective(
@@ -147,9 +146,9 @@ class PolicyLoss:
             entropy=out.policy.entropy,
             ref_logprobs=None if algo.teacher is not None else out.ref,
             stale=None if self.stale is None else self.stale.to(device),
-            loss=algo.loss,
-            clip_low=clip_low,
-            clip_high=clip_high,
+            loss=algo.loss.kind,
+            clip_low=algo.loss.clip_low,
+            clip_high=algo.loss.clip_high,
             aggregation=algo.loss_agg,
             kl_coef=algo.kl_coef,
             kl_estimator=algo.kl_estimator,
@@ -160,7 +159,7 @@ class PolicyLoss:
         gap = mismatch_sums(out.old, rollout_logprobs, out.policy.mask, same_version=self.current.to(device))
         stats = {**stats, **distill_stats, **{f"mismatch/{name}": value for name, value in gap.items()}}
         if value_part is not None:
-            loss = loss + algo.value_coef * value_part[0]
+            loss = loss + algo.critic.value_coef * value_part[0]
             stats.update(value_part[1])
         return loss, stats
 

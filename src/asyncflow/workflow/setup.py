@@ -71,15 +71,9 @@ def prompt_source(config: Config, tokenizer, train_set: TrainSet) -> PromptSourc
 def rollout_spec(config: Config, model_path, tokenizer) -> RolloutSpec:
     """The rollout replicas of `config` (placed by the runtime; `model_path` is the resolved policy folder)."""
     r = config.rollout
-    engine_options = dict(r.engine_options)
-    if r.engine == "vllm":
-        engine_options.setdefault("weight_transfer", r.vllm_weight_transfer)
-        engine_options.setdefault("gpu_memory_utilization", r.gpu_memory_fraction)
-        if r.kv_cache_gb is not None:
-            engine_options.setdefault("kv_cache_memory_bytes", int(r.kv_cache_gb * 2**30))
     return RolloutSpec(
         model_path=str(model_path), dtype=config.rollout_dtype(), device=config.model.device, engine=r.engine,
-        engine_options=engine_options, max_batch_size=r.max_batch_size, params=sampling_params(config, tokenizer),
+        engine_options=r.factory_options(), max_batch_size=r.max_batch_size, params=sampling_params(config, tokenizer),
         group_size=r.group_size, seed=config.run.seed, on_weight_update=r.on_weight_update,
         multiturn=multiturn_spec(config), agent=agent_options(config, model_path, tokenizer),
         make_scorer=partial(make_reward_worker, config),
