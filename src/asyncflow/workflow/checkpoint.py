@@ -15,8 +15,11 @@ Invariants:
 - `verify_checkpoint` checks each file against the manifest; `load_checkpoint` verifies first and
   reports any damage as `CheckpointError` naming the file (folders written before manifests existed
   are checked by loading them). Nothing is restored from a checkpoint that fails.
-- A write that fails (a full disk) removes its temporary folder and raises `CheckpointWriteError`;
-  earlier checkpoints are untouched. Only the newest `keep` checkpoints up to the one just written
+- A write that fails for any reason (an `OSError`, torch's `RuntimeError` from its zip writer,
+  `SafetensorError`, a `torch.distributed.checkpoint` error, Ctrl-C) removes its temporary folder;
+  earlier checkpoints are untouched. Any error becomes one `CheckpointWriteError` naming the folder,
+  the file, the cause (a full disk as such, with the free space and the size of the previous checkpoint)
+  and the checkpoint to resume from; an interruption (Ctrl-C, a second signal) goes on as it is. Only the newest `keep` checkpoints up to the one just written
   are kept; a higher step is never pruned by a lower one.
 """
 
@@ -41,6 +44,7 @@ MANIFEST = "manifest.json"
 FILES = ("model.safetensors", "training_state.pt", "rng.pt", "state.json")
 SHARDED_DIR = "sharded"
 _STEP_NAME = re.compile(rf"{STEP_PREFIX}(\d+)")
+_NEARLY_FULL_BYTES = 1 << 20  # a write that failed with less free than this ran out of space
 
 
 class CheckpointError(ValueError):
@@ -102,17 +106,96 @@ def save_checkpoint(
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync(root)
-    except OSError as err:
+    except BaseException as err:
+        disk_full = _disk_full(err, root)
         shutil.rmtree(tmp, ignore_errors=True)
-        intact = f"the previous checkpoint {previous[-1]} is intact" if previous else "there is no earlier checkpoint"
-        what = "no space left on device" if err.errno in (errno.ENOSPC, errno.EDQUOT) else (err.strerror or str(err))
-        raise CheckpointWriteError(
-            err.errno, f"{what} while writing checkpoint {final} ({current.name}); {intact}"
-        ) from err
+        if isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            raise  # the half-written folder is gone; the interruption goes on (DCP's errors are BaseException too)
+        raise _write_error(err, final, current, previous, disk_full, needed=_checkpoint_bytes(previous)) from err
     older = [c for c in list_checkpoints(run_dir) if checkpoint_step(c) < step]
     for old in older[: max(0, len(older) - (keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _disk_full(err: BaseException, root: Path) -> bool:
+    """Whether a failed write ran out of space: ENOSPC / EDQUOT anywhere in the exception's chain, or a library's
+    message saying so (safetensors: "os error 28"; torch's zip writer says only "file write failed", so then the
+    folder's free space, looked at before the half-written files are removed, decides)."""
+    todo: list[BaseException] = [err]
+    while todo:
+        seen = todo.pop()
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = _first_line(seen)
+        if "os error 28" in text or "No space left" in text or "Disk quota exceeded" in text:
+            return True
+        todo += [e for e in (seen.__cause__, seen.__context__, *_rank_errors(seen).values()) if e is not None]
+    try:
+        return shutil.disk_usage(root).free < _NEARLY_FULL_BYTES
+    except OSError:
+        return False
+
+
+def _checkpoint_bytes(checkpoints: list[Path]) -> int | None:
+    """The size of the newest of `checkpoints` that has a manifest: what the next one needs, near enough."""
+    for checkpoint in reversed(checkpoints):
+        try:
+            files = json.loads((checkpoint / MANIFEST).read_text())["files"]
+            return sum(int(entry["size"]) for entry in files.values())
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def _write_error(err: BaseException, final: Path, current: Path, previous: list[Path], disk_full: bool,
+                 needed: int | None) -> CheckpointWriteError:
+    """The one-line `CheckpointWriteError` of a failed write: the folder and file, the cause, what is intact."""
+    if disk_full:
+        code, cause = errno.ENOSPC, "no space left on device"
+        try:
+            free = shutil.disk_usage(final.parent).free
+            cause += f" ({_mb(free)} free" + (f", a checkpoint needs about {_mb(needed)}" if needed else "") + ")"
+        except OSError:
+            pass
+    else:
+        code = err.errno if isinstance(err, OSError) and err.errno else errno.EIO
+        ranks = _rank_errors(err)
+        if ranks:
+            rank, inner = next(iter(ranks.items()))
+            cause = f"{type(err).__name__} (rank {rank}: {type(inner).__name__}: {_first_line(inner)})"
+        else:
+            cause = f"{type(err).__name__}: {(err.strerror if isinstance(err, OSError) else None) or _first_line(err)}"
+    if previous:
+        intact = f"the previous checkpoint {previous[-1]} is intact: continue from it with --resume"
+    else:
+        intact = "there is no earlier checkpoint"
+    return CheckpointWriteError(code, f"{cause} while writing checkpoint {final} ({current.name}); {intact}")
+
+
+def _rank_errors(err: BaseException) -> dict[int, BaseException]:
+    """A `torch.distributed.checkpoint` `CheckpointException`'s errors by rank ({} for any other error)."""
+    failures = getattr(err, "failures", None)
+    if not isinstance(failures, dict):
+        return {}
+    found = {}
+    for rank, failure in failures.items():
+        inner = failure[0] if isinstance(failure, tuple) and failure else failure
+        if isinstance(inner, BaseException):
+            found[rank] = inner
+    return found
+
+
+def _first_line(err: BaseException) -> str:
+    try:
+        text = str(err).strip()
+    except Exception:  # an exception whose own __str__ fails
+        text = ""
+    return text.splitlines()[0] if text else "no message"
+
+
+def _mb(size: int) -> str:
+    return f"{size / 1e6:.1f} MB"
 
 
 def checkpoint_step(checkpoint: Path) -> int:

@@ -1,0 +1,168 @@
+"""Nothing is lost at the edges (issue 46): a checkpoint write failing with any library's error or a full disk,
+damaged or missing run-folder files on resume, readers racing a writer's pruning, two exports into one folder,
+and reward failures in evaluation. The SFT kill-and-resume case is in tests/workflow/test_crash_resume.py."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import SafetensorError
+from torch.distributed.checkpoint.api import CheckpointException
+
+from asyncflow.cli import main
+from asyncflow.workflow import checkpoint as ckpt
+from asyncflow.workflow.checkpoint import CheckpointWriteError, list_checkpoints, save_checkpoint, verify_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = str(ROOT / "examples" / "arithmetic_grpo.yaml")
+TINY = [
+    "sft.before_rl=false", "train.micro_batch_size=4", "rollout.prompts_per_step=4", "rollout.group_size=2",
+    "rollout.max_new_tokens=4", "data.test_size=8", "eval.every=0", "checkpoint.every=1", "checkpoint.keep=5",
+    "run.progress=false",
+]
+
+
+@pytest.fixture(autouse=True)
+def restore_torch_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def train(run_dir: Path, *extra: str) -> int:
+    return main(["train", EXAMPLE, *TINY, *extra, "--output", str(run_dir), "--threads", "1"])
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("asyncflow")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def save(run_dir: Path, step: int, keep: int = 5, **kwargs) -> Path:
+    return save_checkpoint(run_dir, step, {"w": torch.full((4,), float(step))}, {"opt": step}, {"x": step}, keep=keep,
+                           **kwargs)
+
+
+# ---------------------------------------------------------------- a checkpoint write that fails
+def _torch_zip_writer(obj, path, *args, **kwargs):
+    Path(path).write_bytes(b"PK\0half")
+    raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file data/0: "
+                       "file write failed")
+
+
+def _safetensors_full(tensors, path, *args, **kwargs):
+    Path(path).write_bytes(b"\0" * 64)
+    raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
+                          'left on device" })')
+
+
+def _os_full(obj, path, *args, **kwargs):
+    Path(path).write_bytes(b"\0" * 10)
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _dcp_failed(folder: Path) -> None:
+    folder.mkdir()
+    (folder / "__0_0.distcp").write_bytes(b"\0" * 10)
+    raise CheckpointException("save_state_dict", {0: (ValueError("rank 0 could not write its shard"), None)})
+
+
+WRITE_FAILURES = {  # what the library raises -> (where to inject it, what the one line names as cause)
+    "torch.save": ("torch.save", _torch_zip_writer, "RuntimeError: [enforce fail at inline_container.cc:672]"),
+    "safetensors": ("save_file", _safetensors_full, "no space left on device"),
+    "os": ("torch.save", _os_full, "no space left on device"),
+    "dcp": ("write_sharded", _dcp_failed, "CheckpointException (rank 0: ValueError: rank 0 could not write its shard)"),
+}
+
+
+@pytest.mark.parametrize("kind", list(WRITE_FAILURES))
+def test_a_write_failing_with_any_error_type_leaves_no_temp_folder_and_names_path_cause_and_resume(
+        tmp_path, monkeypatch, kind):
+    previous = save(tmp_path, 1)
+    where, failure, cause = WRITE_FAILURES[kind]
+    extra = {}
+    if where == "torch.save":
+        monkeypatch.setattr(ckpt.torch, "save", failure)
+    elif where == "save_file":
+        monkeypatch.setattr(ckpt, "save_file", failure)
+    else:
+        extra["write_sharded"] = failure
+    with pytest.raises(CheckpointWriteError) as raised:
+        save(tmp_path, 2, **extra)
+    monkeypatch.undo()
+    message = str(raised.value)
+    assert "\n" not in message
+    assert cause in message, message
+    assert f"while writing checkpoint {tmp_path / 'checkpoints' / 'step_2'}" in message
+    assert f"the previous checkpoint {previous} is intact: continue from it with --resume" in message
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"], "no temporary folder left"
+    verify_checkpoint(previous)
+
+
+def test_a_full_disk_names_the_space_a_checkpoint_needs(tmp_path, monkeypatch):
+    save(tmp_path, 1)
+    monkeypatch.setattr(ckpt, "save_file", _safetensors_full)
+    with pytest.raises(CheckpointWriteError) as raised:
+        save(tmp_path, 2)
+    assert raised.value.errno == errno.ENOSPC
+    needed = sum(entry["size"] for entry in json.loads(
+        (tmp_path / "checkpoints" / "step_1" / "manifest.json").read_text())["files"].values())
+    assert f"a checkpoint needs about {needed / 1e6:.1f} MB" in str(raised.value)
+
+
+def test_ctrl_c_during_a_write_leaves_no_temp_folder(tmp_path, monkeypatch):
+    def interrupted(obj, path, *args, **kwargs):
+        Path(path).write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    save(tmp_path, 1)
+    monkeypatch.setattr(ckpt.torch, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save(tmp_path, 2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 12 MB tmpfs: one checkpoint of the tiny model (about 9.5 MB) fits, the second does not."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(disk)], check=True,
+                       capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as err:
+        pytest.skip(f"cannot mount a tmpfs here ({err}); the injected library errors above cover the same code")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False, capture_output=True, timeout=30)
+
+
+@pytest.mark.slow
+def test_a_really_full_disk_is_one_line_and_resume_works_once_space_is_freed(small_disk, capsys):
+    run_dir = small_disk / "run"
+    args = ("train.steps=2", "export.at_end=false", "observe.tensorboard=false")
+    assert train(run_dir, *args) == 1
+    err = one_line_error(capsys)
+    step_1, step_2 = run_dir / "checkpoints" / "step_1", run_dir / "checkpoints" / "step_2"
+    assert f"no space left on device" in err and f"while writing checkpoint {step_2}" in err, err
+    assert "a checkpoint needs about" in err and f"the previous checkpoint {step_1} is intact" in err, err
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_1"], "no half-written folder is left"
+    verify_checkpoint(step_1)
+    shutil.move(str(run_dir), str(small_disk.parent / "run"))  # space freed: moved to a disk with room
+    run_dir = small_disk.parent / "run"
+    assert train(run_dir, *args, "--resume") == 0
+    assert [r["step"] for r in rows(run_dir)] == [0, 1, 2]
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step_1", "step_2"]
