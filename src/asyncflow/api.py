@@ -69,6 +69,7 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False, on_s
 
     with _settled(config, resume=resume, overwrite=overwrite) as (plan, stop):
         if plan.action == "finished":
+            _settle_finished(plan, config)
             written = complete_outputs(config)
             log.info("the run in %s is already finished (checkpoint %s, train.steps=%d): %s", plan.path,
                      plan.checkpoint, config.train.steps,
@@ -105,8 +106,19 @@ def _settled(config: Config, *, resume: bool, overwrite: bool) -> Iterator[tuple
     with folder.claim("train"), StopSignals() as stop:
         plan = folder.plan(steps=config.train.steps, resume=resume, overwrite=overwrite)
         if plan.action != "fresh":
-            check_resumable(folder.path, _with_sft_model(config))
+            check_resumable(folder.path, _with_sft_model(config), plan.checkpoint)
         yield plan, stop
+
+
+def _settle_finished(plan: Plan, config: Config) -> None:
+    """A finished run's damaged files set aside, and its config.yaml written again when it is gone (the final
+    export reads it)."""
+    from asyncflow.workflow.run_folder import CONFIG_FILE, RunFolder
+
+    folder = RunFolder(plan.path)
+    folder.set_aside(plan)
+    if not (plan.path / CONFIG_FILE).is_file():
+        folder.write_config(_with_sft_model(config))
 
 
 def _start(config: Config, plan: Plan, stop: StopSignals, on_step: StepCallback | None,

@@ -166,3 +166,92 @@ def test_a_really_full_disk_is_one_line_and_resume_works_once_space_is_freed(sma
     assert train(run_dir, *args, "--resume") == 0
     assert [r["step"] for r in rows(run_dir)] == [0, 1, 2]
     assert [p.name for p in list_checkpoints(run_dir)] == ["step_1", "step_2"]
+
+
+# ---------------------------------------------------------------- damaged or missing run-folder files on resume
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished 2-step run (checkpoints step_1, step_2): each test resumes a copy to step 3."""
+    run_dir = tmp_path_factory.mktemp("edges") / "run"
+    threads = torch.get_num_threads()
+    assert train(run_dir, "train.steps=2", "export.at_end=false") == 0
+    torch.set_num_threads(threads)
+    return run_dir
+
+
+@pytest.fixture
+def run_copy(finished_run, tmp_path):
+    shutil.copytree(finished_run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def resume(run_dir: Path, *extra: str) -> int:
+    return train(run_dir, "train.steps=3", "export.at_end=false", *extra, "--resume")
+
+
+@pytest.mark.parametrize("damage", ["cut in half", "garbage"])
+def test_a_damaged_timeline_is_set_aside_and_the_run_resumes(run_copy, caplog, damage):
+    timeline = run_copy / "timeline.json"
+    text = timeline.read_text()
+    timeline.write_text(text[: len(text) // 2] if damage == "cut in half" else "\x00garbage{")
+    before = timeline.read_bytes()
+    assert resume(run_copy) == 0
+    assert f"{timeline} is damaged" in caplog.text
+    assert (run_copy / "damaged_timeline.json").read_bytes() == before
+    assert "traceEvents" in json.loads(timeline.read_text()), "a new timeline was written"
+    assert [r["step"] for r in rows(run_copy)] == [0, 1, 2, 3]
+
+
+def test_a_damaged_newest_checkpoint_without_manifest_is_set_aside_for_the_older_one(run_copy, caplog):
+    newest = run_copy / "checkpoints" / "step_2"
+    (newest / "manifest.json").unlink()
+    state = newest / "training_state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    assert resume(run_copy) == 0
+    assert str(state) in caplog.text, "the warning names the damaged file"
+    assert (run_copy / "checkpoints" / "damaged_step_2" / "training_state.pt").exists()
+    assert [r["step"] for r in rows(run_copy)] == [0, 1, 2, 3], "steps 2 and 3 trained from step_1"
+
+
+@pytest.mark.parametrize("config_yaml", ["missing", "garbage"])
+def test_the_fixed_settings_check_reads_the_checkpoints_record_when_config_yaml_is_gone(run_copy, capsys,
+                                                                                        config_yaml):
+    path = run_copy / "config.yaml"
+    path.unlink() if config_yaml == "missing" else path.write_text("model: [unclosed\n\x00")
+    assert resume(run_copy, "train.lora.rank=4") == 2
+    err = one_line_error(capsys)
+    assert "--resume: train.lora.rank was" in err and "is 4 now" in err, err
+
+
+def test_a_damaged_config_yaml_is_set_aside_and_written_again(run_copy, caplog):
+    path = run_copy / "config.yaml"
+    path.write_text("model: [unclosed\n")
+    assert resume(run_copy) == 0
+    assert f"{path} is damaged" in caplog.text
+    assert (run_copy / "damaged_config.yaml").read_text() == "model: [unclosed\n"
+    from asyncflow.config import load_config
+
+    assert load_config(path).train.steps == 3
+
+
+def test_a_deleted_metrics_file_resumes_with_a_warning_that_earlier_rows_are_gone(run_copy, caplog):
+    (run_copy / "metrics.jsonl").unlink()
+    assert resume(run_copy) == 0
+    assert "metrics.jsonl is missing: the rows of steps 0..2 are gone" in caplog.text
+    assert [r["step"] for r in rows(run_copy)] == [3]
+
+
+def test_a_metrics_file_damaged_in_the_middle_is_set_aside_and_its_intact_rows_kept(tmp_path, caplog):
+    from asyncflow.observe.metrics import MetricsLogger, read_metrics
+
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        for step in range(4):
+            logger.log(step, {"x": step})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    damaged = "\n".join([lines[0], '{"step": 1, "x"', *lines[2:]]) + "\n"
+    (tmp_path / "metrics.jsonl").write_text(damaged)
+    with MetricsLogger(tmp_path, tensorboard=False, resume_from_step=2) as logger:
+        logger.log(3, {"x": 3})
+    assert [row["step"] for row in read_metrics(tmp_path)] == [0, 2, 3]
+    assert (tmp_path / "damaged_metrics.jsonl").read_text() == damaged
+    assert "metrics.jsonl is damaged" in caplog.text and "damaged line(s): 2" in caplog.text

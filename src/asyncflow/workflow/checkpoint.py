@@ -13,8 +13,8 @@ Invariants:
 - A checkpoint is written under a temporary name (`.tmp_step_N`), every file fsynced, the manifest
   written last, then renamed to `step_N`: a `step_N` folder is complete or was damaged afterwards.
 - `verify_checkpoint` checks each file against the manifest; `load_checkpoint` verifies first and
-  reports any damage as `CheckpointError` naming the file (folders written before manifests existed
-  are checked by loading them). Nothing is restored from a checkpoint that fails.
+  reports any damage as `CheckpointError` naming the file (a folder without a manifest, written before
+  manifests existed or with its manifest lost, is checked by reading every file). Nothing is restored from a checkpoint that fails.
 - A write that fails for any reason (an `OSError`, torch's `RuntimeError` from its zip writer,
   `SafetensorError`, a `torch.distributed.checkpoint` error, Ctrl-C) removes its temporary folder;
   earlier checkpoints are untouched. Any error becomes one `CheckpointWriteError` naming the folder,
@@ -240,8 +240,10 @@ def verify_checkpoint(checkpoint: Path, files: tuple[str, ...] = FILES) -> None:
         path = checkpoint / name
         if not path.is_file():
             raise CheckpointError(f"{path}: missing")
-        if manifest is None:
-            continue  # written before manifests: `load_checkpoint` checks it by reading it
+        if manifest is None:  # written before manifests, or its manifest lost: checked by reading it
+            if name in _READERS:
+                _read(checkpoint, name)
+            continue
         expected = manifest.get(name)
         if not isinstance(expected, dict):
             raise CheckpointError(f"{path}: not listed in {MANIFEST}")
