@@ -255,3 +255,18 @@ def test_a_metrics_file_damaged_in_the_middle_is_set_aside_and_its_intact_rows_k
     assert [row["step"] for row in read_metrics(tmp_path)] == [0, 2, 3]
     assert (tmp_path / "damaged_metrics.jsonl").read_text() == damaged
     assert "metrics.jsonl is damaged" in caplog.text and "damaged line(s): 2" in caplog.text
+
+
+# ---------------------------------------------------------------- reward failures in evaluation
+def no_reward(completion: str, ground_truth: str, **metadata):
+    return None  # not a number: a failed call
+
+
+def test_evaluation_counts_its_reward_failures_and_reports_no_score_over_them(tmp_path, capsys):
+    capsys.readouterr()
+    code = main(["eval", EXAMPLE, *TINY, "reward.fns=[test_edges:no_reward]", "--output", str(tmp_path / "eval"),
+                 "--checkpoint", "preset:tiny-llama"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["eval/reward_errors"] == 8 and result["eval/reward_timeouts"] == 0, result
+    assert result["eval/accuracy"] is None and result["eval/reward_mean"] is None, "a mean over failed calls"

@@ -4,11 +4,16 @@ an evaluation engine (the run's, `asyncflow eval`'s and the SFT warm-up's valida
 
 Invariants: a prompt counts as solved when its single sample scores a reward >= 1, the same
 reward functions training uses; evaluating a model builds an inference engine and a reward worker
-only (no training engine, no optimizer).
+only (no training engine, no optimizer). Reward calls that fail are counted in the evaluation's own
+`eval/reward_errors` / `eval/reward_timeouts` (never in training's), left out of `eval/reward_mean`
+and count as unsolved; when every call failed there is no score: accuracy and mean are NaN (null in
+metrics.jsonl) with a warning.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +30,8 @@ from asyncflow.workers.rollout import RolloutWorker
 if TYPE_CHECKING:
     from asyncflow.runtime.base import RolloutSpec
 
+log = logging.getLogger(__name__)
+
 
 def evaluate(
     engine: InferenceEngine, rewards: RewardWorker, encoder: PromptEncoder, test: list[Example], params: SamplingParams,
@@ -35,13 +42,23 @@ def evaluate(
     prompts = [p for i, ex in enumerate(test) if (p := encoder.encode(ex, i)) is not None]
     if not prompts:
         return {}
+    failed: set[int] = set()
+    counts = {}
     if episodes is not None:
         rollouts = list(episodes.generate(prompts))
     else:
         rollouts = list(RolloutWorker(engine, params, group_size=1).generate(prompts))
-        rewards.score(rollouts)
+        errors, timeouts = rewards.eval_errors, rewards.eval_timeouts
+        failed = rewards.score(rollouts)
+        counts = {"eval/reward_errors": float(rewards.eval_errors - errors),
+                  "eval/reward_timeouts": float(rewards.eval_timeouts - timeouts)}
     scores = np.array([r.reward for r in rollouts])
-    return {"eval/accuracy": float((scores >= 1.0).mean()), "eval/reward_mean": float(scores.mean())}
+    measured = np.array([r.reward for i, r in enumerate(rollouts) if i not in failed])
+    if not len(measured):
+        log.warning("held-out evaluation: the reward failed on all %d samples (%s): no accuracy is reported",
+                    len(rollouts), rewards.last_failure or "see the reward warnings")
+        return {"eval/accuracy": math.nan, "eval/reward_mean": math.nan, **counts}
+    return {"eval/accuracy": float((scores >= 1.0).mean()), "eval/reward_mean": float(measured.mean()), **counts}
 
 
 def evaluation_spec(spec: RolloutSpec, params: SamplingParams) -> RolloutSpec:
