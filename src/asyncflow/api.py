@@ -217,11 +217,12 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, mer
     """A run's policy as a Hugging Face folder, as `asyncflow export` (`step`: default the newest intact
     checkpoint; `merged`: LoRA runs also write the merged model)."""
     from asyncflow.workflow.export import export_run
-    from asyncflow.workflow.run_folder import RunFolder
+    from asyncflow.workflow.run_folder import RunFolder, claim_output
 
     run_dir, out = Path(run_dir), Path(out)
     if not out.resolve().is_relative_to(run_dir.resolve()) or not (run_dir / "config.yaml").is_file():
-        return export_run(run_dir, out, step=step, merged=merged)  # (the latter: "holds no run", from export_run)
+        with claim_output(out, "export"):  # one writer of OUT (the run is only read, its checkpoint pinned)
+            return export_run(run_dir, out, step=step, merged=merged)  # (no config.yaml: "holds no run")
     with RunFolder(run_dir).claim("export"):  # writing into a run: not while another process writes it
         return export_run(run_dir, out, step=step, merged=merged)
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import logging
+import math
 import sys
 from pathlib import Path
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
 import shutil
 import subprocess
@@ -157,7 +156,7 @@ def test_a_really_full_disk_is_one_line_and_resume_works_once_space_is_freed(sma
     assert train(run_dir, *args) == 1
     err = one_line_error(capsys)
     step_1, step_2 = run_dir / "checkpoints" / "step_1", run_dir / "checkpoints" / "step_2"
-    assert f"no space left on device" in err and f"while writing checkpoint {step_2}" in err, err
+    assert "no space left on device" in err and f"while writing checkpoint {step_2}" in err, err
     assert "a checkpoint needs about" in err and f"the previous checkpoint {step_1} is intact" in err, err
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_1"], "no half-written folder is left"
     verify_checkpoint(step_1)
@@ -270,3 +269,67 @@ def test_evaluation_counts_its_reward_failures_and_reports_no_score_over_them(tm
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["eval/reward_errors"] == 8 and result["eval/reward_timeouts"] == 0, result
     assert result["eval/accuracy"] is None and result["eval/reward_mean"] is None, "a mean over failed calls"
+
+
+# ---------------------------------------------------------------- readers and writers
+def _prune_while_loading(monkeypatch, run_dir: Path) -> list[str]:
+    """Each first read of a checkpoint's weights first lets the training run write step 3 with checkpoint.keep=1
+    (which prunes everything older): the moment `serve RUN_DIR` lost its checkpoint in issue 46."""
+    real_load_file, pruned = ckpt.load_file, []
+
+    def load_file(path, *args, **kwargs):
+        if not pruned:
+            pruned.append(path)
+            save(run_dir, 3, keep=1)
+        return real_load_file(path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "load_file", load_file)
+    return pruned
+
+
+def test_serve_of_a_training_run_holds_its_checkpoint_against_pruning(run_copy, monkeypatch):
+    from asyncflow.workflow.serve import load_served
+
+    pruned = _prune_while_loading(monkeypatch, run_copy)
+    served = load_served(str(run_copy))
+    assert pruned and served.name.endswith("step_2")
+    assert [p.name for p in list_checkpoints(run_copy)] == ["step_2", "step_3"], "held, so not pruned"
+    save(run_copy, 4, keep=1)
+    assert [p.name for p in list_checkpoints(run_copy)] == ["step_4"], "pruned by the next save once released"
+
+
+def test_eval_of_a_training_run_holds_its_checkpoint_against_pruning(run_copy, monkeypatch, capsys):
+    pruned = _prune_while_loading(monkeypatch, run_copy)
+    assert main(["eval", EXAMPLE, *TINY, "--output", str(run_copy.parent / "eval"), "--checkpoint",
+                 str(run_copy)]) == 0
+    assert pruned and "eval/accuracy" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_a_checkpoint_pruned_before_it_is_pinned_is_picked_again(tmp_path):
+    from asyncflow.workflow.checkpoint import latest_checkpoint, pinned
+
+    save(tmp_path, 1)
+    picks = []
+
+    def pick():
+        picks.append(latest_checkpoint(tmp_path))
+        if len(picks) == 1:
+            save(tmp_path, 2, keep=1)  # the newest pruned between picking and pinning
+        return picks[-1]
+
+    with pinned(pick) as checkpoint:
+        assert checkpoint.name == "step_2" and checkpoint.is_dir()
+    assert [p.name for p in picks] == ["step_1", "step_2"]
+
+
+def test_an_export_into_a_folder_another_export_writes_is_refused(run_copy, tmp_path, capsys):
+    from asyncflow.workflow.run_folder import claim_output
+
+    out = tmp_path / "hf"
+    with claim_output(out, "export"):
+        assert main(["export", str(run_copy), str(out)]) == 2
+        err = one_line_error(capsys)
+        assert f"{out} is being written by pid {os.getpid()} (export" in err, err
+        assert not out.exists()
+    assert main(["export", str(run_copy), str(out)]) == 0
+    assert (out / "model.safetensors").is_file() and not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())

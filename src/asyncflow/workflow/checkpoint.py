@@ -14,30 +14,40 @@ Invariants:
   written last, then renamed to `step_N`: a `step_N` folder is complete or was damaged afterwards.
 - `verify_checkpoint` checks each file against the manifest; `load_checkpoint` verifies first and
   reports any damage as `CheckpointError` naming the file (a folder without a manifest, written before
-  manifests existed or with its manifest lost, is checked by reading every file). Nothing is restored from a checkpoint that fails.
+  manifests existed or with its manifest lost, is checked by reading every file). Nothing is restored
+  from a checkpoint that fails.
 - A write that fails for any reason (an `OSError`, torch's `RuntimeError` from its zip writer,
   `SafetensorError`, a `torch.distributed.checkpoint` error, Ctrl-C) removes its temporary folder;
   earlier checkpoints are untouched. Any error becomes one `CheckpointWriteError` naming the folder,
   the file, the cause (a full disk as such, with the free space and the size of the previous checkpoint)
-  and the checkpoint to resume from; an interruption (Ctrl-C, a second signal) goes on as it is. Only the newest `keep` checkpoints up to the one just written
-  are kept; a higher step is never pruned by a lower one.
+  and the checkpoint to resume from; an interruption (Ctrl-C, a second signal) goes on as it is.
+- Only the newest `keep` checkpoints up to the one just written are kept; a higher step is never pruned
+  by a lower one, nor a checkpoint a reader holds (`pinned`: `serve`, `eval` and `export` hold what they
+  load; it is pruned by a later save).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import random
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 STEP_PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -114,8 +124,68 @@ def save_checkpoint(
         raise _write_error(err, final, current, previous, disk_full, needed=_checkpoint_bytes(previous)) from err
     older = [c for c in list_checkpoints(run_dir) if checkpoint_step(c) < step]
     for old in older[: max(0, len(older) - (keep - 1))]:
-        shutil.rmtree(old, ignore_errors=True)
+        _prune(old)
     return final
+
+
+def _prune(checkpoint: Path) -> None:
+    """Delete `checkpoint` unless a reader holds it (`pinned`): then it is left for a later save to prune."""
+    try:
+        fd = os.open(checkpoint, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("checkpoint %s is being read by another process: pruned at a later checkpoint", checkpoint)
+            return
+        shutil.rmtree(checkpoint, ignore_errors=True)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def pinned(pick: Callable[[], T], checkpoint_of: Callable[[T], Path | None] = lambda picked: picked,
+           attempts: int = 5) -> Iterator[T]:
+    """`pick()` (what to read: a checkpoint, or something naming one) with its checkpoint held against pruning for
+    the block: a shared `flock` on the checkpoint's folder, which `save_checkpoint` does not prune (a writer never
+    waits on a reader). A checkpoint pruned between `pick()` and the lock (a run folder's newest, while it trains) is
+    picked again. A checkpoint folder that does not exist: `FileNotFoundError` naming it."""
+    for attempt in range(attempts):
+        try:
+            picked = pick()
+            checkpoint = checkpoint_of(picked)
+            fd = None if checkpoint is None else _pin(Path(checkpoint))
+        except FileNotFoundError:
+            if attempt == attempts - 1:
+                raise
+            continue
+        try:
+            yield picked
+        finally:
+            if fd is not None:
+                os.close(fd)
+        return
+
+
+def _pin(checkpoint: Path) -> int:
+    """A shared lock on `checkpoint`'s folder (its descriptor: closing it releases the pin)."""
+    missing = FileNotFoundError(
+        f"checkpoint folder {str(checkpoint)!r} does not exist (expected RUN_DIR/checkpoints/step_N)")
+    try:
+        fd = os.open(checkpoint, os.O_RDONLY | os.O_DIRECTORY)
+    except (FileNotFoundError, NotADirectoryError):
+        raise missing from None
+    fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a pruner deletes it
+    try:
+        same = os.stat(checkpoint).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        same = False
+    if not same:
+        os.close(fd)
+        raise missing
+    return fd
 
 
 def _disk_full(err: BaseException, root: Path) -> bool:

@@ -74,12 +74,12 @@ def evaluate_model(config, model: str | Path, test: list[Example]) -> dict[str, 
     prompts and rewards."""
     from asyncflow.models.loading import load_tokenizer
     from asyncflow.runtime.base import build_rollout_worker
-    from asyncflow.workflow.checkpoint import load_weights
+    from asyncflow.workflow.checkpoint import load_weights, pinned
     from asyncflow.workflow.serve import resolve_model_ref
     from asyncflow.workflow.setup import build_reward_runner, prompt_encoder, rollout_spec, sampling_params
 
-    ref = resolve_model_ref(str(model))
-    weights = None if ref.checkpoint is None else load_weights(ref.checkpoint)  # verified before a model loads
+    with pinned(lambda: resolve_model_ref(str(model)), lambda resolved: resolved.checkpoint) as ref:  # not pruned
+        weights = None if ref.checkpoint is None else load_weights(ref.checkpoint)  # verified before a model loads
     tokenizer = load_tokenizer(ref.model_path)
     params = sampling_params(config, tokenizer, greedy=True)
     spec = evaluation_spec(rollout_spec(config, ref.model_path, tokenizer), params)

@@ -34,6 +34,7 @@ from asyncflow.workflow.checkpoint import (
     list_checkpoints,
     load_training_state,
     load_weights,
+    pinned,
     verify_checkpoint,
 )
 from asyncflow.workflow.setup import lora_settings
@@ -74,10 +75,10 @@ def export_run(
     if out.exists() and any(out.iterdir()) and not replace:
         raise ExportError(f"export folder {out} exists and is not empty: give a new folder")
     config = load_config(config_file)
-    checkpoint = pick_checkpoint(run_dir, step)
-    weights = load_weights(checkpoint)  # verified: a damaged file is named
     lora = lora_settings(config)
-    adapter = load_training_state(checkpoint)["adapter"] if lora is not None else None
+    with pinned(lambda: pick_checkpoint(run_dir, step)) as checkpoint:  # not pruned by the run while it is read
+        weights = load_weights(checkpoint)  # verified: a damaged file is named
+        adapter = load_training_state(checkpoint)["adapter"] if lora is not None else None
 
     model_path = resolve_model_path(config.model.path, seed=config.run.seed)
     tmp = out.parent / f".tmp_{out.name}"

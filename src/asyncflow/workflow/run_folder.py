@@ -1,7 +1,8 @@
 """The run folder (`run.output_dir`): what it holds, what state the run in it is in, and whether a
 command may write into it.
 
-Owns: the folder's lock (`RunFolder.claim`: one writing process at a time), the decision taken before
+Owns: the folder's lock (`RunFolder.claim`: one writing process at a time; `claim_output` the same for an
+output folder outside a run, an export's), the decision taken before
 anything is written (`RunFolder.plan`: start fresh, resume from a checkpoint, or nothing to do), what may
 not change on a resume (`check_resumable`), carrying the plan out (`RunFolder.prepare`: create and probe
 the folder, clear it for `--overwrite`, set damaged checkpoints aside), and writing `config.yaml`
@@ -21,8 +22,8 @@ Invariants:
   as `checkpoints/damaged_step_N` with a warning naming the bad file. The other files a resume reads
   (`RESUME_READ_FILES`: config.yaml, timeline.json) are checked too: a damaged one is named, set aside
   as `damaged_NAME`, and the run goes on without it. What a resume may not change is checked against
-  the checkpoint's own record (`fixed_settings` in its state.json), config.yaml only for older ones. A run whose newest intact
-  checkpoint is at or past `train.steps` is finished: resuming it changes nothing.
+  the checkpoint's own record (`fixed_settings` in its state.json), config.yaml only for older ones.
+  A run whose newest intact checkpoint is at or past `train.steps` is finished: resuming it changes nothing.
 - `--resume` of a run that stopped before its first checkpoint starts again from step 0 and drops
   that attempt's outputs (no step is logged twice); `--resume` of a run whose checkpoints are all
   damaged stops with an error naming them.
@@ -124,29 +125,13 @@ class RunFolder:
         self._refuse_foreign()
         created = not self.path.exists()
         lock = self.path / LOCK_FILE
-        while True:
-            try:
-                self.path.mkdir(parents=True, exist_ok=True)
-                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as err:
-                raise RunFolderNotWritable(err.errno, f"cannot write to run folder {self.path}: {err.strerror}"
-                                           ) from err
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise RunFolderInUse(f"run folder {self.path} is in use by {_holder(lock)}: wait for it to end, "
-                                     "stop it (Ctrl-C, or kill PID: it checkpoints and exits), or choose another "
-                                     "folder with --output") from None
-            try:  # locked; but the file may have been removed by its last holder in between: lock the new one
-                if os.stat(lock).st_ino == os.fstat(fd).st_ino:
-                    break
-            except FileNotFoundError:
-                pass
-            os.close(fd)
-        holder = {"pid": os.getpid(), "command": command, "argv": sys.argv, "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps(holder).encode())
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise RunFolderNotWritable(err.errno, f"cannot write to run folder {self.path}: {err.strerror}") from err
+        fd = _take_lock(lock, command, lambda holder: RunFolderInUse(
+            f"run folder {self.path} is in use by {holder}: wait for it to end, stop it (Ctrl-C, or kill PID: it "
+            "checkpoints and exits), or choose another folder with --output"))
         try:
             yield
         finally:
@@ -306,6 +291,51 @@ def check_resumable(run_dir: Path, config: Config, checkpoint: Path | None = Non
                 f"on a resume (the checkpoints were trained with it): set {key}={before[key]!r}, or start again "
                 "with --overwrite"
             )
+
+
+@contextmanager
+def claim_output(out: Path, command: str) -> Iterator[None]:
+    """Hold the lock of an output folder that is not a run folder (an export's OUT) for the block: `.OUT.lock`
+    beside it, since OUT itself is replaced whole. `RunFolderInUse` naming the holder when another process has it."""
+    out = Path(out)
+    lock = out.parent / f".{out.name}.lock"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RunFolderNotWritable(err.errno, f"cannot write to {out.parent}: {err.strerror}") from err
+    fd = _take_lock(lock, command, lambda holder: RunFolderInUse(
+        f"{out} is being written by {holder}: wait for it to end, or choose another folder"))
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def _take_lock(lock: Path, command: str, refusal) -> int:
+    """Take the `flock` on `lock` (created if needed) without waiting and write this process's pid and command into
+    it; -> its descriptor (closing it releases the lock). `refusal(holder)` is raised when another process holds
+    it. A lock file removed by its last holder while it was taken is taken again under its new inode."""
+    while True:
+        try:  # the folder too: its last holder may have removed it, empty, in between
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise RunFolderNotWritable(err.errno, f"cannot write to {lock.parent}: {err.strerror}") from err
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise refusal(_holder(lock)) from None
+        try:
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    holder = {"pid": os.getpid(), "command": command, "argv": sys.argv, "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps(holder).encode())
+    return fd
 
 
 def _holder(lock: Path) -> str:
