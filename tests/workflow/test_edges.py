@@ -333,3 +333,12 @@ def test_an_export_into_a_folder_another_export_writes_is_refused(run_copy, tmp_
         assert not out.exists()
     assert main(["export", str(run_copy), str(out)]) == 0
     assert (out / "model.safetensors").is_file() and not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
+
+
+def test_eval_of_a_run_whose_config_yaml_is_damaged_is_one_line_naming_it(run_copy, capsys):
+    (run_copy / "config.yaml").write_text("model: [unclosed\n")
+    capsys.readouterr()
+    assert main(["eval", EXAMPLE, *TINY, "--output", str(run_copy.parent / "eval"), "--checkpoint",
+                 str(run_copy)]) == 1
+    err = one_line_error(capsys)
+    assert f"{run_copy / 'config.yaml'}: damaged, not valid YAML" in err, err

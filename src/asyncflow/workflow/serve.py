@@ -69,7 +69,14 @@ def resolve_model_ref(ref: str) -> ModelRef:
     run_dir = checkpoint.parent.parent
     if not (run_dir / CONFIG_FILE).is_file():
         raise CheckpointError(f"{checkpoint}: its run folder {run_dir} has no {CONFIG_FILE} (the base model)")
-    run_config = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
+    try:
+        run_config = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{run_dir / CONFIG_FILE}: damaged, not valid YAML ({str(err).splitlines()[0]}): "
+                              "resume the run to write it again") from None
+    if not isinstance(run_config, dict):
+        raise CheckpointError(f"{run_dir / CONFIG_FILE}: damaged (not a mapping of config sections): resume the run "
+                              "to write it again")
     base = run_config.get("model", {}).get("path")
     if not base:
         raise CheckpointError(f"{run_dir / CONFIG_FILE}: no model.path")
