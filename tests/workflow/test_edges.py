@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -133,6 +134,35 @@ def test_ctrl_c_during_a_write_leaves_no_temp_folder(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         save(tmp_path, 2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
+
+
+def test_an_export_whose_write_fails_is_one_line_and_leaves_no_temp_folder(run_copy, tmp_path, capsys, monkeypatch):
+    import transformers.modeling_utils
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", _safetensors_full)
+    out = tmp_path / "hf"
+    capsys.readouterr()
+    assert main(["export", str(run_copy), str(out)]) == 1
+    err = one_line_error(capsys)
+    assert "no space left on device" in err and f"while writing the export {out}" in err, err
+    assert f"export again with asyncflow export {run_copy} {out}" in err
+    assert not out.exists() and not (tmp_path / ".tmp_hf").exists()
+
+
+def test_an_sft_whose_model_write_fails_is_one_line_and_finishes_from_its_checkpoint_when_run_again(
+        tmp_path, capsys, monkeypatch, caplog):
+    import transformers.modeling_utils
+
+    argv = ["sft", EXAMPLE, "run.progress=false", "sft.steps=2", "sft.batch_size=4", "train.micro_batch_size=4",
+            "checkpoint.every=0", "--output", str(tmp_path / "run"), "--threads", "1"]
+    with monkeypatch.context() as patch:
+        patch.setattr(transformers.modeling_utils, "safe_save_file", _safetensors_full)
+        assert main(argv) == 1
+    err = one_line_error(capsys)
+    assert "no space left on device" in err and "its checkpoint of step 2 is intact" in err, err
+    caplog.set_level(logging.INFO)
+    assert main(argv) == 0
+    assert "SFT continues from" in caplog.text and (tmp_path / "run" / "sft" / "model.safetensors").is_file()
 
 
 @pytest.fixture

@@ -221,26 +221,35 @@ def _checkpoint_bytes(checkpoints: list[Path]) -> int | None:
 def _write_error(err: BaseException, final: Path, current: Path, previous: list[Path], disk_full: bool,
                  needed: int | None) -> CheckpointWriteError:
     """The one-line `CheckpointWriteError` of a failed write: the folder and file, the cause, what is intact."""
-    if disk_full:
-        code, cause = errno.ENOSPC, "no space left on device"
-        try:
-            free = shutil.disk_usage(final.parent).free
-            cause += f" ({_mb(free)} free" + (f", a checkpoint needs about {_mb(needed)}" if needed else "") + ")"
-        except OSError:
-            pass
-    else:
-        code = err.errno if isinstance(err, OSError) and err.errno else errno.EIO
-        ranks = _rank_errors(err)
-        if ranks:
-            rank, inner = next(iter(ranks.items()))
-            cause = f"{type(err).__name__} (rank {rank}: {type(inner).__name__}: {_first_line(inner)})"
-        else:
-            cause = f"{type(err).__name__}: {(err.strerror if isinstance(err, OSError) else None) or _first_line(err)}"
+    code, cause = write_failure(err, final.parent, disk_full, needed, "a checkpoint")
     if previous:
         intact = f"the previous checkpoint {previous[-1]} is intact: continue from it with --resume"
     else:
         intact = "there is no earlier checkpoint"
     return CheckpointWriteError(code, f"{cause} while writing checkpoint {final} ({current.name}); {intact}")
+
+
+def write_failure(err: BaseException, folder: Path, disk_full: bool | None = None, needed: int | None = None,
+                  what: str = "it") -> tuple[int, str]:
+    """-> (errno, cause in words) of a write into `folder` that raised `err`, whatever raised it: "no space left
+    on device (N MB free, WHAT needs about M MB)" when the disk is full (`disk_full`, or found out from `err` and
+    the folder's free space when None), else the error's type and first line."""
+    if disk_full is None:
+        disk_full = _disk_full(err, folder)
+    if disk_full:
+        cause = "no space left on device"
+        try:
+            free = shutil.disk_usage(folder).free
+            cause += f" ({_mb(free)} free" + (f", {what} needs about {_mb(needed)}" if needed else "") + ")"
+        except OSError:
+            pass
+        return errno.ENOSPC, cause
+    code = err.errno if isinstance(err, OSError) and err.errno else errno.EIO
+    ranks = _rank_errors(err)
+    if ranks:
+        rank, inner = next(iter(ranks.items()))
+        return code, f"{type(err).__name__} (rank {rank}: {type(inner).__name__}: {_first_line(inner)})"
+    return code, f"{type(err).__name__}: {(err.strerror if isinstance(err, OSError) else None) or _first_line(err)}"
 
 
 def _rank_errors(err: BaseException) -> dict[int, BaseException]:

@@ -14,7 +14,9 @@ Invariants:
 - The weights are the checkpoint's `model.safetensors` (verified against its manifest), loaded into the
   run's architecture with every key matched: a model loaded from OUT gives the trainer's log-probs exactly.
 - OUT is written under a temporary name and renamed into place, so it is complete or absent; an existing
-  non-empty OUT is never written into unless `replace` (the final export of a run replaces its own).
+  non-empty OUT is never written into unless `replace` (the final export of a run replaces its own). A write
+  that fails, whatever raised (a full disk named as such), removes the temporary folder and is one
+  `ExportError` line.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from asyncflow.workflow.checkpoint import (
     load_weights,
     pinned,
     verify_checkpoint,
+    write_failure,
 )
 from asyncflow.workflow.setup import lora_settings
 
@@ -106,8 +109,12 @@ def export_run(
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
-    except BaseException:
+    except BaseException as err:
+        cause = write_failure(err, tmp.parent)[1] if isinstance(err, Exception) else None  # before space is freed
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if cause is None or isinstance(err, ExportError):
+            raise
+        raise ExportError(f"{cause} while writing the export {out} (from {checkpoint}); the run's checkpoints are "
+                          f"intact: export again with asyncflow export {run_dir} {out}") from err
     log.info("exported %s (step %d) to %s", checkpoint, info["step"], out)
     return out

@@ -57,11 +57,13 @@ from asyncflow.workflow.checkpoint import (
     SHARDED_DIR,
     STEP_PREFIX,
     CheckpointError,
+    CheckpointWriteError,
     checkpoint_step,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
     verify_checkpoint,
+    write_failure,
 )
 from asyncflow.workflow.evaluation import evaluate, evaluation_spec
 from asyncflow.workflow.run_folder import DAMAGED_PREFIX
@@ -247,9 +249,14 @@ def run_sft(config: Config, output: str | Path, stop: StopSignals | None = None)
         "checks": [{"step": s, "val_accuracy": a} for s, a in checks], "wall_s": round(wall_s, 2),
         "torch_threads": torch.get_num_threads(),
     }  # fmt: skip
-    model.save_pretrained(output)
-    tokenizer.save_pretrained(output)
-    (output / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+    try:
+        model.save_pretrained(output)
+        tokenizer.save_pretrained(output)
+        (output / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+    except Exception as err:  # safetensors, the OS, ...: one line; the last checkpoint lets SFT finish when run again
+        code, cause = write_failure(err, output)
+        raise CheckpointWriteError(code, f"{cause} while writing the SFT model into {output}; its checkpoint of step "
+                                   f"{step} is intact: SFT run again finishes from it") from err
     if final.exists():
         shutil.rmtree(final)
     output.rename(final)
