@@ -37,6 +37,7 @@ import os
 import random
 import re
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -54,6 +55,7 @@ MANIFEST = "manifest.json"
 FILES = ("model.safetensors", "training_state.pt", "rng.pt", "state.json")
 SHARDED_DIR = "sharded"
 _STEP_NAME = re.compile(rf"{STEP_PREFIX}(\d+)")
+_PIN_WAIT_S = 60.0  # longest wait for a pruner to finish deleting a checkpoint a reader wants
 _NEARLY_FULL_BYTES = 1 << 20  # a write that failed with less free than this ran out of space
 
 
@@ -177,7 +179,17 @@ def _pin(checkpoint: Path) -> int:
         fd = os.open(checkpoint, os.O_RDONLY | os.O_DIRECTORY)
     except (FileNotFoundError, NotADirectoryError):
         raise missing from None
-    fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a pruner deletes it
+    deadline = time.monotonic() + _PIN_WAIT_S
+    while True:  # a pruner holds the folder only while it deletes it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise CheckpointError(f"{checkpoint}: held by a process deleting it for over {_PIN_WAIT_S:g} s"
+                                      ) from None
+            time.sleep(0.02)
     try:
         same = os.stat(checkpoint).st_ino == os.fstat(fd).st_ino
     except FileNotFoundError:
