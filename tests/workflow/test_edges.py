@@ -154,7 +154,10 @@ def test_an_sft_whose_model_write_fails_is_one_line_and_finishes_from_its_checkp
     import transformers.modeling_utils
 
     argv = ["sft", EXAMPLE, "run.progress=false", "sft.steps=2", "sft.batch_size=4", "train.micro_batch_size=4",
-            "checkpoint.every=0", "--output", str(tmp_path / "run"), "--threads", "1"]
+            "sft.stop_accuracy=null", "checkpoint.every=0", "--output", str(tmp_path / "run"), "--threads", "1"]
+    from asyncflow.models.loading import resolve_model_path
+
+    resolve_model_path("preset:tiny-llama", seed=0)  # the preset's folder is built (saved) before the disk fills
     with monkeypatch.context() as patch:
         patch.setattr(transformers.modeling_utils, "safe_save_file", _safetensors_full)
         assert main(argv) == 1
@@ -372,3 +375,28 @@ def test_eval_of_a_run_whose_config_yaml_is_damaged_is_one_line_naming_it(run_co
                  str(run_copy)]) == 1
     err = one_line_error(capsys)
     assert f"{run_copy / 'config.yaml'}: damaged, not valid YAML" in err, err
+
+
+# ---------------------------------------------------------------- an interrupted SFT's checkpoints
+def test_an_interrupted_sft_skips_a_damaged_checkpoint_and_starts_over_when_its_settings_changed(tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    argv = ["sft", EXAMPLE, "run.progress=false", "sft.steps=3", "sft.batch_size=4", "train.micro_batch_size=4",
+            "sft.stop_accuracy=null", "checkpoint.every=1", "checkpoint.keep=3", "--output", str(run_dir), "--threads",
+            "1"]
+    assert main(argv) == 0
+    interrupted = run_dir / ".tmp_sft"
+    (run_dir / "sft").rename(interrupted)  # as if killed after its last checkpoint
+    (interrupted / "sft_summary.json").unlink()
+    (interrupted / "checkpoints" / "step_3" / "rng.pt").write_bytes(b"cut")
+    caplog.set_level(logging.INFO)
+    assert main(argv) == 0
+    assert f"SFT checkpoint {interrupted / 'checkpoints' / 'step_3'} is damaged" in caplog.text
+    assert f"SFT continues from {interrupted / 'checkpoints' / 'step_2'} (step 2)" in caplog.text
+    assert [r["step"] for r in rows(run_dir / "sft")] == [1, 2, 3]
+
+    (run_dir / "sft").rename(interrupted)
+    (interrupted / "sft_summary.json").unlink()
+    caplog.clear()
+    assert main([*argv, "sft.lr=3e-4"]) == 0
+    assert "SFT changed since its checkpoint" in caplog.text and "(sft)" in caplog.text, caplog.text
+    assert [r["step"] for r in rows(run_dir / "sft")] == [1, 2, 3], "trained again from step 0"

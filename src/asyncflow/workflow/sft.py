@@ -304,9 +304,9 @@ def _resumable(output: Path, settings: dict) -> Path | None:
             continue
         recorded = json.loads((checkpoint / "state.json").read_text()).get("sft_settings")
         if recorded != settings:
-            changed = sorted(k for k in settings if (recorded or {}).get(k) != settings[k])
-            log.warning("SFT changed since its checkpoint %s (%s): SFT starts again from step 0", checkpoint,
-                        ", ".join(changed))
+            changed = ", ".join(k for k in settings if (recorded or {}).get(k) != settings[k]) if recorded else (
+                "it records no SFT settings: written by an older asyncflow")
+            log.warning("SFT changed since its checkpoint %s (%s): SFT starts again from step 0", checkpoint, changed)
             return None
         log.info("SFT continues from %s (step %d)", checkpoint, checkpoint_step(checkpoint))
         return checkpoint
