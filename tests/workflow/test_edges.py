@@ -365,7 +365,8 @@ def test_an_export_into_a_folder_another_export_writes_is_refused(run_copy, tmp_
         assert f"{out} is being written by pid {os.getpid()} (export" in err, err
         assert not out.exists()
     assert main(["export", str(run_copy), str(out)]) == 0
-    assert (out / "model.safetensors").is_file() and not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
+    assert (out / "model.safetensors").is_file()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")], "no lock or temporary folder left"
 
 
 def test_eval_of_a_run_whose_config_yaml_is_damaged_is_one_line_naming_it(run_copy, capsys):

@@ -296,7 +296,8 @@ def check_resumable(run_dir: Path, config: Config, checkpoint: Path | None = Non
 @contextmanager
 def claim_output(out: Path, command: str) -> Iterator[None]:
     """Hold the lock of an output folder that is not a run folder (an export's OUT) for the block: `.OUT.lock`
-    beside it, since OUT itself is replaced whole. `RunFolderInUse` naming the holder when another process has it."""
+    beside it (OUT itself is replaced whole), removed at the end. `RunFolderInUse` naming the holder when another
+    process has it."""
     out = Path(out)
     lock = out.parent / f".{out.name}.lock"
     try:
@@ -308,6 +309,7 @@ def claim_output(out: Path, command: str) -> Iterator[None]:
     try:
         yield
     finally:
+        lock.unlink(missing_ok=True)  # while still held: a waiter that opened it takes the next one (`_take_lock`)
         os.close(fd)
 
 
