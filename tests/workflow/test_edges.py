@@ -294,6 +294,21 @@ def no_reward(completion: str, ground_truth: str, **metadata):
     return None  # not a number: a failed call
 
 
+def one_when_it_works(completion: str, ground_truth: str, **metadata):
+    return None if sum(map(ord, ground_truth)) % 2 else 1.0  # fails on about half of the prompts, solves the rest
+
+
+def test_evaluation_leaves_failed_calls_out_of_its_mean_and_counts_them_unsolved(tmp_path, capsys):
+    capsys.readouterr()
+    assert main(["eval", EXAMPLE, *TINY, "reward.fns=[test_edges:one_when_it_works]", "data.test_size=16",
+                 "--output", str(tmp_path / "eval"), "--checkpoint", "preset:tiny-llama"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    failed = result["eval/reward_errors"]
+    assert 0 < failed < 16, result
+    assert result["eval/reward_mean"] == 1.0, "the mean is over the calls that returned a reward"
+    assert result["eval/accuracy"] == (16 - failed) / 16, "a failed call is not a solved prompt"
+
+
 def test_evaluation_counts_its_reward_failures_and_reports_no_score_over_them(tmp_path, capsys):
     capsys.readouterr()
     code = main(["eval", EXAMPLE, *TINY, "reward.fns=[test_edges:no_reward]", "--output", str(tmp_path / "eval"),
