@@ -69,6 +69,7 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False, on_s
 
     with _settled(config, resume=resume, overwrite=overwrite) as (plan, stop):
         if plan.action == "finished":
+            _settle_finished(plan, config)
             written = complete_outputs(config)
             log.info("the run in %s is already finished (checkpoint %s, train.steps=%d): %s", plan.path,
                      plan.checkpoint, config.train.steps,
@@ -105,8 +106,19 @@ def _settled(config: Config, *, resume: bool, overwrite: bool) -> Iterator[tuple
     with folder.claim("train"), StopSignals() as stop:
         plan = folder.plan(steps=config.train.steps, resume=resume, overwrite=overwrite)
         if plan.action != "fresh":
-            check_resumable(folder.path, _with_sft_model(config))
+            check_resumable(folder.path, _with_sft_model(config), plan.checkpoint)
         yield plan, stop
+
+
+def _settle_finished(plan: Plan, config: Config) -> None:
+    """A finished run's damaged files set aside, and its config.yaml written again when it is gone (the final
+    export reads it)."""
+    from asyncflow.workflow.run_folder import CONFIG_FILE, RunFolder
+
+    folder = RunFolder(plan.path)
+    folder.set_aside(plan)
+    if not (plan.path / CONFIG_FILE).is_file():
+        folder.write_config(_with_sft_model(config))
 
 
 def _start(config: Config, plan: Plan, stop: StopSignals, on_step: StepCallback | None,
@@ -205,11 +217,12 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, mer
     """A run's policy as a Hugging Face folder, as `asyncflow export` (`step`: default the newest intact
     checkpoint; `merged`: LoRA runs also write the merged model)."""
     from asyncflow.workflow.export import export_run
-    from asyncflow.workflow.run_folder import RunFolder
+    from asyncflow.workflow.run_folder import RunFolder, claim_output
 
     run_dir, out = Path(run_dir), Path(out)
     if not out.resolve().is_relative_to(run_dir.resolve()) or not (run_dir / "config.yaml").is_file():
-        return export_run(run_dir, out, step=step, merged=merged)  # (the latter: "holds no run", from export_run)
+        with claim_output(out, "export"):  # one writer of OUT (the run is only read, its checkpoint pinned)
+            return export_run(run_dir, out, step=step, merged=merged)  # (no config.yaml: "holds no run")
     with RunFolder(run_dir).claim("export"):  # writing into a run: not while another process writes it
         return export_run(run_dir, out, step=step, merged=merged)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -76,6 +77,8 @@ def cmd_eval(args) -> int:
     from asyncflow import api
 
     result = api.evaluate(_config(args), args.checkpoint)
+    result = {name: None if isinstance(value, float) and math.isnan(value) else value  # no score: null, as JSON has
+              for name, value in result.items()}
     print(json.dumps({"checkpoint": args.checkpoint, **result}))
     return 0
 

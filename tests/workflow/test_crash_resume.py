@@ -8,11 +8,14 @@ The runs use one rollout replica, one micro-batch per step and no core lending: 
 `async` (k=1) deterministic (docs/reliability.md). The workers run inline (threads of the driver) to
 keep the tests short; `test_async_ray_driver_killed` does the same with Ray replicas and shared-memory
 weights, and checks that the killed driver's /dev/shm segments are gone once the resumed run starts.
+`test_killed_sft_resumes_exactly` kills `asyncflow sft` the same way: run again, it continues from its
+checkpoint and saves, bit for bit, the model an uninterrupted SFT saves.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -239,3 +242,58 @@ def test_killed_ppo_run_resumes_exactly(tmp_path, data_file, mode):
     assert all(torch.equal(a[k], b[k]) for k in a), f"final policy weights differ {note}"
     a, b = critic_weights(straight), critic_weights(crashed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"final critic weights differ {note}"
+
+
+SFT_STEPS = 10
+EXAMPLE = str(HERE.parents[1] / "examples" / "arithmetic_grpo.yaml")
+
+
+def sft_argv(run_dir: Path) -> list[str]:
+    return [
+        "sft", EXAMPLE, "run.progress=false", f"sft.steps={SFT_STEPS}", "sft.batch_size=8", "sft.warmup_steps=2",
+        "sft.stop_accuracy=0.99", "sft.check_every=4", "sft.validation_size=8", "rollout.max_new_tokens=3",
+        "train.micro_batch_size=4", "checkpoint.every=1", f"checkpoint.keep={SFT_STEPS}",
+        "--output", str(run_dir), "--threads", "1",
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_killed_sft_resumes_exactly(tmp_path, caplog):
+    """kill -9 of `asyncflow sft` at a random step after a checkpoint; run again, SFT continues from its newest
+    checkpoint: the same rows in metrics.jsonl (each step once, validation checks included) and the saved model
+    bit for bit that of an SFT never interrupted."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    after = rng.randint(1, SFT_STEPS - 2)
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    assert main(sft_argv(straight)) == 0
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(HERE)])}
+    proc = subprocess.Popen([sys.executable, "-m", "asyncflow.cli", *sft_argv(crashed)], env=env,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    checkpoints = crashed / ".tmp_sft" / "checkpoints"
+    try:
+        deadline = time.monotonic() + 120
+        while not (checkpoints / f"step_{after}" / "state.json").exists():
+            assert proc.poll() is None, f"SFT ended before checkpoint {after}: {proc.stderr.read()[-3000:]}"
+            assert time.monotonic() < deadline, "no checkpoint within 120 s"
+            time.sleep(0.005)
+        kill_at = time.monotonic() + rng.random() * 0.3
+        while time.monotonic() < kill_at and not (checkpoints / f"step_{after + 1}").exists():
+            time.sleep(0.002)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert not (crashed / "sft").exists(), "killed after SFT had finished"
+    newest = max(int(p.name.split("_")[1]) for p in checkpoints.glob("step_*"))
+    caplog.set_level(logging.INFO)
+    assert main(sft_argv(crashed)) == 0
+    note = f"(killed after SFT checkpoint {after}, seed {seed})"
+    assert f"SFT continues from {checkpoints / f'step_{newest}'} (step {newest})" in caplog.text, note
+    resumed = metrics(crashed / "sft")
+    assert [r["step"] for r in resumed] == list(range(1, SFT_STEPS + 1)), note
+    assert without_timing(resumed) == without_timing(metrics(straight / "sft")), f"SFT trained otherwise {note}"
+    a, b = (load_file(str(run / "sft" / "model.safetensors")) for run in (straight, crashed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"the SFT models differ {note}"

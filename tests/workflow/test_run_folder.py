@@ -98,9 +98,11 @@ def test_a_failed_write_leaves_the_previous_checkpoint_and_no_half_folder(tmp_pa
     monkeypatch.setattr(ckpt.torch, "save", full_disk)
     with pytest.raises(CheckpointWriteError) as failure:
         save(tmp_path, 2)
-    assert str(failure.value) == (
-        f"no space left on device while writing checkpoint {tmp_path / 'checkpoints' / 'step_2'} "
-        f"(training_state.pt); the previous checkpoint {previous} is intact"
+    message = str(failure.value)
+    assert message.startswith("no space left on device (") and "free, a checkpoint needs about" in message
+    assert message.endswith(
+        f"while writing checkpoint {tmp_path / 'checkpoints' / 'step_2'} (training_state.pt); "
+        f"the previous checkpoint {previous} is intact: continue from it with --resume"
     )
     assert failure.value.errno == errno.ENOSPC
     monkeypatch.undo()
@@ -212,7 +214,8 @@ def test_config_yaml_is_replaced_whole_and_changes_are_logged(tmp_path, caplog):
 
 # ---------------------------------------------------------------- metrics.jsonl on resume
 def test_a_cut_off_last_metrics_line_is_dropped_on_resume(tmp_path, caplog):
-    """Issue 15 item 10; a damaged line elsewhere still stops with its line number."""
+    """Issue 15 item 10; a damaged line elsewhere is an error of `read_metrics` naming its line number (a resume
+    sets such a file aside: tests/workflow/test_edges.py)."""
     with MetricsLogger(tmp_path, tensorboard=False) as logger:
         for step in range(3):
             logger.log(step, {"x": step})
@@ -226,7 +229,7 @@ def test_a_cut_off_last_metrics_line_is_dropped_on_resume(tmp_path, caplog):
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     (tmp_path / "metrics.jsonl").write_text("\n".join([lines[0], '{"step": 1, "x"', *lines[2:]]) + "\n")
     with pytest.raises(ValueError, match=r"metrics.jsonl:2: not valid JSON"):
-        MetricsLogger(tmp_path, tensorboard=False, resume_from_step=2)
+        read_metrics(tmp_path)
 
 
 # ---------------------------------------------------------------- Ray start-up

@@ -10,7 +10,9 @@ Invariants:
 - Resuming with `resume_from_step=S` drops every row with step > S from metrics.jsonl (rewritten
   atomically) and tells TensorBoard to discard its events with step > S, so a resumed run never
   shows a step twice. A cut-off last line (a full disk, a power loss) is dropped there with a
-  warning instead of blocking the resume; damage anywhere else is still an error.
+  warning instead of blocking the resume; damage anywhere else sets the file aside as
+  `damaged_metrics.jsonl` with a warning naming the lines, and the intact rows go on; a missing
+  file is a warning that the earlier rows are gone. `read_metrics` itself stays strict.
 - `log` is thread-safe. Only the `tensorboard` package is needed for event files (torch is not);
   wandb is imported only when a W&B run is asked for.
 """
@@ -21,6 +23,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import threading
 import time
 from collections.abc import Mapping
@@ -48,11 +51,14 @@ class MetricsLogger:
         if resume_from_step is not None:
             _check_step(resume_from_step)
             if self.path.exists():
-                rows = read_metrics(self.run_dir, drop_cut_off_last_line=True)
+                rows = _intact_rows(self.path)
                 kept = [row for row in rows if row["step"] <= resume_from_step]
                 tmp = self.path.with_suffix(".jsonl.tmp")
                 tmp.write_text("".join(_encode(int(row["step"]), row) for row in kept), encoding="utf-8")
                 os.replace(tmp, self.path)
+            elif resume_from_step > 0:
+                log.warning("%s is missing: the rows of steps 0..%d are gone; the resumed run logs from step %d on",
+                            self.path, resume_from_step, resume_from_step + 1)
         self._writers: list[Any] = []  # each with write(step, values) and close()
         if wandb is not None:
             from asyncflow.observe.wandb_logger import WandbWriter
@@ -113,6 +119,34 @@ def read_metrics(run_dir: str | Path, *, drop_cut_off_last_line: bool = False) -
                 found = line.strip()[:80]
                 raise ValueError(f"{path}:{line_number}: expected an object with an integer 'step', got {found!r}")
             rows.append({key: math.nan if value is None else value for key, value in row.items()})
+    return rows
+
+
+def _intact_rows(path: Path) -> list[dict[str, float]]:
+    """The rows of a metrics file being resumed: a cut-off last line is dropped with a warning; damage anywhere
+    else sets the file aside as `damaged_metrics.jsonl` (as the run folder names what it sets aside) with a
+    warning naming the lines, and the intact rows are kept."""
+    try:
+        return read_metrics(path.parent, drop_cut_off_last_line=True)
+    except (ValueError, UnicodeDecodeError) as err:
+        first_damage = str(err)
+    rows, damaged = [], []
+    with path.open(encoding="utf-8", errors="replace") as lines:
+        for line_number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                row = None
+            if not isinstance(row, dict) or type(row.get("step")) is not int:
+                damaged.append(line_number)
+                continue
+            rows.append({key: math.nan if value is None else value for key, value in row.items()})
+    aside = path.with_name(f"damaged_{path.name}")
+    shutil.copyfile(path, aside)
+    log.warning("%s is damaged (%s; %d damaged line(s): %s): set aside as %s, the %d intact rows are kept",
+                path, first_damage, len(damaged), ", ".join(map(str, damaged[:10])), aside, len(rows))
     return rows
 
 

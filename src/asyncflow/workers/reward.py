@@ -35,8 +35,9 @@ class RewardWorker:
     def last_failure(self) -> str | None:
         return self.runner.last_failure
 
-    def score(self, rollouts: list[Rollout]) -> None:
-        """Set `reward` and `response_text` on each rollout (held-out evaluation: counted in `eval_*`)."""
+    def score(self, rollouts: list[Rollout]) -> set[int]:
+        """Set `reward` and `response_text` on each rollout (held-out evaluation: counted in `eval_*`); -> the
+        indices of the rollouts whose reward failed (scored 0, not a measurement)."""
         for r in rollouts:
             r.response_text = self.tokenizer.decode(r.response_ids, skip_special_tokens=True)
         result = self.runner.score([r.response_text for r in rollouts], [r.answer for r in rollouts],
@@ -45,6 +46,7 @@ class RewardWorker:
         self.eval_timeouts += result.n_timeouts
         for r, value in zip(rollouts, result.rewards):
             r.reward = float(value)
+        return {i for i, _ in result.failures}
 
     def score_ids(self, responses: list[list[int]], metadata: list[dict]) -> torch.Tensor:
         """Rewards `[N]` float32 of token-id responses; `metadata[i]["answer"]` is the ground truth."""

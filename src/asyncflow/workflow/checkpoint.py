@@ -13,34 +13,50 @@ Invariants:
 - A checkpoint is written under a temporary name (`.tmp_step_N`), every file fsynced, the manifest
   written last, then renamed to `step_N`: a `step_N` folder is complete or was damaged afterwards.
 - `verify_checkpoint` checks each file against the manifest; `load_checkpoint` verifies first and
-  reports any damage as `CheckpointError` naming the file (folders written before manifests existed
-  are checked by loading them). Nothing is restored from a checkpoint that fails.
-- A write that fails (a full disk) removes its temporary folder and raises `CheckpointWriteError`;
-  earlier checkpoints are untouched. Only the newest `keep` checkpoints up to the one just written
-  are kept; a higher step is never pruned by a lower one.
+  reports any damage as `CheckpointError` naming the file (a folder without a manifest, written before
+  manifests existed or with its manifest lost, is checked by reading every file). Nothing is restored
+  from a checkpoint that fails.
+- A write that fails for any reason (an `OSError`, torch's `RuntimeError` from its zip writer,
+  `SafetensorError`, a `torch.distributed.checkpoint` error, Ctrl-C) removes its temporary folder;
+  earlier checkpoints are untouched. Any error becomes one `CheckpointWriteError` naming the folder,
+  the file, the cause (a full disk as such, with the free space and the size of the previous checkpoint)
+  and the checkpoint to resume from; an interruption (Ctrl-C, a second signal) goes on as it is.
+- Only the newest `keep` checkpoints up to the one just written are kept; a higher step is never pruned
+  by a lower one, nor a checkpoint a reader holds (`pinned`: `serve`, `eval` and `export` hold what they
+  load; it is pruned by a later save).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import random
 import re
 import shutil
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 STEP_PREFIX = "step_"
 MANIFEST = "manifest.json"
 FILES = ("model.safetensors", "training_state.pt", "rng.pt", "state.json")
 SHARDED_DIR = "sharded"
 _STEP_NAME = re.compile(rf"{STEP_PREFIX}(\d+)")
+_PIN_WAIT_S = 60.0  # longest wait for a pruner to finish deleting a checkpoint a reader wants
+_NEARLY_FULL_BYTES = 1 << 20  # a write that failed with less free than this ran out of space
 
 
 class CheckpointError(ValueError):
@@ -102,17 +118,175 @@ def save_checkpoint(
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync(root)
-    except OSError as err:
+    except BaseException as err:
+        disk_full = _disk_full(err, root)
         shutil.rmtree(tmp, ignore_errors=True)
-        intact = f"the previous checkpoint {previous[-1]} is intact" if previous else "there is no earlier checkpoint"
-        what = "no space left on device" if err.errno in (errno.ENOSPC, errno.EDQUOT) else (err.strerror or str(err))
-        raise CheckpointWriteError(
-            err.errno, f"{what} while writing checkpoint {final} ({current.name}); {intact}"
-        ) from err
+        if isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            raise  # the half-written folder is gone; the interruption goes on (DCP's errors are BaseException too)
+        raise _write_error(err, final, current, previous, disk_full, needed=_checkpoint_bytes(previous)) from err
     older = [c for c in list_checkpoints(run_dir) if checkpoint_step(c) < step]
     for old in older[: max(0, len(older) - (keep - 1))]:
-        shutil.rmtree(old, ignore_errors=True)
+        _prune(old)
     return final
+
+
+def _prune(checkpoint: Path) -> None:
+    """Delete `checkpoint` unless a reader holds it (`pinned`): then it is left for a later save to prune."""
+    try:
+        fd = os.open(checkpoint, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("checkpoint %s is being read by another process: pruned at a later checkpoint", checkpoint)
+            return
+        shutil.rmtree(checkpoint, ignore_errors=True)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def pinned(pick: Callable[[], T], checkpoint_of: Callable[[T], Path | None] = lambda picked: picked,
+           attempts: int = 5) -> Iterator[T]:
+    """`pick()` (what to read: a checkpoint, or something naming one) with its checkpoint held against pruning for
+    the block: a shared `flock` on the checkpoint's folder, which `save_checkpoint` does not prune (a writer never
+    waits on a reader). A checkpoint pruned between `pick()` and the lock (a run folder's newest, while it trains) is
+    picked again. A checkpoint folder that does not exist: `FileNotFoundError` naming it."""
+    for attempt in range(attempts):
+        try:
+            picked = pick()
+            checkpoint = checkpoint_of(picked)
+            fd = None if checkpoint is None else _pin(Path(checkpoint))
+        except FileNotFoundError:
+            if attempt == attempts - 1:
+                raise
+            continue
+        try:
+            yield picked
+        finally:
+            if fd is not None:
+                os.close(fd)
+        return
+
+
+def _pin(checkpoint: Path) -> int:
+    """A shared lock on `checkpoint`'s folder (its descriptor: closing it releases the pin)."""
+    missing = FileNotFoundError(
+        f"checkpoint folder {str(checkpoint)!r} does not exist (expected RUN_DIR/checkpoints/step_N)")
+    try:
+        fd = os.open(checkpoint, os.O_RDONLY | os.O_DIRECTORY)
+    except (FileNotFoundError, NotADirectoryError):
+        raise missing from None
+    deadline = time.monotonic() + _PIN_WAIT_S
+    while True:  # a pruner holds the folder only while it deletes it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise CheckpointError(f"{checkpoint}: held by a process deleting it for over {_PIN_WAIT_S:g} s"
+                                      ) from None
+            time.sleep(0.02)
+    try:
+        same = os.stat(checkpoint).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        same = False
+    if not same:
+        os.close(fd)
+        raise missing
+    return fd
+
+
+def _disk_full(err: BaseException, root: Path) -> bool:
+    """Whether a failed write ran out of space: ENOSPC / EDQUOT anywhere in the exception's chain, or a library's
+    message saying so (safetensors: "os error 28"; torch's zip writer says only "file write failed", so then the
+    folder's free space, looked at before the half-written files are removed, decides)."""
+    todo: list[BaseException] = [err]
+    while todo:
+        seen = todo.pop()
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = _first_line(seen)
+        if "os error 28" in text or "No space left" in text or "Disk quota exceeded" in text:
+            return True
+        todo += [e for e in (seen.__cause__, seen.__context__, *_rank_errors(seen).values()) if e is not None]
+    try:
+        return shutil.disk_usage(root).free < _NEARLY_FULL_BYTES
+    except OSError:
+        return False
+
+
+def _checkpoint_bytes(checkpoints: list[Path]) -> int | None:
+    """The size of the newest of `checkpoints` that has a manifest: what the next one needs, near enough."""
+    for checkpoint in reversed(checkpoints):
+        try:
+            files = json.loads((checkpoint / MANIFEST).read_text())["files"]
+            return sum(int(entry["size"]) for entry in files.values())
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def _write_error(err: BaseException, final: Path, current: Path, previous: list[Path], disk_full: bool,
+                 needed: int | None) -> CheckpointWriteError:
+    """The one-line `CheckpointWriteError` of a failed write: the folder and file, the cause, what is intact."""
+    code, cause = write_failure(err, final.parent, disk_full, needed, "a checkpoint")
+    if previous:
+        intact = f"the previous checkpoint {previous[-1]} is intact: continue from it with --resume"
+    else:
+        intact = "there is no earlier checkpoint"
+    return CheckpointWriteError(code, f"{cause} while writing checkpoint {final} ({current.name}); {intact}")
+
+
+def write_failure(err: BaseException, folder: Path, disk_full: bool | None = None, needed: int | None = None,
+                  what: str = "it") -> tuple[int, str]:
+    """-> (errno, cause in words) of a write into `folder` that raised `err`, whatever raised it: "no space left
+    on device (N MB free, WHAT needs about M MB)" when the disk is full (`disk_full`, or found out from `err` and
+    the folder's free space when None), else the error's type and first line."""
+    if disk_full is None:
+        disk_full = _disk_full(err, folder)
+    if disk_full:
+        cause = "no space left on device"
+        try:
+            free = shutil.disk_usage(folder).free
+            cause += f" ({_mb(free)} free" + (f", {what} needs about {_mb(needed)}" if needed else "") + ")"
+        except OSError:
+            pass
+        return errno.ENOSPC, cause
+    code = err.errno if isinstance(err, OSError) and err.errno else errno.EIO
+    ranks = _rank_errors(err)
+    if ranks:
+        rank, inner = next(iter(ranks.items()))
+        return code, f"{type(err).__name__} (rank {rank}: {type(inner).__name__}: {_first_line(inner)})"
+    return code, f"{type(err).__name__}: {(err.strerror if isinstance(err, OSError) else None) or _first_line(err)}"
+
+
+def _rank_errors(err: BaseException) -> dict[int, BaseException]:
+    """A `torch.distributed.checkpoint` `CheckpointException`'s errors by rank ({} for any other error)."""
+    failures = getattr(err, "failures", None)
+    if not isinstance(failures, dict):
+        return {}
+    found = {}
+    for rank, failure in failures.items():
+        inner = failure[0] if isinstance(failure, tuple) and failure else failure
+        if isinstance(inner, BaseException):
+            found[rank] = inner
+    return found
+
+
+def _first_line(err: BaseException) -> str:
+    try:
+        text = str(err).strip()
+    except Exception:  # an exception whose own __str__ fails
+        text = ""
+    return text.splitlines()[0] if text else "no message"
+
+
+def _mb(size: int) -> str:
+    return f"{size / 1e6:.1f} MB"
 
 
 def checkpoint_step(checkpoint: Path) -> int:
@@ -157,8 +331,10 @@ def verify_checkpoint(checkpoint: Path, files: tuple[str, ...] = FILES) -> None:
         path = checkpoint / name
         if not path.is_file():
             raise CheckpointError(f"{path}: missing")
-        if manifest is None:
-            continue  # written before manifests: `load_checkpoint` checks it by reading it
+        if manifest is None:  # written before manifests, or its manifest lost: checked by reading it
+            if name in _READERS:
+                _read(checkpoint, name)
+            continue
         expected = manifest.get(name)
         if not isinstance(expected, dict):
             raise CheckpointError(f"{path}: not listed in {MANIFEST}")

@@ -4,11 +4,16 @@ an evaluation engine (the run's, `asyncflow eval`'s and the SFT warm-up's valida
 
 Invariants: a prompt counts as solved when its single sample scores a reward >= 1, the same
 reward functions training uses; evaluating a model builds an inference engine and a reward worker
-only (no training engine, no optimizer).
+only (no training engine, no optimizer). Reward calls that fail are counted in the evaluation's own
+`eval/reward_errors` / `eval/reward_timeouts` (never in training's), left out of `eval/reward_mean`
+and count as unsolved; when every call failed there is no score: accuracy and mean are NaN (null in
+metrics.jsonl) with a warning.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +30,8 @@ from asyncflow.workers.rollout import RolloutWorker
 if TYPE_CHECKING:
     from asyncflow.runtime.base import RolloutSpec
 
+log = logging.getLogger(__name__)
+
 
 def evaluate(
     engine: InferenceEngine, rewards: RewardWorker, encoder: PromptEncoder, test: list[Example], params: SamplingParams,
@@ -35,13 +42,23 @@ def evaluate(
     prompts = [p for i, ex in enumerate(test) if (p := encoder.encode(ex, i)) is not None]
     if not prompts:
         return {}
+    failed: set[int] = set()
+    counts = {}
     if episodes is not None:
         rollouts = list(episodes.generate(prompts))
     else:
         rollouts = list(RolloutWorker(engine, params, group_size=1).generate(prompts))
-        rewards.score(rollouts)
+        errors, timeouts = rewards.eval_errors, rewards.eval_timeouts
+        failed = rewards.score(rollouts)
+        counts = {"eval/reward_errors": float(rewards.eval_errors - errors),
+                  "eval/reward_timeouts": float(rewards.eval_timeouts - timeouts)}
     scores = np.array([r.reward for r in rollouts])
-    return {"eval/accuracy": float((scores >= 1.0).mean()), "eval/reward_mean": float(scores.mean())}
+    measured = np.array([r.reward for i, r in enumerate(rollouts) if i not in failed])
+    if not len(measured):
+        log.warning("held-out evaluation: the reward failed on all %d samples (%s): no accuracy is reported",
+                    len(rollouts), rewards.last_failure or "see the reward warnings")
+        return {"eval/accuracy": math.nan, "eval/reward_mean": math.nan, **counts}
+    return {"eval/accuracy": float((scores >= 1.0).mean()), "eval/reward_mean": float(measured.mean()), **counts}
 
 
 def evaluation_spec(spec: RolloutSpec, params: SamplingParams) -> RolloutSpec:
@@ -57,12 +74,12 @@ def evaluate_model(config, model: str | Path, test: list[Example]) -> dict[str, 
     prompts and rewards."""
     from asyncflow.models.loading import load_tokenizer
     from asyncflow.runtime.base import build_rollout_worker
-    from asyncflow.workflow.checkpoint import load_weights
+    from asyncflow.workflow.checkpoint import load_weights, pinned
     from asyncflow.workflow.serve import resolve_model_ref
     from asyncflow.workflow.setup import build_reward_runner, prompt_encoder, rollout_spec, sampling_params
 
-    ref = resolve_model_ref(str(model))
-    weights = None if ref.checkpoint is None else load_weights(ref.checkpoint)  # verified before a model loads
+    with pinned(lambda: resolve_model_ref(str(model)), lambda resolved: resolved.checkpoint) as ref:  # not pruned
+        weights = None if ref.checkpoint is None else load_weights(ref.checkpoint)  # verified before a model loads
     tokenizer = load_tokenizer(ref.model_path)
     params = sampling_params(config, tokenizer, greedy=True)
     spec = evaluation_spec(rollout_spec(config, ref.model_path, tokenizer), params)

@@ -14,7 +14,9 @@ Invariants:
 - The weights are the checkpoint's `model.safetensors` (verified against its manifest), loaded into the
   run's architecture with every key matched: a model loaded from OUT gives the trainer's log-probs exactly.
 - OUT is written under a temporary name and renamed into place, so it is complete or absent; an existing
-  non-empty OUT is never written into unless `replace` (the final export of a run replaces its own).
+  non-empty OUT is never written into unless `replace` (the final export of a run replaces its own). A write
+  that fails, whatever raised (a full disk named as such), removes the temporary folder and is one
+  `ExportError` line.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from asyncflow.workflow.checkpoint import (
     list_checkpoints,
     load_training_state,
     load_weights,
+    pinned,
     verify_checkpoint,
+    write_failure,
 )
 from asyncflow.workflow.setup import lora_settings
 
@@ -74,10 +78,10 @@ def export_run(
     if out.exists() and any(out.iterdir()) and not replace:
         raise ExportError(f"export folder {out} exists and is not empty: give a new folder")
     config = load_config(config_file)
-    checkpoint = pick_checkpoint(run_dir, step)
-    weights = load_weights(checkpoint)  # verified: a damaged file is named
     lora = lora_settings(config)
-    adapter = load_training_state(checkpoint)["adapter"] if lora is not None else None
+    with pinned(lambda: pick_checkpoint(run_dir, step)) as checkpoint:  # not pruned by the run while it is read
+        weights = load_weights(checkpoint)  # verified: a damaged file is named
+        adapter = load_training_state(checkpoint)["adapter"] if lora is not None else None
 
     model_path = resolve_model_path(config.model.path, seed=config.run.seed)
     tmp = out.parent / f".tmp_{out.name}"
@@ -105,8 +109,12 @@ def export_run(
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
-    except BaseException:
+    except BaseException as err:
+        cause = write_failure(err, tmp.parent)[1] if isinstance(err, Exception) else None  # before space is freed
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if cause is None or isinstance(err, ExportError):
+            raise
+        raise ExportError(f"{cause} while writing the export {out} (from {checkpoint}); the run's checkpoints are "
+                          f"intact: export again with asyncflow export {run_dir} {out}") from err
     log.info("exported %s (step %d) to %s", checkpoint, info["step"], out)
     return out

@@ -62,7 +62,7 @@ from asyncflow.workflow.checkpoint import SHARDED_DIR, CheckpointError, load_che
 from asyncflow.workflow.evaluation import evaluate, evaluation_spec
 from asyncflow.workflow.export import EXPORT_DIR, export_run
 from asyncflow.workflow.pipeline import PipelineWorkflow
-from asyncflow.workflow.run_folder import Plan, RunFolder
+from asyncflow.workflow.run_folder import TIMELINE_FILE, Plan, RunFolder, fixed_settings
 from asyncflow.workflow.setup import (
     Preflight,
     build_reward_runner,
@@ -80,7 +80,6 @@ from asyncflow.workflow.stopping import RunStopped, StopSignals
 
 log = logging.getLogger(__name__)
 
-TIMELINE_FILE = "timeline.json"
 CURVES_FILE = "curves.png"
 
 
@@ -183,6 +182,7 @@ class RLRun:
             "reward_errors": self.state.reward_errors,
             "reward_timeouts": self.state.reward_timeouts,
             "wall_s": self.wall_s(),
+            "fixed_settings": fixed_settings(self.config),  # what a resume may not change, if config.yaml is lost
         }
         engine = self.train_engine
         path = save_checkpoint(

@@ -1,7 +1,8 @@
 """The run folder (`run.output_dir`): what it holds, what state the run in it is in, and whether a
 command may write into it.
 
-Owns: the folder's lock (`RunFolder.claim`: one writing process at a time), the decision taken before
+Owns: the folder's lock (`RunFolder.claim`: one writing process at a time; `claim_output` the same for an
+output folder outside a run, an export's), the decision taken before
 anything is written (`RunFolder.plan`: start fresh, resume from a checkpoint, or nothing to do), what may
 not change on a resume (`check_resumable`), carrying the plan out (`RunFolder.prepare`: create and probe
 the folder, clear it for `--overwrite`, set damaged checkpoints aside), and writing `config.yaml`
@@ -18,8 +19,11 @@ Invariants:
   that holds no run is never written into nor cleared. So one folder never mixes two runs' steps,
   config or checkpoints.
 - `--resume` continues from the newest checkpoint that verifies; newer damaged ones are set aside
-  as `checkpoints/damaged_step_N` with a warning naming the bad file. A run whose newest intact
-  checkpoint is at or past `train.steps` is finished: resuming it changes nothing.
+  as `checkpoints/damaged_step_N` with a warning naming the bad file. The other files a resume reads
+  (`RESUME_READ_FILES`: config.yaml, timeline.json) are checked too: a damaged one is named, set aside
+  as `damaged_NAME`, and the run goes on without it. What a resume may not change is checked against
+  the checkpoint's own record (`fixed_settings` in its state.json), config.yaml only for older ones.
+  A run whose newest intact checkpoint is at or past `train.steps` is finished: resuming it changes nothing.
 - `--resume` of a run that stopped before its first checkpoint starts again from step 0 and drops
   that attempt's outputs (no step is logged twice); `--resume` of a run whose checkpoints are all
   damaged stops with an error naming them.
@@ -61,6 +65,24 @@ SFT_DIR = "sft"  # the SFT warm-up model: written before the RL run, kept when a
 RUN_MARKERS = (CONFIG_FILE, METRICS_FILE, CHECKPOINTS_DIR)  # a folder holding one of these holds a run
 DAMAGED_PREFIX = "damaged_"
 LOCK_FILE = ".lock"
+
+
+def _check_timeline(path: Path) -> None:
+    document = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(document, dict) or not isinstance(document.get("traceEvents"), list):
+        raise ValueError("not a Chrome trace (no traceEvents list)")
+
+
+def _check_config(path: Path) -> None:
+    if not isinstance(yaml.safe_load(path.read_text(encoding="utf-8")), dict):
+        raise ValueError("not a mapping of config sections")
+
+
+TIMELINE_FILE = "timeline.json"
+RESUME_READ_FILES = {CONFIG_FILE: _check_config, TIMELINE_FILE: _check_timeline}
+"""Run-folder files a resume reads besides checkpoints and metrics.jsonl (whose damage `MetricsLogger` handles),
+each with the check that it can be read; a damaged one is set aside as `damaged_NAME` and the run goes on:
+config.yaml is written again from the command's config, the timeline starts anew."""
 RESUME_FIXED_KEYS = ("model.path", "train.lora.rank", "train.lora.alpha", "train.lora.target_modules")
 """Settings a resume cannot change: the checkpoint's weights, adapter and optimizer state are shaped by them."""
 
@@ -79,7 +101,8 @@ class Plan:
     """What a command does with its run folder, decided before anything is written.
 
     action: `fresh` (step 0), `resume` (from `checkpoint`, at `step`) or `finished` (nothing to do).
-    clear: entries of the folder deleted before a fresh start. damaged: (checkpoint, why) set aside."""
+    clear: entries of the folder deleted before a fresh start. damaged: (checkpoint, why) set aside.
+    damaged_files: (run-folder file, why) set aside, the run going on without them (`RESUME_READ_FILES`)."""
 
     path: Path
     action: Literal["fresh", "resume", "finished"]
@@ -87,6 +110,7 @@ class Plan:
     step: int = 0
     clear: tuple[str, ...] = ()
     damaged: tuple[tuple[Path, str], ...] = ()
+    damaged_files: tuple[tuple[Path, str], ...] = ()
 
 
 class RunFolder:
@@ -101,29 +125,13 @@ class RunFolder:
         self._refuse_foreign()
         created = not self.path.exists()
         lock = self.path / LOCK_FILE
-        while True:
-            try:
-                self.path.mkdir(parents=True, exist_ok=True)
-                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as err:
-                raise RunFolderNotWritable(err.errno, f"cannot write to run folder {self.path}: {err.strerror}"
-                                           ) from err
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise RunFolderInUse(f"run folder {self.path} is in use by {_holder(lock)}: wait for it to end, "
-                                     "stop it (Ctrl-C, or kill PID: it checkpoints and exits), or choose another "
-                                     "folder with --output") from None
-            try:  # locked; but the file may have been removed by its last holder in between: lock the new one
-                if os.stat(lock).st_ino == os.fstat(fd).st_ino:
-                    break
-            except FileNotFoundError:
-                pass
-            os.close(fd)
-        holder = {"pid": os.getpid(), "command": command, "argv": sys.argv, "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps(holder).encode())
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise RunFolderNotWritable(err.errno, f"cannot write to run folder {self.path}: {err.strerror}") from err
+        fd = _take_lock(lock, command, lambda holder: RunFolderInUse(
+            f"run folder {self.path} is in use by {holder}: wait for it to end, stop it (Ctrl-C, or kill PID: it "
+            "checkpoints and exits), or choose another folder with --output"))
         try:
             yield
         finally:
@@ -174,12 +182,36 @@ class RunFolder:
                 continue
             step = checkpoint_step(checkpoint)
             action = "finished" if step >= steps else "resume"
-            return Plan(self.path, action, checkpoint, step, damaged=tuple(damaged))
+            return Plan(self.path, action, checkpoint, step, damaged=tuple(damaged),
+                        damaged_files=tuple(self._damaged_files()))
         raise CheckpointError(
             f"--resume: no intact checkpoint in {self.path / CHECKPOINTS_DIR}: "
             + "; ".join(why for _, why in damaged)
             + " (pass --overwrite to start the run again)"
         )
+
+    def _damaged_files(self) -> list[tuple[Path, str]]:
+        """The files a resume reads besides checkpoints and metrics (`RESUME_READ_FILES`) that cannot be read."""
+        found = []
+        for name, check in RESUME_READ_FILES.items():
+            path = self.path / name
+            if not path.is_file():
+                continue
+            try:
+                check(path)
+            except (OSError, ValueError, yaml.YAMLError, UnicodeDecodeError) as err:
+                why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                log.warning("%s is damaged (%s): it is set aside, the run goes on without it", path, why)
+                found.append((path, why))
+        return found
+
+    def set_aside(self, plan: Plan) -> None:
+        """Rename the damaged run-folder files of `plan` to `damaged_NAME` (an older one of that name replaced)."""
+        for path, _ in plan.damaged_files:
+            aside = path.with_name(DAMAGED_PREFIX + path.name)
+            if path.exists():
+                os.replace(path, aside)
+                log.warning("damaged %s set aside as %s", path.name, aside)
 
     def _refuse_foreign(self) -> None:
         """`RunFolderInUse` when the folder holds files but no run: it is neither written into nor cleared."""
@@ -209,6 +241,7 @@ class RunFolder:
                 shutil.rmtree(target)
             else:
                 target.unlink(missing_ok=True)
+        self.set_aside(plan)
         for checkpoint, _ in plan.damaged:
             aside = checkpoint.with_name(DAMAGED_PREFIX + checkpoint.name)
             shutil.rmtree(aside, ignore_errors=True)
@@ -233,12 +266,23 @@ class RunFolder:
         os.replace(tmp, path)
 
 
-def check_resumable(run_dir: Path, config: Config) -> None:
+def fixed_settings(config: Config) -> dict[str, Any]:
+    """The `RESUME_FIXED_KEYS` of `config`: what a checkpoint records of the settings that shape it."""
+    flat = _flatten(config.model_dump(mode="json"))
+    return {key: flat.get(key) for key in RESUME_FIXED_KEYS}
+
+
+def check_resumable(run_dir: Path, config: Config, checkpoint: Path | None = None) -> None:
     """`ConfigError` naming the key when `config` changes a setting the run's checkpoints depend on
-    (`RESUME_FIXED_KEYS`, against the run's `config.yaml`)."""
-    before = _saved_config(run_dir)
-    if before is None:
-        return  # no readable config: the checkpoint's own checks speak
+    (`RESUME_FIXED_KEYS`): against `checkpoint`'s own record (`fixed_settings` in its state.json) and, for keys
+    it does not record (checkpoints written before it did), the run's `config.yaml`."""
+    before = _saved_config(run_dir) or {}
+    if checkpoint is not None:
+        try:
+            recorded = json.loads((Path(checkpoint) / "state.json").read_text()).get("fixed_settings") or {}
+        except (OSError, ValueError, AttributeError):
+            recorded = {}  # the plan verified it; a state.json without a record is an older checkpoint's
+        before = {**before, **recorded}
     after = _flatten(config.model_dump(mode="json"))
     for key in RESUME_FIXED_KEYS:
         if key in before and before[key] != after.get(key):
@@ -247,6 +291,53 @@ def check_resumable(run_dir: Path, config: Config) -> None:
                 f"on a resume (the checkpoints were trained with it): set {key}={before[key]!r}, or start again "
                 "with --overwrite"
             )
+
+
+@contextmanager
+def claim_output(out: Path, command: str) -> Iterator[None]:
+    """Hold the lock of an output folder that is not a run folder (an export's OUT) for the block: `.OUT.lock`
+    beside it (OUT itself is replaced whole), removed at the end. `RunFolderInUse` naming the holder when another
+    process has it."""
+    out = Path(out)
+    lock = out.parent / f".{out.name}.lock"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RunFolderNotWritable(err.errno, f"cannot write to {out.parent}: {err.strerror}") from err
+    fd = _take_lock(lock, command, lambda holder: RunFolderInUse(
+        f"{out} is being written by {holder}: wait for it to end, or choose another folder"))
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)  # while still held: a waiter that opened it takes the next one (`_take_lock`)
+        os.close(fd)
+
+
+def _take_lock(lock: Path, command: str, refusal) -> int:
+    """Take the `flock` on `lock` (created if needed) without waiting and write this process's pid and command into
+    it; -> its descriptor (closing it releases the lock). `refusal(holder)` is raised when another process holds
+    it. A lock file removed by its last holder while it was taken is taken again under its new inode."""
+    while True:
+        try:  # the folder too: its last holder may have removed it, empty, in between
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise RunFolderNotWritable(err.errno, f"cannot write to {lock.parent}: {err.strerror}") from err
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise refusal(_holder(lock)) from None
+        try:
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    holder = {"pid": os.getpid(), "command": command, "argv": sys.argv, "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps(holder).encode())
+    return fd
 
 
 def _holder(lock: Path) -> str:

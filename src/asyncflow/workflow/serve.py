@@ -5,8 +5,10 @@ or a checkpoint folder `RUN_DIR/checkpoints/step_N`) to the model folder and che
 (`resolve_model_ref`, which `asyncflow eval` shares) and to a loaded model, its tokenizer, a served name and
 the weight version it reports; building the engine, the `EngineService` and the app over them.
 
-Invariant: a checkpoint is verified against its manifest before its weights are served (a damaged file
-is named), and its weights go into the architecture and tokenizer of the run's own `model.path`.
+Invariants: a checkpoint is verified against its manifest before its weights are served (a damaged file
+is named), and its weights go into the architecture and tokenizer of the run's own `model.path`. The checkpoint
+is held against the run's pruning while it loads (`checkpoint.pinned`), so serving a run that trains never
+finds its checkpoint gone.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import yaml
 from asyncflow.engines.base import SamplingParams, make_inference_engine
 from asyncflow.engines.service import EngineService
 from asyncflow.models.loading import PRESET_PREFIX, ModelLoadError, load_model, load_tokenizer, resolve_model_path
-from asyncflow.workflow.checkpoint import CheckpointError, checkpoint_step, latest_checkpoint, load_weights
+from asyncflow.workflow.checkpoint import CheckpointError, checkpoint_step, latest_checkpoint, load_weights, pinned
 from asyncflow.workflow.run_folder import CONFIG_FILE
 
 log = logging.getLogger(__name__)
@@ -67,7 +69,14 @@ def resolve_model_ref(ref: str) -> ModelRef:
     run_dir = checkpoint.parent.parent
     if not (run_dir / CONFIG_FILE).is_file():
         raise CheckpointError(f"{checkpoint}: its run folder {run_dir} has no {CONFIG_FILE} (the base model)")
-    run_config = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
+    try:
+        run_config = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{run_dir / CONFIG_FILE}: damaged, not valid YAML ({str(err).splitlines()[0]}): "
+                              "resume the run to write it again") from None
+    if not isinstance(run_config, dict):
+        raise CheckpointError(f"{run_dir / CONFIG_FILE}: damaged (not a mapping of config sections): resume the run "
+                              "to write it again")
     base = run_config.get("model", {}).get("path")
     if not base:
         raise CheckpointError(f"{run_dir / CONFIG_FILE}: no model.path")
@@ -80,8 +89,8 @@ def resolve_model_ref(ref: str) -> ModelRef:
 
 def load_served(ref: str, *, dtype: str = "float32", device: str = "cpu") -> ServedWeights:
     """The model MODEL names, loaded; see the module docstring. Errors name what is missing or damaged."""
-    resolved = resolve_model_ref(ref)
-    weights = None if resolved.checkpoint is None else load_weights(resolved.checkpoint)  # verified first
+    with pinned(lambda: resolve_model_ref(ref), lambda resolved: resolved.checkpoint) as resolved:
+        weights = None if resolved.checkpoint is None else load_weights(resolved.checkpoint)  # verified first
     model = load_model(resolved.model_path, dtype=dtype, device=device)
     if weights is not None:
         model.load_state_dict(weights)

@@ -13,8 +13,13 @@ first check that reaches the target; `sft.steps` bounds the run (ending there be
 
 Invariants:
 - The output folder is complete or absent: SFT writes into `.tmp_NAME` beside it and renames that into place
-  after `sft_summary.json`, so a folder with a summary is a finished SFT (`read_summary`) and anything else is
-  redone. SIGINT / SIGTERM stop SFT between steps (`RunStopped`) without writing the model.
+  after `sft_summary.json`, so a folder with a summary is a finished SFT (`read_summary`).
+- SFT resumes like RL: its checkpoints (`checkpoint.every`, and on SIGINT / SIGTERM) hold weights, optimizer,
+  schedule, the global RNGs, the example sampler's state and the validation checks, and SFT run again (`asyncflow
+  sft`, or `train` with `sft.before_rl`) continues from the newest intact one in `.tmp_NAME`: the same examples in
+  the same order, the same final model bit for bit. It starts again only when there is none, or SFT's settings or
+  data changed since (`sft_settings`, said in a warning). Its writer holds the run folder's lock (`asyncflow.api`).
+  SIGINT / SIGTERM stop SFT between steps (`RunStopped`) after that checkpoint, without writing the model.
 - The prompt is rendered exactly as the RL rollout renders it (`render_prompt`) and the answer is followed by
   EOS, so the warm-started model stops where the RL reward expects it to.
 - The validation prompts never reach SFT training and are not the RL run's test prompts: a built-in task's
@@ -24,6 +29,7 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -47,8 +53,20 @@ from asyncflow.models.tri_model import TriLogProbs
 from asyncflow.observe import MetricsLogger, TrainProgress
 from asyncflow.runtime.base import build_rollout_worker
 from asyncflow.workers.reward import RewardWorker
-from asyncflow.workflow.checkpoint import save_checkpoint
+from asyncflow.workflow.checkpoint import (
+    SHARDED_DIR,
+    STEP_PREFIX,
+    CheckpointError,
+    CheckpointWriteError,
+    checkpoint_step,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+    write_failure,
+)
 from asyncflow.workflow.evaluation import evaluate, evaluation_spec
+from asyncflow.workflow.run_folder import DAMAGED_PREFIX
 from asyncflow.workflow.setup import (
     build_reward_runner,
     datasets,
@@ -162,24 +180,39 @@ def run_sft(config: Config, output: str | Path, stop: StopSignals | None = None)
             raise ConfigError(f"SFT output {final} is not empty and holds no SFT model: choose a new folder")
         log.warning("%s holds no %s (an SFT that was cut off): SFT runs again", final, SUMMARY_FILE)
     output = final.parent / f".tmp_{final.name}"
-    shutil.rmtree(output, ignore_errors=True)  # an interrupted SFT's: this one starts again
-    output.mkdir(parents=True)
     seed_everything(config.run.seed)
     model_path = resolve_model_path(config.model.path, seed=config.run.seed)
     tokenizer = load_tokenizer(model_path)
     model = load_model(model_path, dtype=config.model.dtype, device=config.model.device)
     train, validation = sft_pools(config)
+    settings = sft_settings(config, train, validation)
+    resume_from = _resumable(output, settings)
+    if resume_from is None:
+        shutil.rmtree(output, ignore_errors=True)  # an interrupted SFT's without a usable checkpoint: started again
+        output.mkdir(parents=True)
     probe = ValidationProbe(config, model_path, tokenizer, validation) if validation else None
     engine = make_train_engine(config.train.engine, **{  # SFT's optimizer; unpacked: its rows share no prompt
         **train_engine_options(config, model, model_path), "lr": cfg.lr, "betas": cfg.betas, "total_steps": cfg.steps,
         "weight_decay": cfg.weight_decay, "grad_clip": cfg.grad_clip, "lr_schedule": cfg.lr_schedule,
         "warmup_steps": cfg.warmup_steps, "use_reference": False, "packing": "off", "critic": None})  # no critic in SFT
     rng, to_sample = random.Random(config.run.seed), sft_samples(config, tokenizer)
-    metrics = MetricsLogger(output, tensorboard=False, resume_from_step=0)
     sharded = engine.save_sharded if isinstance(engine, ShardedCheckpointing) else None
-    checks, reached, step, t0 = [], False, 0, time.perf_counter()  # checks: (step, validation accuracy)
+    checks, reached, step, wall_offset = [], False, 0, 0.0  # checks: (step, validation accuracy)
+    if resume_from is not None:
+        step, checks, reached, wall_offset = _resume(engine, rng, resume_from)
+        if probe is not None:
+            probe.version = len(checks)
+    t0 = time.perf_counter() - wall_offset
+    metrics = MetricsLogger(output, tensorboard=False, resume_from_step=step)
+
+    def save() -> None:
+        state = {"phase": "sft", "sft_settings": settings, "sampler": rng.getstate(), "checks": checks,
+                 "reached": reached, "wall_s": time.perf_counter() - t0}
+        save_checkpoint(output, step, engine.state_dict(), engine.training_state(), state,
+                        keep=config.checkpoint.keep, write_sharded=sharded)
+
     try:
-        with TrainProgress(cfg.steps, description="sft", enabled=config.run.progress) as bar:
+        with TrainProgress(cfg.steps, initial=step, description="sft", enabled=config.run.progress) as bar:
             while step < cfg.steps and not reached:
                 samples = [to_sample(train[rng.randrange(len(train))]) for _ in range(cfg.batch_size)]
                 loss, total = 0.0, int(response_mask(samples).sum())
@@ -194,12 +227,13 @@ def run_sft(config: Config, output: str | Path, stop: StopSignals | None = None)
                     reached = checks[-1][1] >= cfg.stop_accuracy
                 metrics.log(step, row)
                 bar.update(step, {k: v for k, v in row.items() if k in ("sft/loss", "sft/val_accuracy")})
-                if step == cfg.steps or reached or config.checkpoint.every and step % config.checkpoint.every == 0:
-                    save_checkpoint(output, step, engine.state_dict(), engine.training_state(), {"phase": "sft"},
-                                    keep=config.checkpoint.keep, write_sharded=sharded)
-                if stop is not None and stop.requested:
+                stopping = stop is not None and stop.requested
+                if (step == cfg.steps or reached or stopping
+                        or config.checkpoint.every and step % config.checkpoint.every == 0):
+                    save()
+                if stopping:
                     raise RunStopped(stop.signum, f"stopped by {stop.name} during SFT (step {step}): the SFT model is "
-                                     f"not written; SFT runs again from the start")
+                                     f"not written; SFT continues from this step's checkpoint when run again")
         model = load_model(model_path, dtype=config.model.dtype)
         model.load_state_dict(engine.state_dict())  # under LoRA the merged weights: a plain model folder
     finally:
@@ -215,9 +249,14 @@ def run_sft(config: Config, output: str | Path, stop: StopSignals | None = None)
         "checks": [{"step": s, "val_accuracy": a} for s, a in checks], "wall_s": round(wall_s, 2),
         "torch_threads": torch.get_num_threads(),
     }  # fmt: skip
-    model.save_pretrained(output)
-    tokenizer.save_pretrained(output)
-    (output / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+    try:
+        model.save_pretrained(output)
+        tokenizer.save_pretrained(output)
+        (output / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+    except Exception as err:  # safetensors, the OS, ...: one line; the last checkpoint lets SFT finish when run again
+        code, cause = write_failure(err, output)
+        raise CheckpointWriteError(code, f"{cause} while writing the SFT model into {output}; its checkpoint of step "
+                                   f"{step} is intact: SFT run again finishes from it") from err
     if final.exists():
         shutil.rmtree(final)
     output.rename(final)
@@ -228,6 +267,68 @@ def run_sft(config: Config, output: str | Path, stop: StopSignals | None = None)
     log.info("SFT stopped at step %d (%.1f s), validation accuracy %s; model saved to %s", step, wall_s,
              summary["val_accuracy"], final)
     return final
+
+
+def sft_settings(config: Config, train: list[Example], validation: list[Example]) -> dict:
+    """What an SFT checkpoint must have been trained with to be continued: SFT's own settings, the model, engine,
+    LoRA, micro-batch and seed, and a sha256 over the training and validation rows (JSON-plain, to compare)."""
+    digest = hashlib.sha256()
+    for example in [*train, None, *validation]:
+        if example is None:
+            digest.update(b"|")  # where the training rows end
+        else:
+            digest.update(f"{len(example.prompt)}:{example.prompt}{len(example.answer)}:{example.answer}".encode())
+    sft = config.sft.model_dump(mode="json", exclude={"output", "before_rl"})
+    settings = {"sft": sft, "model.path": config.model.path, "train.engine": config.train.engine,
+                "train.world_size": config.train.world_size, "train.lora": config.train.lora.model_dump(mode="json"),
+                "train.micro_batch_size": config.train.micro_batch_size, "run.seed": config.run.seed,
+                "data": {"train": len(train), "validation": len(validation), "sha256": digest.hexdigest()}}
+    return json.loads(json.dumps(settings))
+
+
+def _resumable(output: Path, settings: dict) -> Path | None:
+    """The newest intact checkpoint of an interrupted SFT in `output` trained with `settings`, or None (SFT starts
+    again: none, or the settings or data changed, said in a warning). Damaged ones are set aside (`damaged_step_N`),
+    half-written ones removed."""
+    found = list_checkpoints(output)
+    for half_written in (output / "checkpoints").glob(f".tmp_{STEP_PREFIX}*"):
+        shutil.rmtree(half_written, ignore_errors=True)
+    for checkpoint in reversed(found):
+        try:
+            verify_checkpoint(checkpoint)
+        except CheckpointError as err:
+            aside = checkpoint.with_name(DAMAGED_PREFIX + checkpoint.name)
+            shutil.rmtree(aside, ignore_errors=True)
+            checkpoint.rename(aside)
+            log.warning("SFT checkpoint %s is damaged (%s): set aside as %s", checkpoint, err, aside)
+            continue
+        recorded = json.loads((checkpoint / "state.json").read_text()).get("sft_settings")
+        if recorded != settings:
+            changed = ", ".join(k for k in settings if (recorded or {}).get(k) != settings[k]) if recorded else (
+                "it records no SFT settings: written by an older asyncflow")
+            log.warning("SFT changed since its checkpoint %s (%s): SFT starts again from step 0", checkpoint, changed)
+            return None
+        log.info("SFT continues from %s (step %d)", checkpoint, checkpoint_step(checkpoint))
+        return checkpoint
+    if found:
+        log.warning("no intact SFT checkpoint in %s: SFT starts again from step 0", output / "checkpoints")
+    return None
+
+
+def _resume(engine, rng: random.Random, checkpoint: Path) -> tuple[int, list, bool, float]:
+    """Restore the engine (weights, optimizer, schedule), the global RNGs and the example sampler from an SFT
+    checkpoint; -> (step, checks, reached, wall seconds so far)."""
+    weights, training_state, state, _ = load_checkpoint(checkpoint)
+    sharded = checkpoint / SHARDED_DIR
+    if isinstance(engine, ShardedCheckpointing) and sharded.is_dir():
+        engine.load_sharded(sharded)
+        engine.load_training_state(training_state)
+    else:
+        engine.load_checkpoint(weights, training_state)
+    version, internal, gauss = state["sampler"]
+    rng.setstate((version, tuple(internal), gauss))
+    checks = [(int(s), float(a)) for s, a in state["checks"]]
+    return int(state["step"]), checks, bool(state["reached"]), float(state["wall_s"])
 
 
 def read_summary(folder: str | Path) -> dict | None:
