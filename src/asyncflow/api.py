@@ -156,6 +156,8 @@ def _warm_up(config: Config, stop) -> dict:
     if summary is None:
         run_sft(config, out, stop=stop)
         summary = read_summary(out)
+        if summary is None:
+            raise RuntimeError(f"SFT ended without writing its summary to {out}")
     sft = {"sft/steps": summary.get("steps"), "sft/val_accuracy": summary.get("val_accuracy")}
     log.info("RL starts from the SFT model in %s (SFT steps %s, validation accuracy %s)",
              out, sft["sft/steps"], sft["sft/val_accuracy"])

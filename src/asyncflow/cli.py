@@ -22,7 +22,11 @@ import json
 import logging
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
+
+from pydantic import ValidationError
 
 from asyncflow.config import Config, ConfigError, load_config
 from asyncflow.rewards import RewardHealthError, RewardStuckError
@@ -77,9 +81,9 @@ def cmd_eval(args) -> int:
     from asyncflow import api
 
     result = api.evaluate(_config(args), args.checkpoint)
-    result = {name: None if isinstance(value, float) and math.isnan(value) else value  # no score: null, as JSON has
-              for name, value in result.items()}
-    print(json.dumps({"checkpoint": args.checkpoint, **result}))
+    shown = {name: None if isinstance(value, float) and math.isnan(value) else value  # no score: null, as JSON has
+             for name, value in result.items()}
+    print(json.dumps({"checkpoint": args.checkpoint, **shown}))
     return 0
 
 
@@ -121,7 +125,7 @@ def cmd_serve(args) -> int:
     try:
         limits = ServingLimits(**{key: getattr(args, key) for key in ServingLimits.model_fields
                                   if getattr(args, key) is not None})
-    except ValueError as err:  # pydantic's ValidationError: name the flag
+    except ValidationError as err:  # name the flag
         first = err.errors()[0]
         raise ConfigError(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
     given_key = args.api_key
@@ -223,8 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     from asyncflow.serving.limits import ServingLimits
 
     for key, field in ServingLimits.model_fields.items():  # one flag per limit (docs/serving-limits.md)
-        serve.add_argument(f"--{key.replace('_', '-')}", dest=key, type=field.annotation, default=None,
-                           help=f"{field.description} (default {field.default})")
+        serve.add_argument(f"--{key.replace('_', '-')}", dest=key, type=cast("Callable[[str], Any]", field.annotation),
+                           default=None, help=f"{field.description} (default {field.default})")
     serve.set_defaults(func=cmd_serve)
 
     from asyncflow.plan.commands import add_commands  # `profile` and `plan` (docs/planning.md)

@@ -158,7 +158,7 @@ RewardEntry = Annotated[
 
 
 class RewardConfig(Section):
-    fns: list[RewardEntry] = Field(default_factory=lambda: ["auto"])
+    fns: list[RewardEntry] = Field(default=["auto"])  # pydantic copies a mutable default per instance
     """Reward functions: registered names (`exact_match`, `numeric_match`, `math_verify`, `format`, ...),
     `package.module:function`, or a judge model (a mapping with `kind: judge`, see `JudgeRewardConfig`). `auto` =
     the verifier of the built-in task."""
@@ -873,7 +873,7 @@ class Config(Section):
     @property
     def verifiers_env(self) -> bool:
         """`env.name` is a `verifiers:` environment."""
-        return bool(self.env.name) and self.env.name.startswith("verifiers:")
+        return self.env.name is not None and self.env.name.startswith("verifiers:")
 
     @property
     def agent_rollouts(self) -> bool:

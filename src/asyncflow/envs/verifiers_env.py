@@ -109,6 +109,8 @@ def _load_file(name: str, path: Path, kwargs: dict):
     if not path.is_file():
         raise EnvironmentSpecError(f"env.name {name!r}: no such file {str(path)!r}")
     spec = importlib.util.spec_from_file_location(f"asyncflow_verifiers_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise EnvironmentSpecError(f"env.name {name!r}: {str(path)!r} cannot be imported as a Python module")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     load = getattr(module, "load_environment", None)
@@ -223,7 +225,7 @@ class VerifiersAgent:
         self.options = dict(options or {})
         self.sampling_args = dict(sampling_args)
         self.timeout_s = timeout_s
-        self._client = None  # the AsyncOpenAI of this process's server, built on the loop
+        self._client: Any = None  # the AsyncOpenAI of this process's server, built on the loop
 
     def __getstate__(self):
         return {**self.__dict__, "_client": None}

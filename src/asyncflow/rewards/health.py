@@ -27,9 +27,9 @@ class RewardHealth:
             raise ValueError(f"max_error_fraction must be in [0, 1] or None, got {max_error_fraction!r}")
         if max_error_steps is not None and not (isinstance(max_error_steps, int) and max_error_steps >= 0):
             raise ValueError(f"max_error_steps must be an integer >= 0 or None, got {max_error_steps!r}")
-        self.max_error_fraction = max_error_fraction
-        self.max_error_steps = max_error_steps
         self.enabled = bool(max_error_fraction) and bool(max_error_steps)
+        self.max_error_fraction = max_error_fraction or 0.0  # read only when enabled
+        self.max_error_steps = max_error_steps or 0
         self.streak = 0  # consecutive failing steps so far
 
     def check(self, step: int, *, samples: int, errors: int, timeouts: int, detail: str | None = None) -> None:

@@ -267,6 +267,7 @@ class ProcessPool:
     def _collect(self, worker: _Worker, chunk_failures, rewards, failures) -> int:
         """Results of a finished chunk; returns the number of samples settled."""
         indices = worker.chunk
+        assert indices is not None, "only a worker with a chunk finishes one"
         worker.chunk = None
         status = worker.status[: len(indices)]
         values = worker.values[: len(indices)]

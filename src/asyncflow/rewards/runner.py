@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from asyncflow.rewards.contract import Failure, RewardFn, call_reward
+from asyncflow.rewards.processes import ProcessPool
 from asyncflow.rewards.registry import CompositeReward, check_picklable, check_reward_specs, display_name
 
 logger = logging.getLogger(__name__)
@@ -226,9 +227,8 @@ class RewardRunner:
         self.isolation = isolation
         self.last_failure: str | None = None  # the latest failing batch's first failure, in words
         self._warned: set[tuple[str, str]] = set()
+        self._pool: ProcessPool | _ThreadPool
         if isolation == "process":
-            from asyncflow.rewards.processes import ProcessPool
-
             check_picklable(self.fn, self.name)
             self._pool = ProcessPool(self.fn, self.name, max_workers, self.timeout_s)
         else:
@@ -257,17 +257,16 @@ class RewardRunner:
     ) -> RewardResult:
         """Reward for each (completion, ground_truth, metadata) triple; see the module invariants."""
         n = len(completions)
-        if metadatas is None:
-            metadatas = [None] * n
-        if len(ground_truths) != n or len(metadatas) != n:
+        given: list[dict | None] = [None] * n if metadatas is None else list(metadatas)
+        if len(ground_truths) != n or len(given) != n:
             raise ValueError(
                 f"score needs equal lengths: {n} completions, {len(ground_truths)} ground truths, "
-                f"{len(metadatas)} metadatas"
+                f"{len(given)} metadatas"
             )
-        if self.isolation == "process":
-            rewards, failures = self._pool.score(completions, ground_truths, metadatas)
+        if isinstance(self._pool, ProcessPool):
+            rewards, failures = self._pool.score(completions, ground_truths, given)
         else:
-            batch = _Batch(self.fn, self.name, completions, ground_truths, metadatas)
+            batch = _Batch(self.fn, self.name, completions, ground_truths, given)
             self._pool.run(batch)
             rewards, failures = batch.rewards, batch.failures
         failures.sort(key=lambda item: item[0])

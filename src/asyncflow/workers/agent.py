@@ -71,7 +71,7 @@ def resolve_agent(spec: str) -> Callable[[Any, AgentRow], Any]:
         if module_name.endswith(".py"):
             path = Path(module_name)
             loader = importlib.util.spec_from_file_location(f"asyncflow_agent_{path.stem}", path)
-            if loader is None or not path.is_file():
+            if loader is None or loader.loader is None or not path.is_file():
                 raise ImportError(f"no such file {module_name!r}")
             module = importlib.util.module_from_spec(loader)
             loader.loader.exec_module(module)

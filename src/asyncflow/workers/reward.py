@@ -38,10 +38,10 @@ class RewardWorker:
     def score(self, rollouts: list[Rollout]) -> set[int]:
         """Set `reward` and `response_text` on each rollout (held-out evaluation: counted in `eval_*`); -> the
         indices of the rollouts whose reward failed (scored 0, not a measurement)."""
-        for r in rollouts:
-            r.response_text = self.tokenizer.decode(r.response_ids, skip_special_tokens=True)
-        result = self.runner.score([r.response_text for r in rollouts], [r.answer for r in rollouts],
-                                   [r.metadata for r in rollouts])
+        texts = [self.tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in rollouts]
+        for r, text in zip(rollouts, texts):
+            r.response_text = text
+        result = self.runner.score(texts, [r.answer for r in rollouts], [r.metadata for r in rollouts])
         self.eval_errors += result.n_errors
         self.eval_timeouts += result.n_timeouts
         for r, value in zip(rollouts, result.rewards):

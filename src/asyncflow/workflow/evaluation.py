@@ -23,9 +23,8 @@ import numpy as np
 from asyncflow.data import Example
 from asyncflow.data.prompts import PromptEncoder
 from asyncflow.engines.base import InferenceEngine, SamplingParams
-from asyncflow.workers.multiturn import MultiTurnRolloutWorker
 from asyncflow.workers.reward import RewardWorker
-from asyncflow.workers.rollout import RolloutWorker
+from asyncflow.workers.rollout import RolloutRole, RolloutWorker
 
 if TYPE_CHECKING:
     from asyncflow.runtime.base import RolloutSpec
@@ -35,7 +34,7 @@ log = logging.getLogger(__name__)
 
 def evaluate(
     engine: InferenceEngine, rewards: RewardWorker, encoder: PromptEncoder, test: list[Example], params: SamplingParams,
-    *, episodes: MultiTurnRolloutWorker | None = None,
+    *, episodes: RolloutRole | None = None,
 ) -> dict[str, float]:
     """Held-out accuracy: fraction of prompts whose single sample scores a reward >= 1. With `episodes` (a
     multi-turn worker over `engine`, group size 1) each sample is an episode scored by its environment."""

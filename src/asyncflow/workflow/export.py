@@ -98,6 +98,7 @@ def export_run(
             from asyncflow.engines.peft_lora import save_adapter
 
             adapter_dir = tmp / ADAPTER_DIR if merged else tmp
+            assert adapter is not None, "read with the LoRA settings above"
             save_adapter(adapter_dir, lora, adapter, base_model=str(model_path.resolve()))
             tokenizer.save_pretrained(str(adapter_dir))
         info = {

@@ -181,7 +181,7 @@ class RunFolder:
                 damaged.append((checkpoint, str(err)))
                 continue
             step = checkpoint_step(checkpoint)
-            action = "finished" if step >= steps else "resume"
+            action: Literal["resume", "finished"] = "finished" if step >= steps else "resume"
             return Plan(self.path, action, checkpoint, step, damaged=tuple(damaged),
                         damaged_files=tuple(self._damaged_files()))
         raise CheckpointError(

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncflow.engines.base import SamplingParams, make_inference_engine
 from asyncflow.engines.service import EngineService
@@ -31,8 +32,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ServedWeights:
-    model: object  # a loaded causal LM
-    tokenizer: object
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
     name: str
     weight_version: int
 
@@ -59,9 +60,10 @@ def resolve_model_ref(ref: str) -> ModelRef:
         raise ModelLoadError(f"{ref!r} does not exist")
     checkpoint = path
     if (path / CONFIG_FILE).is_file() and (path / "checkpoints").is_dir():
-        checkpoint = latest_checkpoint(path)
-        if checkpoint is None:
+        latest = latest_checkpoint(path)
+        if latest is None:
             raise CheckpointError(f"run folder {ref!r} has no checkpoint yet")
+        checkpoint = latest
     elif not (path / "model.safetensors").is_file():
         raise ModelLoadError(f"{ref!r} is neither a Hugging Face model folder, 'preset:NAME', a run folder nor a "
                              "checkpoint folder (RUN_DIR/checkpoints/step_N)")

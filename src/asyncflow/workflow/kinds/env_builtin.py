@@ -52,7 +52,7 @@ class BuiltinEnvironment:
     def agent(self, config: Config) -> Any:
         from asyncflow.workers.agent import absolute_agent_spec
 
-        return absolute_agent_spec(config.agent.fn)
+        return None if config.agent.fn is None else absolute_agent_spec(config.agent.fn)
 
 
 def check_python_isolation(config: Config) -> None:

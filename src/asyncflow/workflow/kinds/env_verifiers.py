@@ -28,16 +28,21 @@ from asyncflow.envs.verifiers_env import (
 from asyncflow.rewards.contract import RewardFn
 
 
+def _env_name(config: Config) -> str:
+    assert config.env.name is not None, "the verifiers kind is chosen by env.name"
+    return config.env.name
+
+
 class VerifiersEnvironment:
     def check(self, config: Config) -> None:
-        load_verifiers_env(config.env.name, config.env.options)  # raises EnvironmentSpecError naming env.name
+        load_verifiers_env(_env_name(config), config.env.options)  # raises EnvironmentSpecError naming env.name
 
     def check_tokenizer(self, config: Config, tokenizer) -> None:
         check_chat_template(config, tokenizer)
 
     def datasets(self, config: Config) -> tuple[TrainSet, list[Example]]:
         """Its dataset's rows (`data.train_size` of them at most) for training; no held-out examples."""
-        rows = verifiers_examples(config.env.name, config.env.options, config.data.train_size)
+        rows = verifiers_examples(_env_name(config), config.env.options, config.data.train_size)
         return TrainSet([Example(*row) for row in rows], config.run.seed), []
 
     def render(self, config: Config, tokenizer) -> Callable[[str], list[int]]:
@@ -57,7 +62,7 @@ class VerifiersEnvironment:
     def agent(self, config: Config) -> VerifiersAgent:
         r = config.rollout
         sampling = {"temperature": r.temperature, "top_p": r.top_p, "max_tokens": r.max_new_tokens}
-        return VerifiersAgent(absolute_env_name(config.env.name), config.env.options, sampling,
+        return VerifiersAgent(absolute_env_name(_env_name(config)), config.env.options, sampling,
                               config.agent.episode_timeout_s)
 
 
