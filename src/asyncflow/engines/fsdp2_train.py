@@ -341,11 +341,13 @@ Launcher = Callable[[int, RankSpec, float], RankGroup]  # (world_size, spec, tim
 @register_train_engine("fsdp2")
 @dataclass(eq=False)
 class FSDP2TrainEngine(TrainEngineBase):
-    """`TrainEngine` over `world_size` FSDP2 ranks (see the module docstring). `model` (the driver's copy of the
-    policy) gives the device; the ranks load the weights from `model_path` through the normal loading code.
+    """`TrainEngine` over `world_size` FSDP2 ranks (see the module docstring). The ranks load the weights from
+    `model_path` through the normal loading code onto `ranks_device` ("cpu" or "cuda"); this process loads none.
+    `model` is accepted for callers that hold a copy anyway: only its device is read, and no reference is kept.
     `launcher`: the runtime's `Launcher` that starts the ranks."""
 
     model: torch.nn.Module | None = None
+    ranks_device: str | None = None
     model_path: str | Path | None = None
     world_size: int = 2
     lr: float = 1e-4
@@ -379,7 +381,8 @@ class FSDP2TrainEngine(TrainEngineBase):
         if self.precision == "bf16" and self.dtype != "float32":
             raise ValueError(f"train.precision=bf16 keeps float32 master weights: set model.dtype=float32 "
                              f"(got {self.dtype})")
-        device = next(self.model.parameters()).device if self.model is not None else torch.device("cpu")
+        device = torch.device(self.ranks_device) if self.ranks_device is not None else \
+            next(self.model.parameters()).device if self.model is not None else torch.device("cpu")
         self.model = None  # the ranks hold the policy; the driver keeps no reference to its copy
         threads = self.threads_per_rank or max(1, torch.get_num_threads() // self.world_size)
         own: dict[str, Any] = {"model_path": str(self.model_path), "device": device.type, "betas": tuple(self.betas),

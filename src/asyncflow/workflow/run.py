@@ -47,7 +47,7 @@ from pathlib import Path
 
 from asyncflow.config import Config
 from asyncflow.engines.base import ShardedCheckpointing, make_train_engine
-from asyncflow.models.loading import load_model, load_tokenizer, resolve_model_path
+from asyncflow.models.loading import load_tokenizer, resolve_model_path
 from asyncflow.observe import MetricsLogger, Timeline, TrainProgress, plot_metrics
 from asyncflow.rewards import RewardHealth
 from asyncflow.rewards.health import counter_growth
@@ -119,8 +119,7 @@ class RLRun:
 
         model_path = resolve_model_path(config.model.path, seed=config.run.seed)
         self.tokenizer = load_tokenizer(model_path)
-        policy = load_model(model_path, dtype=config.model.dtype, device=config.model.device)
-        self.train_engine = make_train_engine(config.train.engine, **train_engine_options(config, policy, model_path),
+        self.train_engine = make_train_engine(config.train.engine, **train_engine_options(config, model_path),
                                               **teacher_engine_options(config, self.tokenizer))
         self.runtime = self.workflow = self.eval_worker = None  # what evaluation generates with: see `evaluate`
         self.closed = False

@@ -29,7 +29,7 @@ from asyncflow.data import DatasetError, Example
 from asyncflow.data.prompts import PromptEncoder, PromptSource, TrainSet
 from asyncflow.engines.base import SamplingParams
 from asyncflow.envs.sandbox import SandboxLimits
-from asyncflow.models.loading import load_tokenizer, resolve_model_path
+from asyncflow.models.loading import load_model, load_tokenizer, resolve_model_path
 from asyncflow.models.value import CriticSpec
 from asyncflow.rewards import RewardRunner, check_reward_specs
 from asyncflow.rewards.contract import RewardFn
@@ -144,24 +144,29 @@ def critic_spec(config: Config, model_path) -> CriticSpec | None:
                       train_trunk=c.train_trunk)
 
 
-def train_engine_options(config: Config, policy: torch.nn.Module, model_path) -> dict:
-    """Keyword arguments of `make_train_engine(config.train.engine, ...)`. A multi-rank engine also gets
-    `world_size`, `model_path` (its ranks load the policy themselves), `dtype`, `timeout_s` and the `launcher`
-    that places its ranks, the runtime's (`asyncflow.runtime.factory.rank_launcher`)."""
+def train_engine_options(config: Config, model_path, policy: torch.nn.Module | None = None) -> dict:
+    """Keyword arguments of `make_train_engine(config.train.engine, ...)`. The built-in engine trains the policy in
+    this process: `policy`, or the model at `model_path` loaded here. A multi-rank engine's ranks load the policy
+    themselves, so nothing is loaded in this process (the driver holds no copy of the weights): it gets
+    `world_size`, `model_path`, `dtype`, the device its ranks use, `timeout_s` and the `launcher` that places its
+    ranks, the runtime's (`asyncflow.runtime.factory.rank_launcher`)."""
     t = config.train
     options = dict(
-        model=policy, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas, grad_clip=t.grad_clip,
+        lr=t.lr, weight_decay=t.weight_decay, betas=t.betas, grad_clip=t.grad_clip,
         lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=t.steps,
         use_reference=config.algo.kl_coef > 0, packing=t.packing, precision=t.precision,
         activation_checkpointing=t.activation_checkpointing, critic=critic_spec(config, model_path),
     )
     if t.engine == "torch":
-        return {**options, "lora": lora_settings(config)}
+        if policy is None:
+            policy = load_model(model_path, dtype=config.model.dtype, device=config.model.device)
+        return {**options, "model": policy, "lora": lora_settings(config)}
     from asyncflow.runtime.factory import rank_launcher
 
     return {
         **options, "world_size": t.world_size, "model_path": str(model_path), "dtype": config.model.dtype,
-        "timeout_s": config.runtime.call_timeout_s, "launcher": rank_launcher(config),
+        "ranks_device": torch.device(config.model.device).type, "timeout_s": config.runtime.call_timeout_s,
+        "launcher": rank_launcher(config),
     }
 
 
