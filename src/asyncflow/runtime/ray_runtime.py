@@ -44,6 +44,8 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from asyncflow.observe import Timeline
+from asyncflow.observe.memory import METRIC_PREFIX as MEMORY_METRIC_PREFIX
+from asyncflow.observe.memory import peak_rss_mb
 from asyncflow.runtime.base import RolloutSpec, build_rollout_worker
 from asyncflow.runtime.cores import CoreLending, create_core_lending
 from asyncflow.transfer.ray_queue import RayTransferQueue
@@ -221,6 +223,9 @@ class RolloutActor:
     def sampler_state(self, step: int, timeout: float):
         """The engine's generator state after partition `step` (waits for the loop to finish it)."""
         return self.history.after(step, timeout)
+
+    def peak_rss_mb(self) -> float:
+        return peak_rss_mb()
 
     def reward_failures(self) -> tuple[str, int, int]:
         """(incarnation, errors, timeouts): the reward functions' failures in this incarnation of the replica."""
@@ -477,6 +482,18 @@ class RayRuntime:
             self._reward_counts[name] = (incarnation, errors, timeouts)
         counts = [c[1:] for c in self._reward_counts.values()] + [self._retired_reward_counts]
         return {"reward/errors": float(sum(e for e, _ in counts)), "reward/timeouts": float(sum(t for _, t in counts))}
+
+    def memory_metrics(self) -> dict[str, float]:
+        """Each live replica's peak resident memory (`memory/peak_rss_mb/rollout_R`); a dead or restarting one is
+        left out of this step's row."""
+        refs = {name: actor.peak_rss_mb.remote() for name, actor in self.actors.items()}
+        out = {}
+        for name, ref in refs.items():
+            try:
+                out[MEMORY_METRIC_PREFIX + name] = ray.get(ref, timeout=self.timeout)
+            except (RayActorError, RayTaskError, GetTimeoutError):
+                continue
+        return out
 
     def check(self) -> None:
         if self.error is not None:

@@ -13,10 +13,11 @@ Invariants:
 - Only the step loop changes `RunState`: a workflow gets the step and version and returns the version it
   published; no object below the loop is handed the run.
 - A step is one optimizer update and bumps the policy's weight version by one.
-- Pieces are built where the runtime places them: the driver holds the policy being trained and builds no
-  inference engine of its own: `sync` evaluates on its idle rollout engine, the other modes generate with the
-  trainer's policy module (no weight copy); only a trainer whose weights live on other ranks (FSDP2) gets an
-  evaluation engine, built at the first evaluation.
+- Pieces are built where the runtime places them: the driver holds the policy being trained only when it trains
+  it itself (the built-in engine; with FSDP2 it loads no copy: the ranks load and hold it, and stream each weight
+  version to the publisher one bucket at a time) and builds no inference engine of its own: `sync` evaluates on
+  its idle rollout engine, the other modes generate with the trainer's policy module (no weight copy); only a
+  trainer whose weights live on other ranks (FSDP2) gets an evaluation engine, built at the first evaluation.
 - Data position, RNG states, optimizer and weights are checkpointed together, with what the workflow
   had handed out ahead of training (`PipelineWorkflow.checkpoint_state`); `--resume` trains every prompt
   exactly once, with the prompts and samples the uninterrupted run would have used (bit-exact where
@@ -33,7 +34,9 @@ Invariants:
   there is no reference model), `entropy`, `loss`, `time/step_s`, `throughput/samples_per_s` and
   `throughput/tokens_per_s`; evaluated steps (and step 0, before any update) add `eval/accuracy`.
   Counters are per step (`reward/errors`, `reward/timeouts`) or named as totals over the run, resumes
-  included (`reward/errors_total`, `reward/timeouts_total`, `data/skipped_long_prompts_total`).
+  included (`reward/errors_total`, `reward/timeouts_total`, `data/skipped_long_prompts_total`). Each training row
+  has the peak resident memory of every process that reports one (`memory/peak_rss_mb/driver`, `.../rank_R`
+  of FSDP2 ranks, `.../rollout_R` of Ray replicas; `asyncflow.observe.memory`).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from asyncflow.config import Config
 from asyncflow.engines.base import ShardedCheckpointing, make_train_engine
 from asyncflow.models.loading import load_tokenizer, resolve_model_path
 from asyncflow.observe import MetricsLogger, Timeline, TrainProgress, plot_metrics
+from asyncflow.observe.memory import memory_metrics
 from asyncflow.rewards import RewardHealth
 from asyncflow.rewards.health import counter_growth
 from asyncflow.runtime.base import build_rollout_worker
@@ -152,6 +156,7 @@ class RLRun:
                 config, runtime=self.runtime, trainer=self.trainer, prompts=self.prompts,
                 policy_weights=self.train_engine.state_dict, rewards=self.rewards, timeline=self.timeline,
                 scores_rows=self.spec.scores_rows, stages=stage_workers(config),
+                weights_to_publish=self.train_engine.weight_stream,
             )
         except BaseException:
             self.close()
@@ -286,6 +291,9 @@ class RLRun:
                 state.version = result.version
                 metrics = result.metrics
                 metrics["time/step_s"] = time.perf_counter() - t0
+                metrics.update(self.train_engine.metrics())  # e.g. its ranks' peak memory
+                metrics.update(self.runtime.memory_metrics())  # its rollout replicas' peak memory
+                metrics.update(memory_metrics("driver"))
                 metrics.update(self._throughput(metrics))
                 self._check_finite(metrics)
                 last = state.step == cfg.train.steps

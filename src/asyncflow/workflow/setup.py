@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ import torch
 from asyncflow.config import Config
 from asyncflow.data import DatasetError, Example
 from asyncflow.data.prompts import PromptEncoder, PromptSource, TrainSet
-from asyncflow.engines.base import SamplingParams
+from asyncflow.engines.base import SamplingParams, train_engine_loads_policy
 from asyncflow.envs.sandbox import SandboxLimits
 from asyncflow.models.loading import load_model, load_tokenizer, resolve_model_path
 from asyncflow.models.value import CriticSpec
@@ -145,29 +145,33 @@ def critic_spec(config: Config, model_path) -> CriticSpec | None:
 
 
 def train_engine_options(config: Config, model_path, policy: torch.nn.Module | None = None) -> dict:
-    """Keyword arguments of `make_train_engine(config.train.engine, ...)`. The built-in engine trains the policy in
-    this process: `policy`, or the model at `model_path` loaded here. A multi-rank engine's ranks load the policy
-    themselves, so nothing is loaded in this process (the driver holds no copy of the weights): it gets
-    `world_size`, `model_path`, `dtype`, the device its ranks use, `timeout_s` and the `launcher` that places its
-    ranks, the runtime's (`asyncflow.runtime.factory.rank_launcher`)."""
+    """Keyword arguments of `make_train_engine(config.train.engine, ...)`. An engine that trains the policy in this
+    process gets it as `model`: `policy`, or the model at `model_path` loaded here. Any other engine also gets
+    `world_size`, `model_path`, `dtype`, `timeout_s` and the `launcher` that places its ranks, the runtime's
+    (`asyncflow.runtime.factory.rank_launcher`); one whose ranks load the policy themselves
+    (`train_engine_loads_policy`: FSDP2) gets the device its ranks use instead of a model, so this process loads
+    no copy of the weights."""
     t = config.train
-    options = dict(
+    options: dict[str, Any] = dict(
         lr=t.lr, weight_decay=t.weight_decay, betas=t.betas, grad_clip=t.grad_clip,
         lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=t.steps,
         use_reference=config.algo.kl_coef > 0, packing=t.packing, precision=t.precision,
         activation_checkpointing=t.activation_checkpointing, critic=critic_spec(config, model_path),
     )
+
+    def loaded_policy() -> torch.nn.Module:
+        return policy if policy is not None else load_model(model_path, dtype=config.model.dtype,
+                                                             device=config.model.device)
+
     if t.engine == "torch":
-        if policy is None:
-            policy = load_model(model_path, dtype=config.model.dtype, device=config.model.device)
-        return {**options, "model": policy, "lora": lora_settings(config)}
+        return {**options, "model": loaded_policy(), "lora": lora_settings(config)}
     from asyncflow.runtime.factory import rank_launcher
 
-    return {
-        **options, "world_size": t.world_size, "model_path": str(model_path), "dtype": config.model.dtype,
-        "ranks_device": torch.device(config.model.device).type, "timeout_s": config.runtime.call_timeout_s,
-        "launcher": rank_launcher(config),
-    }
+    options.update(world_size=t.world_size, model_path=str(model_path), dtype=config.model.dtype,
+                   timeout_s=config.runtime.call_timeout_s, launcher=rank_launcher(config))
+    if train_engine_loads_policy(t.engine):  # FSDP2: its ranks load it
+        return {**options, "ranks_device": torch.device(config.model.device).type}
+    return {**options, "model": loaded_policy()}
 
 
 def teacher_engine_options(config: Config, tokenizer) -> dict:
