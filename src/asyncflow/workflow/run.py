@@ -199,9 +199,11 @@ class RLRun:
 
     def _resume(self, checkpoint: Path) -> dict:
         """Restore weights, optimizer, RNGs, the prompt cursor and `RunState`; returns the workflow's part."""
-        weights, training_state, state, _ = load_checkpoint(checkpoint)
         sharded = checkpoint / SHARDED_DIR
-        if isinstance(self.train_engine, ShardedCheckpointing) and sharded.is_dir():
+        from_shards = isinstance(self.train_engine, ShardedCheckpointing) and sharded.is_dir()
+        # the ranks read their shards: the driver reads no copy of the full weights
+        weights, training_state, state, _ = load_checkpoint(checkpoint, with_weights=not from_shards)
+        if from_shards:
             self.train_engine.load_sharded(sharded)  # weights and optimizer state, resharded to this world size
             self.train_engine.load_training_state(training_state)
         elif sharded.is_dir():
