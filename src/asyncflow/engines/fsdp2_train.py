@@ -473,6 +473,7 @@ class FSDP2TrainEngine(TrainEngineBase):
                 members = replies[0][0]
                 del replies
                 yield members
+                del members  # before the next bucket arrives: one bucket at a time here too
 
         return BucketStream(manifest, buckets)
 
