@@ -5,7 +5,7 @@ Owns: the driver-side `FSDP2TrainEngine` (implements `TrainEngine`), the rank-si
 (one per rank, the same code whether the ranks are torch multiprocessing processes or Ray actors),
 the `RankGroup` / `Launcher` interface through which a runtime starts the ranks (as local processes:
 `asyncflow.runtime.inline`; as Ray actors: `asyncflow.runtime.ray_runtime`), the split of a micro-batch over the
-ranks (`assign_rows`), the full state dict gathered to rank 0 for weight sync, and the sharded
+ranks (`assign_rows`), the full weights streamed from the ranks one bucket at a time, and the sharded
 checkpoint (torch.distributed.checkpoint) of weights and optimizer.
 
 How a step runs: the driver splits each micro-batch over the ranks, balanced by forward tokens and
@@ -338,7 +338,7 @@ class RankTrainer:
 # ------------------------------------------------------------------------------------------- launchers
 class RankGroup(Protocol):
     """N ranks running `RankTrainer`s; `call` runs one method on every rank at once. `shares_memory`: tensors in
-    results arrive in memory the ranks keep sharing (views valid until the version after next), not copies."""
+    results arrive through shared memory (torch's reductions), not through a copying transport (Ray's store)."""
 
     shares_memory: bool
 
