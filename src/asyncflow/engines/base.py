@@ -27,6 +27,7 @@ import torch
 
 from asyncflow.models.logprobs import TrainSample
 from asyncflow.models.tri_model import TriLogProbs
+from asyncflow.weights.buckets import BucketStream
 
 LossFn = Callable[[TriLogProbs], tuple[torch.Tensor, dict[str, float]]]
 TokenCallback = Callable[[list[int], list[float]], None]
@@ -212,6 +213,15 @@ class TrainEngine(Protocol):
         weights), or None when the weights live elsewhere (a multi-rank engine's ranks)."""
         ...
 
+    def metrics(self) -> dict[str, float]:
+        """Gauges of the engine for the step's metrics row (e.g. its ranks' peak memory); {} by default."""
+        ...
+
+    def weight_stream(self) -> Mapping[str, torch.Tensor] | BucketStream:
+        """The policy weights for a weight publisher, which copies them in bucket by bucket: `state_dict()` by
+        default; a multi-rank engine streams them from its ranks (`asyncflow.weights.BucketStream`)."""
+        ...
+
 
 class TrainEngineBase:
     """The defaults of `TrainEngine`'s optional parts."""
@@ -222,6 +232,15 @@ class TrainEngineBase:
     def policy_module(self) -> torch.nn.Module | None:
         """No module in this process by default."""
         return None
+
+    def metrics(self) -> dict[str, float]:
+        """No gauges by default."""
+        return {}
+
+    def weight_stream(self) -> Mapping[str, torch.Tensor] | BucketStream:
+        """The whole `state_dict` by default."""
+        state_dict: Mapping[str, torch.Tensor] = self.state_dict()  # type: ignore[attr-defined]
+        return state_dict
 
 
 @runtime_checkable
@@ -249,12 +268,26 @@ def register_inference_engine(name: str) -> Callable[[_InferenceFactory], _Infer
     return decorator
 
 
-def register_train_engine(name: str) -> Callable[[_TrainFactory], _TrainFactory]:
+TRAIN_ENGINES_LOADING_THEIR_POLICY: set[str] = set()
+"""Train engines whose ranks load the policy from its folder themselves: their caller loads no copy of it."""
+
+
+def register_train_engine(name: str, *, loads_policy: bool = False) -> Callable[[_TrainFactory], _TrainFactory]:
+    """Register a train engine factory under `name`; `loads_policy`: it is given the model folder (`model_path`)
+    and loads the weights where it trains them, instead of a loaded `model`."""
+
     def decorator(factory: _TrainFactory) -> _TrainFactory:
         TRAIN_ENGINES[name] = factory
+        if loads_policy:
+            TRAIN_ENGINES_LOADING_THEIR_POLICY.add(name)
         return factory
 
     return decorator
+
+
+def train_engine_loads_policy(name: str) -> bool:
+    """Whether the train engine `name` loads the policy itself (`register_train_engine(..., loads_policy=True)`)."""
+    return name in TRAIN_ENGINES_LOADING_THEIR_POLICY
 
 
 def _make(

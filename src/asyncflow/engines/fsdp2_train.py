@@ -5,7 +5,7 @@ Owns: the driver-side `FSDP2TrainEngine` (implements `TrainEngine`), the rank-si
 (one per rank, the same code whether the ranks are torch multiprocessing processes or Ray actors),
 the `RankGroup` / `Launcher` interface through which a runtime starts the ranks (as local processes:
 `asyncflow.runtime.inline`; as Ray actors: `asyncflow.runtime.ray_runtime`), the split of a micro-batch over the
-ranks (`assign_rows`), the full state dict gathered to rank 0 for weight sync, and the sharded
+ranks (`assign_rows`), the full weights streamed from the ranks one bucket at a time, and the sharded
 checkpoint (torch.distributed.checkpoint) of weights and optimizer.
 
 How a step runs: the driver splits each micro-batch over the ranks, balanced by forward tokens and
@@ -23,8 +23,11 @@ Invariants:
   non-finite loss on any rank skips the step on all ranks (the flag is all-reduced).
 - Each call to the ranks and every collective is bounded by `timeout_s`; a rank that dies or fails
   ends the call with `RankFailedError` naming the rank, and the other ranks are stopped.
-- The full state dict is gathered at most once per weight version (`state_dict` caches it until the
-  next `optimizer_step` or load); rank 0 packs it into buckets (`asyncflow.weights.buckets`).
+- Weights leave the ranks one bucket at a time (`weight_stream`: the ranks all-gather one parameter at a
+  time, rank 0 hands over one bucket's tensors and frees them): no rank holds more than one bucket of
+  gathered tensors (`weights/gather_peak_bytes`). A publisher copies the stream into its own snapshot;
+  `state_dict` (checkpoints, evaluation) builds this process's copy once per version and caches it until
+  the next `optimizer_step` or load.
 - Sharded checkpoints (`save_sharded` / `load_sharded`) hold every rank's weights and optimizer
   state; DCP reshards them on load, so a checkpoint resumes with another `world_size` too.
 - A critic (`RankSpec.critic`) is attached to every rank's policy before sharding, is an FSDP2 unit of its own,
@@ -38,7 +41,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
@@ -57,15 +60,18 @@ from asyncflow.models.loading import load_model
 from asyncflow.models.logprobs import TrainSample
 from asyncflow.models.tri_model import Packing, make_reference, tri_model_logprobs
 from asyncflow.models.value import CriticSpec, attach_critic, critic_of, policy_weights
+from asyncflow.observe.memory import METRIC_PREFIX as MEMORY_METRIC_PREFIX
+from asyncflow.observe.memory import peak_rss_mb
 from asyncflow.transfer.samplers import karmarkar_karp
 from asyncflow.weights.buckets import (
     DEFAULT_BUCKET_BYTES,
+    BucketStream,
     Manifest,
     allocate_payload,
     bucket_views,
-    pack,
     plan_buckets,
     unpack,
+    write_weights,
 )
 
 
@@ -195,7 +201,10 @@ class RankTrainer:
             spec.total_steps,
         )
         self.nonfinite = False
-        self._payloads: list[torch.Tensor] = []  # shared-memory payloads of `full_weights`, newest first
+        # the weight stream of the version being gathered (`weights_manifest`, `gathered_bucket`)
+        self._sharded: dict[str, torch.Tensor] = {}
+        self._manifest = Manifest((), (), 0)
+        self._gather_peak_bytes = 0
 
     def backward(self, samples: list[TrainSample], loss_fn: RowLoss | None, temperature: float) -> dict[str, float]:
         """Forward + backward this rank's rows; -> the loss function's stats plus `loss` (sums over these rows).
@@ -236,32 +245,46 @@ class RankTrainer:
         self.nonfinite = False
         return stats
 
-    def full_weights(self, share: bool = False) -> tuple[Manifest, torch.Tensor] | None:
-        """Gather the full state dict to rank 0 and pack it into one payload of buckets; -> (manifest, payload)
-        on rank 0, None elsewhere. `share`: two payloads in shared memory are reused in turn, so the driver reads
-        version v without a copy while version v + 1 is written into the other one."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    def weights_manifest(self, bucket_bytes: int) -> Manifest | None:
+        """Plan this version's weight stream: the layout (`plan_buckets`) of the full policy state dict, from the
+        shards' global shapes, nothing gathered; -> the manifest on rank 0, None elsewhere. Every rank keeps it
+        (and the sharded state dict) for `gathered_bucket`."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        # a full state dict offloaded to the CPU: plain tensors
-        full = cast("dict[str, torch.Tensor]", get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        ))
-        if self.rank != 0:
-            return None
-        full = policy_weights(full)  # the critic stays on the ranks (and in the sharded checkpoint)
-        manifest = plan_buckets(full, self.spec.bucket_bytes)
-        if not share:
-            payload = allocate_payload(manifest)
-        else:
-            if any(p.nbytes != manifest.payload_bytes for p in self._payloads):
-                self._payloads = []
-            if len(self._payloads) < 2:
-                self._payloads.insert(0, allocate_payload(manifest).share_memory_())
+        # the sharded state dict: DTensors under the names of the full one (checkpoint wrappers' prefixes removed)
+        self._sharded = policy_weights(cast("dict[str, torch.Tensor]", get_model_state_dict(self.model)))
+        shapes = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in self._sharded.items()}
+        self._manifest = plan_buckets(shapes, bucket_bytes)
+        self._gather_peak_bytes = 0
+        return self._manifest if self.rank == 0 else None
+
+    def gathered_bucket(self, index: int) -> tuple[list[torch.Tensor] | None, int]:
+        """Gather the full tensors of bucket `index` of `weights_manifest`'s plan, one parameter at a time (a
+        collective); -> (those tensors on the CPU in manifest order on rank 0, None elsewhere; the most bytes of
+        gathered tensors this rank has held at once since the plan). Rank 0 holds at most one bucket's tensors;
+        the others hold one tensor at a time."""
+        from torch.distributed.tensor import DTensor
+
+        members: list[torch.Tensor] = []
+        held = 0
+        for entry in self._manifest.tensors:
+            if entry.bucket != index:
+                continue
+            tensor = self._sharded[entry.name]
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            full = full.detach().cpu()
+            held += full.nbytes
+            self._gather_peak_bytes = max(self._gather_peak_bytes, held)
+            if self.rank == 0:
+                members.append(full)
             else:
-                self._payloads.reverse()
-            payload = self._payloads[0]
-        pack(full, manifest, bucket_views(manifest, payload))
-        return manifest, payload
+                held -= full.nbytes
+            del full
+        return (members if self.rank == 0 else None), self._gather_peak_bytes
+
+    def peak_rss_mb(self) -> float:
+        """This rank's peak resident memory (`asyncflow.observe.memory`)."""
+        return peak_rss_mb()
 
     def full_gradients(self) -> dict[str, torch.Tensor] | None:
         """The accumulated gradients (before `step`), gathered whole to rank 0 (None elsewhere): for checks."""
@@ -315,7 +338,7 @@ class RankTrainer:
 # ------------------------------------------------------------------------------------------- launchers
 class RankGroup(Protocol):
     """N ranks running `RankTrainer`s; `call` runs one method on every rank at once. `shares_memory`: tensors in
-    results arrive in memory the ranks keep sharing (views valid until the version after next), not copies."""
+    results arrive through shared memory (torch's reductions), not through a copying transport (Ray's store)."""
 
     shares_memory: bool
 
@@ -338,14 +361,16 @@ Launcher = Callable[[int, RankSpec, float], RankGroup]  # (world_size, spec, tim
 
 
 # ------------------------------------------------------------------------------------------- the driver
-@register_train_engine("fsdp2")
+@register_train_engine("fsdp2", loads_policy=True)
 @dataclass(eq=False)
 class FSDP2TrainEngine(TrainEngineBase):
-    """`TrainEngine` over `world_size` FSDP2 ranks (see the module docstring). `model` (the driver's copy of the
-    policy) gives the device; the ranks load the weights from `model_path` through the normal loading code.
+    """`TrainEngine` over `world_size` FSDP2 ranks (see the module docstring). The ranks load the weights from
+    `model_path` through the normal loading code onto `ranks_device` ("cpu" or "cuda"); this process loads none.
+    `model` is accepted for callers that hold a copy anyway: only its device is read, and no reference is kept.
     `launcher`: the runtime's `Launcher` that starts the ranks."""
 
     model: torch.nn.Module | None = None
+    ranks_device: str | None = None
     model_path: str | Path | None = None
     world_size: int = 2
     lr: float = 1e-4
@@ -379,7 +404,8 @@ class FSDP2TrainEngine(TrainEngineBase):
         if self.precision == "bf16" and self.dtype != "float32":
             raise ValueError(f"train.precision=bf16 keeps float32 master weights: set model.dtype=float32 "
                              f"(got {self.dtype})")
-        device = next(self.model.parameters()).device if self.model is not None else torch.device("cpu")
+        device = torch.device(self.ranks_device) if self.ranks_device is not None else \
+            next(self.model.parameters()).device if self.model is not None else torch.device("cpu")
         self.model = None  # the ranks hold the policy; the driver keeps no reference to its copy
         threads = self.threads_per_rank or max(1, torch.get_num_threads() // self.world_size)
         own: dict[str, Any] = {"model_path": str(self.model_path), "device": device.type, "betas": tuple(self.betas),
@@ -391,6 +417,7 @@ class FSDP2TrainEngine(TrainEngineBase):
                              "asyncflow.runtime.inline.ProcessRanks or the Ray runtime's)")
         self.ranks = self.launcher(self.world_size, spec, self.timeout_s)
         self._weights: dict[str, torch.Tensor] | None = None
+        self.gather_peak_bytes = 0  # over the run: see `metrics`
 
     device = torch.device("cpu")  # where the trainer builds a micro-batch's loss tensors; ranks move them
 
@@ -430,15 +457,46 @@ class FSDP2TrainEngine(TrainEngineBase):
         stats: dict[str, float] = self._all("step", grad_scale)[0]
         return stats
 
+    def weight_stream(self) -> Mapping[str, torch.Tensor] | BucketStream:
+        """This version's full policy weights for a consumer that copies them in bucket by bucket (a weight
+        publisher: `asyncflow.weights.write_weights`): streamed from the ranks one bucket at a time, so no process
+        holds them whole (rank 0 one bucket; this process the bucket being copied); the `state_dict` when it is
+        already here."""
+        if self._weights is not None:
+            return self._weights
+        manifest: Manifest = self._all("weights_manifest", self.bucket_bytes)[0]
+
+        def buckets() -> Iterator[list[torch.Tensor]]:
+            for index in range(len(manifest.buckets)):
+                replies = self._all("gathered_bucket", index)
+                self.gather_peak_bytes = max(self.gather_peak_bytes, *(peak for _, peak in replies))
+                members = replies[0][0]
+                del replies
+                yield members
+                del members  # before the next bucket arrives: one bucket at a time here too
+
+        return BucketStream(manifest, buckets)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full policy weights, gathered to rank 0 once per version (cached until the next step or load)."""
+        """The full policy weights in this process (for checkpoints, evaluation, a local inference engine), streamed
+        from the ranks into one buffer once per version (cached until the next step or load). A publisher takes
+        `weight_stream` instead, which builds no such copy."""
         if self._weights is None:
-            manifest, payload = self._all("full_weights", self.ranks.shares_memory)[0]
-            # Shared: views of the rank's payload, valid until the version after next (every consumer copies
-            # what it keeps: publish, update_weights, checkpoints). Otherwise a copy of what the launcher returned.
-            owned = payload if self.ranks.shares_memory else payload.clone()
-            self._weights = unpack(manifest, bucket_views(manifest, owned))
+            stream = self.weight_stream()
+            assert isinstance(stream, BucketStream)  # nothing cached
+            payload = allocate_payload(stream.manifest)
+            buckets = bucket_views(stream.manifest, payload)
+            write_weights(stream, stream.manifest, buckets)
+            self._weights = unpack(stream.manifest, buckets)
         return self._weights
+
+    def metrics(self) -> dict[str, float]:
+        """Per step: the most bytes of gathered (full) tensors any rank held at once while weights were gathered
+        (`weights/gather_peak_bytes`, at most one bucket), and each rank's peak resident memory."""
+        out = {f"{MEMORY_METRIC_PREFIX}rank_{rank}": mb for rank, mb in enumerate(self._all("peak_rss_mb"))}
+        if self.gather_peak_bytes:
+            out["weights/gather_peak_bytes"] = float(self.gather_peak_bytes)
+        return out
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The gradients accumulated since the last `optimizer_step`, whole (for checks and diagnostics)."""

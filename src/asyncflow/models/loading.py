@@ -11,11 +11,12 @@ same `from_pretrained` calls as any user model.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import cast
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncflow.models.presets import build_preset
 
@@ -57,6 +58,24 @@ def load_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu")
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], attn_implementation="sdpa")
     # transformers wraps PreTrainedModel.to with functools.wraps, which mypy reads as an unbound function
     return model.to(device)  # type: ignore[arg-type,no-any-return]
+
+
+def model_with_weights(
+    path: str | Path, weights: Mapping[str, torch.Tensor], *, dtype: str = "float32"
+) -> PreTrainedModel:
+    """The architecture of the model folder `path` holding `weights` (every key matched), built without loading the
+    folder's own weights and without copying `weights`: the module is made on the meta device and takes the given
+    tensors as its parameters (`assign`), tied weights tied again. For writing a model folder (`save_pretrained`)
+    from weights held elsewhere, with one copy of them in memory; its non-persistent buffers (e.g. rotary
+    frequencies) are left unallocated, so it is not for running."""
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"model.dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    config = AutoConfig.from_pretrained(str(path))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], attn_implementation="sdpa")
+    model.load_state_dict(dict(weights), strict=True, assign=True)
+    model.tie_weights()
+    return model  # type: ignore[no-any-return]
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, use_chat_template: bool | None = None) -> list[int]:

@@ -142,7 +142,7 @@ def measure_training(
     counts; and the trainer's `finish_step` (the optimizer step) after each partition. On `model.device`, each
     timing waits for the device's queued work (`_sync`)."""
     device = config.model.device
-    engine = make_train_engine(config.train.engine, **train_engine_options(config, policy, model_path))
+    engine = make_train_engine(config.train.engine, **train_engine_options(config, model_path, policy))
     rows, G = config.train.micro_batch_size, config.rollout.group_size
     trainer = PolicyTrainer(engine, config.algo, micro_batch_size=rows, temperature=config.rollout.temperature,
                             max_tokens_per_micro_batch=config.train.max_tokens_per_micro_batch)

@@ -77,6 +77,9 @@ class InlineRuntime:
     def reward_failures(self) -> dict[str, float]:
         return {}  # the driver's reward worker counts them
 
+    def memory_metrics(self) -> dict[str, float]:
+        return {}  # the replica runs in the driver: the driver's peak is its
+
     def check(self) -> None:
         if self.thread is not None:
             self.thread.check()

@@ -3,7 +3,9 @@
 beside its engine); the trainer stays in the driver.
 
 Owns: starting or joining the Ray cluster (`runtime.address`; a local cluster without dashboard by
-default; a failed start is retried once, then a one-line `RayStartError`), the rollout actors
+default; a failed start is retried once, then a one-line `RayStartError`) and shutting down the one it
+started (`hold_ray`: the runtime and a trainer's ranks each hold it; the last to close shuts down a Ray
+that asyncflow started, never one the user started), the rollout actors
 (CPUs/GPUs from config, each loads the policy through the normal HF loading code and builds its
 engine from the registry), the weight-sync transport options of
 `runtime.weight_sync`, idle-core lending between the trainer and the replicas on a local CPU
@@ -34,7 +36,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import ray
@@ -42,6 +44,8 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from asyncflow.observe import Timeline
+from asyncflow.observe.memory import METRIC_PREFIX as MEMORY_METRIC_PREFIX
+from asyncflow.observe.memory import peak_rss_mb
 from asyncflow.runtime.base import RolloutSpec, build_rollout_worker
 from asyncflow.runtime.cores import CoreLending, create_core_lending
 from asyncflow.transfer.ray_queue import RayTransferQueue
@@ -91,7 +95,8 @@ def start_ray(*, address: str | None, num_cpus: int | None) -> None:
 
 
 def start_ray_unless_running(rt) -> bool:
-    """`start_ray` with the `runtime` config's address unless Ray runs already; True when it started it."""
+    """`start_ray` with the `runtime` config's address unless Ray runs already; True when it started it. Callers
+    that keep Ray for a while take it through `hold_ray`, which records who started it."""
     if ray.is_initialized():
         return False
     if rt.address is None:
@@ -100,6 +105,44 @@ def start_ray_unless_running(rt) -> bool:
         os.environ.setdefault("RAY_worker_niceness", "0")
     start_ray(address=rt.address, num_cpus=rt.num_cpus if rt.address is None else None)
     return True
+
+
+class _RayOwnership:
+    """Whether this process's Ray was started by asyncflow, and how many holders (a runtime, a trainer's ranks)
+    still use it. A Ray the user started (`ray.init` before the run, or one joined at `runtime.address` that the
+    user had initialised) is never owned, so never shut down here."""
+
+    lock = threading.Lock()
+    holders = 0
+    owned = False
+
+
+def hold_ray(rt) -> Callable[[], None]:
+    """Ray for one holder, started (`start_ray_unless_running`, `runtime` config `rt`) unless it runs; -> the
+    holder's `release` (idempotent). When asyncflow started Ray, the last release shuts it down, so a run's Ray
+    ends with the run however it ends (its `close` runs on errors and Ctrl-C too); a Ray that was running before
+    is left running."""
+    with _RayOwnership.lock:
+        if start_ray_unless_running(rt):
+            _RayOwnership.owned = True
+        counted = _RayOwnership.owned
+        if counted:
+            _RayOwnership.holders += 1
+    released = threading.Event()
+
+    def release() -> None:
+        with _RayOwnership.lock:
+            if released.is_set() or not counted:
+                released.set()
+                return
+            released.set()
+            _RayOwnership.holders -= 1
+            if _RayOwnership.holders == 0 and _RayOwnership.owned:
+                _RayOwnership.owned = False
+                log.info("shutting down the Ray cluster this run started")
+                ray.shutdown()
+
+    return release
 
 
 @contextlib.contextmanager
@@ -181,6 +224,9 @@ class RolloutActor:
         """The engine's generator state after partition `step` (waits for the loop to finish it)."""
         return self.history.after(step, timeout)
 
+    def peak_rss_mb(self) -> float:
+        return peak_rss_mb()
+
     def reward_failures(self) -> tuple[str, int, int]:
         """(incarnation, errors, timeouts): the reward functions' failures in this incarnation of the replica."""
         return self.incarnation, self.scorer.errors, self.scorer.timeouts
@@ -227,7 +273,7 @@ class RayRuntime:
         self.weight_sync = rt.weight_sync
         if self.weight_sync == "inprocess":
             raise ValueError("runtime.weight_sync=inprocess needs runtime.kind=inline: Ray actors are other processes")
-        self.started_ray = start_ray_unless_running(rt)
+        self._release_ray = hold_ray(rt)
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(max(1, int(rt.trainer_cpus)))
         self.trainer_cores: CoreLending | None = None
@@ -235,8 +281,13 @@ class RayRuntime:
         if rt.lend_idle_cores and rt.address is None and rt.rollout_gpus == 0 and rt.trainer_gpus == 0:
             shares = {"trainer": max(1, int(rt.trainer_cpus))}
             shares.update({f"rollout_{r}": max(1, int(rt.rollout_cpus)) for r in range(config.rollout.replicas)})
-            self._cores_spec, self._unlink_cores = create_core_lending(shares, rt.num_cpus or os.cpu_count() or 1)
-            self.trainer_cores = self._cores_spec.open("trainer", borrow=True)
+            try:
+                self._cores_spec, self._unlink_cores = create_core_lending(shares, rt.num_cpus or os.cpu_count() or 1)
+                self.trainer_cores = self._cores_spec.open("trainer", borrow=True)
+            except BaseException:  # no runtime to close: let go of Ray here
+                torch.set_num_threads(self._threads_before)
+                self._release_ray()
+                raise
         self.actors: dict[str, object] = {}
         self.calls: dict[str, object] = {}  # replica name -> ObjectRef of its running loop
         self.restarts = 0
@@ -255,16 +306,21 @@ class RayRuntime:
 
     @staticmethod
     def rank_launcher(config):
-        """A multi-rank trainer's ranks are Ray actors (`RayRanks`): starts or joins the cluster as the runtime
-        does; each rank gets an equal share of `runtime.trainer_cpus` and `runtime.trainer_gpus`."""
+        """A multi-rank trainer's ranks are Ray actors (`RayRanks`): each launch starts or joins the cluster as the
+        runtime does and holds it (`hold_ray`) until the ranks close; each rank gets an equal share of
+        `runtime.trainer_cpus` and `runtime.trainer_gpus`."""
         rt = config.runtime
-        start_ray_unless_running(rt)
         world = config.train.world_size
 
         def launch(world_size: int, spec, timeout: float) -> RayRanks:
-            return RayRanks(world_size, spec, timeout, num_cpus=rt.trainer_cpus / world,
-                            num_gpus=rt.trainer_gpus / world, local=rt.address is None,
-                            resources=rt.trainer_resources or None)
+            release_ray = hold_ray(rt)
+            try:
+                return RayRanks(world_size, spec, timeout, num_cpus=rt.trainer_cpus / world,
+                                num_gpus=rt.trainer_gpus / world, local=rt.address is None,
+                                resources=rt.trainer_resources or None, release_ray=release_ray)
+            except BaseException:
+                release_ray()  # RayRanks released it already if it got that far (a release is idempotent)
+                raise
 
         return launch
 
@@ -427,6 +483,18 @@ class RayRuntime:
         counts = [c[1:] for c in self._reward_counts.values()] + [self._retired_reward_counts]
         return {"reward/errors": float(sum(e for e, _ in counts)), "reward/timeouts": float(sum(t for _, t in counts))}
 
+    def memory_metrics(self) -> dict[str, float]:
+        """Each live replica's peak resident memory (`memory/peak_rss_mb/rollout_R`); a dead or restarting one is
+        left out of this step's row."""
+        refs = {name: actor.peak_rss_mb.remote() for name, actor in self.actors.items()}
+        out = {}
+        for name, ref in refs.items():
+            try:
+                out[MEMORY_METRIC_PREFIX + name] = ray.get(ref, timeout=self.timeout)
+            except (RayActorError, RayTaskError, GetTimeoutError):
+                continue
+        return out
+
     def check(self) -> None:
         if self.error is not None:
             raise RolloutFailedError(f"a rollout replica failed: {self.error}") from self.error
@@ -451,8 +519,7 @@ class RayRuntime:
             self.trainer_cores.close()
             self._unlink_cores()
         torch.set_num_threads(self._threads_before)
-        if self.started_ray:
-            ray.shutdown()
+        self._release_ray()
 
 
 # ---------------------------------------------------------------------------- ranks of a training engine
@@ -483,7 +550,8 @@ class RayRanks:
     shares_memory = False  # results come through Ray's object store
 
     def __init__(self, world: int, spec, timeout: float, *, num_cpus: float, num_gpus: float, local: bool,
-                 resources: dict[str, float] | None = None):
+                 resources: dict[str, float] | None = None, release_ray: Callable[[], None] | None = None):
+        self._release_ray = release_ray  # the launcher's hold on Ray (`hold_ray`), released by `close`
         actor_cls = ray.remote(TrainRankActor).options(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources,
                                                        max_restarts=0)
         self.actors = [actor_cls.remote() for _ in range(world)]
@@ -547,4 +615,6 @@ class RayRanks:
             except Exception:  # noqa: BLE001 - already gone
                 log.debug("ray.kill of a train rank", exc_info=True)
         self.actors = []
+        if self._release_ray is not None:
+            self._release_ray()
 

@@ -22,7 +22,9 @@ Invariants:
   at most `bucket_bytes` (a larger tensor gets a bucket of its own), plus a `Manifest` (names,
   shapes, dtypes, offsets) that rebuilds the state dict. No transport makes a call per tensor.
 - `publish` never waits for receivers. It costs one local copy of the weights (the snapshot: the
-  trainer may step as soon as it returns); the remote part (`ray`, `torch_distributed`) runs on a
+  trainer may step as soon as it returns). It takes a state dict or a `BucketStream` (a multi-rank
+  trainer's weights gathered one bucket at a time), copied in bucket by bucket: the publishing side then
+  holds the snapshot plus one bucket, never a second full copy; the remote part (`ray`, `torch_distributed`) runs on a
   background thread. A publish while an earlier version is still waiting to be sent **supersedes**
   it: that version is never sent and receivers skip it; the version already being sent completes.
   Receivers therefore converge to the newest version but may skip intermediate ones.
@@ -42,10 +44,20 @@ from asyncflow.weights.base import (
     WeightSyncError,
     WeightSyncTimeout,
 )
-from asyncflow.weights.buckets import DEFAULT_BUCKET_BYTES, Manifest, StateDict, pack, plan_buckets, unpack
+from asyncflow.weights.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    BucketStream,
+    Manifest,
+    StateDict,
+    Weights,
+    pack,
+    plan_buckets,
+    unpack,
+)
 from asyncflow.weights.factory import TransportKind, make_weight_sync
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES", "Manifest", "ReceiverSpec", "Received", "StateDict", "TransportKind", "WeightPublisher",
-    "WeightReceiver", "WeightSyncError", "WeightSyncTimeout", "make_weight_sync", "pack", "plan_buckets", "unpack",
+    "DEFAULT_BUCKET_BYTES", "BucketStream", "Manifest", "ReceiverSpec", "Received", "StateDict", "TransportKind",
+    "WeightPublisher", "WeightReceiver", "WeightSyncError", "WeightSyncTimeout", "Weights", "make_weight_sync", "pack",
+    "plan_buckets", "unpack",
 ]

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from asyncflow.weights.base import WeightSyncError, WeightSyncTimeout, check_increasing
-from asyncflow.weights.buckets import Manifest, allocate_payload, bucket_views, pack, plan_buckets
+from asyncflow.weights.buckets import Manifest, Weights, allocate_payload, bucket_views, manifest_of, write_weights
 
 
 @dataclass
@@ -63,8 +63,8 @@ class BackgroundSender:
         if self._closing:
             raise WeightSyncError(f"{self.transport}: publisher closed")
 
-    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        manifest = plan_buckets(state_dict, self.bucket_bytes)
+    def publish(self, state_dict: Weights, version: int) -> None:
+        manifest = manifest_of(state_dict, self.bucket_bytes)
         with self._cond:
             self._raise_if_unusable()
             check_increasing(self.transport, self.last_version, version)
@@ -77,7 +77,7 @@ class BackgroundSender:
         if staged is None or staged.manifest != manifest:
             payload = allocate_payload(manifest, self.staging_device)
             staged = _Staged(manifest, payload, bucket_views(manifest, payload))
-        pack(state_dict, manifest, staged.buckets)
+        write_weights(state_dict, manifest, staged.buckets)
         if staged.payload.is_cuda:  # the sender thread must not read the payload before the copy lands
             torch.cuda.current_stream(staged.payload.device).synchronize()
         staged.version = version
@@ -136,7 +136,7 @@ class BackgroundPublisher:
 
     _sender: BackgroundSender
 
-    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+    def publish(self, state_dict: Weights, version: int) -> None:
         self._sender.publish(state_dict, version)
 
     def wait_published(self, timeout: float) -> None:

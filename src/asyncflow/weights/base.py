@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
 from typing import Protocol
 
-import torch
-
-from asyncflow.weights.buckets import StateDict
+from asyncflow.weights.buckets import StateDict, Weights
 
 Received = tuple[int, StateDict]
 
@@ -59,8 +56,9 @@ class WeightPublisher(Protocol):
         """What receivers open (a picklable spec of this transport); read-only, so a publisher may narrow it."""
         ...
 
-    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Snapshot `state_dict` as `version` and make it visible to receivers, without waiting for them."""
+    def publish(self, state_dict: Weights, version: int) -> None:
+        """Snapshot `state_dict` (a state dict, or a `BucketStream` copied in bucket by bucket) as `version` and
+        make it visible to receivers, without waiting for them."""
         ...
 
     def wait_published(self, timeout: float) -> None:

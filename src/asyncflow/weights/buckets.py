@@ -2,16 +2,21 @@
 
 Owns: `plan_buckets` (same-dtype tensors flattened into buffers of at most `bucket_bytes`; a larger
 tensor gets a bucket of its own), `allocate_payload` / `bucket_views` (one aligned byte buffer per
-version, viewed as typed buckets), `pack` (copy a state dict in) and `unpack` (views back out).
+version, viewed as typed buckets), `pack` (copy a state dict in) and `unpack` (views back out), and
+`BucketStream`: a version whose tensors are produced one bucket at a time (a multi-rank trainer gathers
+them so), which `write_weights` copies in bucket by bucket wherever a state dict could go.
 
-Invariant: `unpack(manifest, buckets)` after `pack(sd, manifest, buckets)` gives tensors equal to
-`sd` (names, shapes, dtypes, values), as views of the buckets: no copy on the way out.
+Invariants:
+- `unpack(manifest, buckets)` after `pack(sd, manifest, buckets)` gives tensors equal to `sd` (names,
+  shapes, dtypes, values), as views of the buckets: no copy on the way out.
+- `write_weights` of a `BucketStream` writes the same bytes as `pack` of the state dict it streams, and
+  holds no more than the bucket it is copying (plus what the stream's producer holds).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -109,3 +114,50 @@ def pack(state_dict: Mapping[str, torch.Tensor], manifest: Manifest, buckets: li
 def unpack(manifest: Manifest, buckets: list[torch.Tensor]) -> StateDict:
     """The state dict as views into `buckets` (no copy)."""
     return {e.name: buckets[e.bucket][e.offset : e.offset + e.numel].view(e.shape) for e in manifest.tensors}
+
+
+@dataclass(frozen=True)
+class BucketStream:
+    """A version's weights as their `manifest` and `buckets()`: an iterator that yields, for each bucket of the
+    manifest in order, the tensors of that bucket's entries in manifest order (each may be freed once copied).
+    One pass: `buckets()` is called once per use."""
+
+    manifest: Manifest
+    buckets: Callable[[], Iterator[Sequence[torch.Tensor]]]
+
+
+Weights = Mapping[str, torch.Tensor] | BucketStream
+"""What a publisher takes: a whole state dict, or one streamed bucket by bucket."""
+
+
+def manifest_of(weights: Weights, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Manifest:
+    """The layout `weights` travel in: a stream's own, or `plan_buckets` of a state dict."""
+    return weights.manifest if isinstance(weights, BucketStream) else plan_buckets(weights, bucket_bytes)
+
+
+def write_weights(weights: Weights, manifest: Manifest, buckets: list[torch.Tensor]) -> None:
+    """Copy `weights` into `buckets` (typed views laid out by `manifest`): `pack` for a state dict; for a stream,
+    each bucket's tensors as they arrive."""
+    if not isinstance(weights, BucketStream):
+        pack(weights, manifest, buckets)
+        return
+    if weights.manifest != manifest:
+        raise ValueError("a weight stream's manifest differs from the layout it is written into")
+    written = 0
+    for index, members in enumerate(weights.buckets()):
+        sources = [t.detach().reshape(-1) for t in members]
+        bucket = buckets[index]
+        if sum(s.numel() for s in sources) != bucket.numel():
+            raise ValueError(f"bucket {index} of a weight stream has {sum(s.numel() for s in sources)} elements, "
+                             f"its manifest {bucket.numel()}")
+        if all(s.device == bucket.device and s.dtype == bucket.dtype for s in sources):
+            torch.cat(sources, out=bucket)
+        else:
+            offset = 0
+            for s in sources:
+                bucket[offset : offset + s.numel()].copy_(s)
+                offset += s.numel()
+        del sources, members
+        written += 1
+    if written != len(buckets):
+        raise ValueError(f"a weight stream ended after {written} of {len(buckets)} buckets")

@@ -7,7 +7,6 @@ lock) and its receiver. Its spec holds that reference, so it only works inside t
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
 
 import torch
 
@@ -15,11 +14,12 @@ from asyncflow.weights.base import PollingReceiver, Received, WeightSyncError, c
 from asyncflow.weights.buckets import (
     DEFAULT_BUCKET_BYTES,
     Manifest,
+    Weights,
     allocate_payload,
     bucket_views,
-    pack,
-    plan_buckets,
+    manifest_of,
     unpack,
+    write_weights,
 )
 
 
@@ -42,11 +42,11 @@ class InProcessPublisher:
         self.bucket_bytes, self.device = bucket_bytes, device
         self._slot = self.receiver_spec = InProcessSpec()
 
-    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        manifest = plan_buckets(state_dict, self.bucket_bytes)
+    def publish(self, state_dict: Weights, version: int) -> None:
+        manifest = manifest_of(state_dict, self.bucket_bytes)
         payload = allocate_payload(manifest, self.device)
         buckets = bucket_views(manifest, payload)
-        pack(state_dict, manifest, buckets)
+        write_weights(state_dict, manifest, buckets)
         with self._slot.lock:
             if self._slot.closed:
                 raise WeightSyncError("inprocess: publish after close")

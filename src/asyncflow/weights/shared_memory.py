@@ -17,7 +17,6 @@ import os
 import pickle
 import struct
 import weakref
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -26,12 +25,13 @@ from asyncflow.weights.base import PollingReceiver, Received, WeightSyncError, c
 from asyncflow.weights.buckets import (
     DEFAULT_BUCKET_BYTES,
     Manifest,
+    Weights,
     align,
     allocate_payload,
     bucket_views,
-    pack,
-    plan_buckets,
+    manifest_of,
     unpack,
+    write_weights,
 )
 from asyncflow.weights.segments import segment_path
 
@@ -105,9 +105,9 @@ class SharedMemoryPublisher:
         self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._manifest = manifest
 
-    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+    def publish(self, state_dict: Weights, version: int) -> None:
         check_increasing(self.transport, self._last_version, version)
-        manifest = plan_buckets(state_dict, self.bucket_bytes)
+        manifest = manifest_of(state_dict, self.bucket_bytes)
         first = self._mm is None
         if first:
             self._create(manifest)
@@ -126,7 +126,7 @@ class SharedMemoryPublisher:
         seq |= 1  # odd: being written (already odd if an earlier publish into this slot raised)
         _SLOT.pack_into(mm, start, seq, version)
         payload = data[start + _SLOT_HEADER : start + _SLOT_HEADER + manifest.payload_bytes]
-        pack(state_dict, manifest, bucket_views(manifest, payload))
+        write_weights(state_dict, manifest, bucket_views(manifest, payload))
         del payload
         _SLOT.pack_into(mm, start, seq + 1, version)
         magic, _, closed, manifest_len, stride = _CONTROL.unpack_from(mm, 0)

@@ -24,6 +24,8 @@ Invariants:
 - Only the newest `keep` checkpoints up to the one just written are kept; a higher step is never pruned
   by a lower one, nor a checkpoint a reader holds (`pinned`: `serve`, `eval` and `export` hold what they
   load; it is pruned by a later save).
+- `model.safetensors` is written from the weights' own memory (only tensors sharing bytes with another, e.g.
+  tied embeddings, are copied), so a checkpoint holds no second copy of the weights.
 """
 
 from __future__ import annotations
@@ -86,8 +88,7 @@ def save_checkpoint(
         "torch": torch.get_rng_state(),
         "generator": generator_state,
     }
-    # Tied embeddings share storage; safetensors refuses shared tensors, so save contiguous clones.
-    tensors = {k: v.detach().contiguous().clone() for k, v in weights.items()}
+    tensors = _as_saved(weights)
     writers: dict[str, Callable[[Path], object]] = {
         "model.safetensors": lambda path: save_file(tensors, str(path)),
         "training_state.pt": lambda path: torch.save(training_state, path),
@@ -287,6 +288,24 @@ def _first_line(err: BaseException) -> str:
 
 def _mb(size: int) -> str:
     return f"{size / 1e6:.1f} MB"
+def _as_saved(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights as safetensors can write them, copying only what it cannot: a tensor whose bytes overlap one
+    listed before it (tied embeddings are one tensor under two names; safetensors refuses overlapping tensors)
+    and a non-contiguous one. Disjoint views of one buffer (a multi-rank engine's gathered weights) are written
+    as they are, so a checkpoint costs no second copy of the weights; safetensors writes from their memory."""
+    out: dict[str, torch.Tensor] = {}
+    spans: dict[tuple[torch.device, int], list[tuple[int, int]]] = {}  # storage -> byte ranges already listed
+    for name, tensor in weights.items():
+        tensor = tensor.detach()
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        listed = spans.setdefault((tensor.device, tensor.untyped_storage().data_ptr()), [])
+        if not tensor.is_contiguous() or any(start < e and s < end for s, e in listed):
+            tensor = tensor.contiguous().clone()
+        else:
+            listed.append((start, end))
+        out[name] = tensor
+    return out
 
 
 def checkpoint_step(checkpoint: Path) -> int:
@@ -355,13 +374,13 @@ def load_training_state(checkpoint: Path) -> dict:
     return _read(checkpoint, "training_state.pt")
 
 
-def load_checkpoint(checkpoint: Path) -> tuple[dict[str, torch.Tensor], dict, dict, dict]:
+def load_checkpoint(checkpoint: Path, *, with_weights: bool = True) -> tuple[dict[str, torch.Tensor], dict, dict, dict]:
     """-> (weights, training_state, state, rng); restores the global RNGs as a side effect, once every file
-    has been verified and read."""
+    has been verified and read. `with_weights=False`: the weights are verified but not read ({}), for an engine
+    that resumes from its `sharded/` files."""
     verify_checkpoint(checkpoint)
-    weights, training_state, state, rng = (
-        _read(checkpoint, name) for name in ("model.safetensors", "training_state.pt", "state.json", "rng.pt")
-    )
+    training_state, state, rng = (_read(checkpoint, name) for name in ("training_state.pt", "state.json", "rng.pt"))
+    weights = _read(checkpoint, "model.safetensors") if with_weights else {}
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])

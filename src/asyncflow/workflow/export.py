@@ -29,7 +29,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from asyncflow.config import load_config
-from asyncflow.models.loading import load_model, resolve_model_path
+from asyncflow.models.loading import model_with_weights, resolve_model_path
 from asyncflow.workflow.checkpoint import (
     CheckpointError,
     checkpoint_step,
@@ -90,8 +90,8 @@ def export_run(
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_path))  # as the run's model folder has it
         if lora is None or merged:
-            model = load_model(model_path, dtype=config.model.dtype)
-            model.load_state_dict(weights, strict=True)  # every weight of the architecture, no more
+            # every weight of the architecture, no more; the checkpoint's tensors themselves, not a copy
+            model = model_with_weights(model_path, weights, dtype=config.model.dtype)
             model.save_pretrained(str(tmp))
             tokenizer.save_pretrained(str(tmp))
         if lora is not None:

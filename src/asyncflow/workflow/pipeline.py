@@ -53,7 +53,7 @@ from asyncflow.data.prompts import Prompt, PromptSource
 from asyncflow.observe import Timeline
 from asyncflow.runtime.base import Runtime
 from asyncflow.transfer import GroupSampler, TransferQueue
-from asyncflow.weights import make_weight_sync
+from asyncflow.weights import Weights, make_weight_sync
 from asyncflow.workers.loops import BackgroundThread, partition_name, restore_sampler, reward_loop
 from asyncflow.workers.reward import RewardWorker
 from asyncflow.workers.rollout import Rollout
@@ -137,12 +137,15 @@ class StepResult:
 
 class PipelineWorkflow:
     """`sync`, `stream` and `async` over one queue; see the module docstring. `policy_weights()` gives the
-    trained policy's current weights (to publish); `scores_rows`: the rollout worker writes rewards itself;
-    `stages`: user stages, each a task of the queue run after rollout (sync) or beside it (stream / async)."""
+    trained policy's current weights (for the `sync` rollout engine), `weights_to_publish()` what the weight
+    channel copies in (default: `policy_weights()`; a multi-rank trainer's `BucketStream`); `scores_rows`: the
+    rollout worker writes rewards itself; `stages`: user stages, each a task of the queue run after rollout (sync)
+    or beside it (stream / async)."""
 
     def __init__(self, config: Config, *, runtime: Runtime, trainer: PolicyTrainer, prompts: PromptSource,
                  policy_weights: Callable[[], Mapping[str, torch.Tensor]], rewards: RewardWorker, timeline: Timeline,
-                 scores_rows: bool, stages: Sequence[StageWorker] = ()):
+                 scores_rows: bool, stages: Sequence[StageWorker] = (),
+                 weights_to_publish: Callable[[], Weights] | None = None):
         self.config = config
         self.mode = config.workflow.mode
         self.k = config.workflow.max_staleness if self.mode == "async" else 0
@@ -152,6 +155,8 @@ class PipelineWorkflow:
         self.runtime, self.trainer, self.prompts = runtime, trainer, prompts
         self.rewards, self.timeline = rewards, timeline
         self.policy_weights = policy_weights
+        # what the weight channel copies in: by default the state dict; a multi-rank trainer's bucket stream
+        self.weights_to_publish = weights_to_publish or policy_weights
         # Registered tasks must acknowledge a partition before it is cleared: a rollout that scores its own rows
         # (multi-turn, agent; every replica on Ray outside `sync`) leaves no separate reward task to wait for.
         self.scored_in_rollout = scores_rows or (self.mode != "sync" and runtime.scores_in_rollout)
@@ -222,7 +227,7 @@ class PipelineWorkflow:
         if self.mode == "sync":
             self.runtime.local_rollout.engine.update_weights(self.policy_weights(), version)
         else:
-            self.publisher.publish(self.policy_weights(), version)
+            self.publisher.publish(self.weights_to_publish(), version)
         self.timeline.add_span("trainer", "publish_weights", t0, time.time(), version=version)
 
     def start(self, step: int, version: int, resume: dict | None = None) -> None:
@@ -254,7 +259,7 @@ class PipelineWorkflow:
         # so how fast the replicas start cannot change which weights generate it.
         last = max(replayed, default=-1)
         self.hold_before = last if self.k > 0 and 0 <= last < cfg.train.steps - 1 else None
-        self.publisher.publish(self.policy_weights(), version)
+        self.publisher.publish(self.weights_to_publish(), version)
         self.runtime.start_rollout(self.queue, self.publisher.receiver_spec, steps, max_staleness=self.k,
                                    timeline=self.timeline, sampler_states=samplers)
         if not self.scored_in_rollout:

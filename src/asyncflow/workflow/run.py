@@ -13,10 +13,11 @@ Invariants:
 - Only the step loop changes `RunState`: a workflow gets the step and version and returns the version it
   published; no object below the loop is handed the run.
 - A step is one optimizer update and bumps the policy's weight version by one.
-- Pieces are built where the runtime places them: the driver holds the policy being trained and builds no
-  inference engine of its own: `sync` evaluates on its idle rollout engine, the other modes generate with the
-  trainer's policy module (no weight copy); only a trainer whose weights live on other ranks (FSDP2) gets an
-  evaluation engine, built at the first evaluation.
+- Pieces are built where the runtime places them: the driver holds the policy being trained only when it trains
+  it itself (the built-in engine; with FSDP2 it loads no copy: the ranks load and hold it, and stream each weight
+  version to the publisher one bucket at a time) and builds no inference engine of its own: `sync` evaluates on
+  its idle rollout engine, the other modes generate with the trainer's policy module (no weight copy); only a
+  trainer whose weights live on other ranks (FSDP2) gets an evaluation engine, built at the first evaluation.
 - Data position, RNG states, optimizer and weights are checkpointed together, with what the workflow
   had handed out ahead of training (`PipelineWorkflow.checkpoint_state`); `--resume` trains every prompt
   exactly once, with the prompts and samples the uninterrupted run would have used (bit-exact where
@@ -33,7 +34,9 @@ Invariants:
   there is no reference model), `entropy`, `loss`, `time/step_s`, `throughput/samples_per_s` and
   `throughput/tokens_per_s`; evaluated steps (and step 0, before any update) add `eval/accuracy`.
   Counters are per step (`reward/errors`, `reward/timeouts`) or named as totals over the run, resumes
-  included (`reward/errors_total`, `reward/timeouts_total`, `data/skipped_long_prompts_total`).
+  included (`reward/errors_total`, `reward/timeouts_total`, `data/skipped_long_prompts_total`). Each training row
+  has the peak resident memory of every process that reports one (`memory/peak_rss_mb/driver`, `.../rank_R`
+  of FSDP2 ranks, `.../rollout_R` of Ray replicas; `asyncflow.observe.memory`).
 """
 
 from __future__ import annotations
@@ -47,8 +50,9 @@ from pathlib import Path
 
 from asyncflow.config import Config
 from asyncflow.engines.base import ShardedCheckpointing, make_train_engine
-from asyncflow.models.loading import load_model, load_tokenizer, resolve_model_path
+from asyncflow.models.loading import load_tokenizer, resolve_model_path
 from asyncflow.observe import MetricsLogger, Timeline, TrainProgress, plot_metrics
+from asyncflow.observe.memory import memory_metrics
 from asyncflow.rewards import RewardHealth
 from asyncflow.rewards.health import counter_growth
 from asyncflow.runtime.base import build_rollout_worker
@@ -118,8 +122,7 @@ class RLRun:
 
         model_path = resolve_model_path(config.model.path, seed=config.run.seed)
         self.tokenizer = load_tokenizer(model_path)
-        policy = load_model(model_path, dtype=config.model.dtype, device=config.model.device)
-        self.train_engine = make_train_engine(config.train.engine, **train_engine_options(config, policy, model_path),
+        self.train_engine = make_train_engine(config.train.engine, **train_engine_options(config, model_path),
                                               **teacher_engine_options(config, self.tokenizer))
         self.runtime = self.workflow = self.eval_worker = None  # what evaluation generates with: see `evaluate`
         self.closed = False
@@ -152,6 +155,7 @@ class RLRun:
                 config, runtime=self.runtime, trainer=self.trainer, prompts=self.prompts,
                 policy_weights=self.train_engine.state_dict, rewards=self.rewards, timeline=self.timeline,
                 scores_rows=self.spec.scores_rows, stages=stage_workers(config),
+                weights_to_publish=self.train_engine.weight_stream,
             )
         except BaseException:
             self.close()
@@ -195,9 +199,11 @@ class RLRun:
 
     def _resume(self, checkpoint: Path) -> dict:
         """Restore weights, optimizer, RNGs, the prompt cursor and `RunState`; returns the workflow's part."""
-        weights, training_state, state, _ = load_checkpoint(checkpoint)
         sharded = checkpoint / SHARDED_DIR
-        if isinstance(self.train_engine, ShardedCheckpointing) and sharded.is_dir():
+        from_shards = isinstance(self.train_engine, ShardedCheckpointing) and sharded.is_dir()
+        # the ranks read their shards: the driver reads no copy of the full weights
+        weights, training_state, state, _ = load_checkpoint(checkpoint, with_weights=not from_shards)
+        if from_shards:
             self.train_engine.load_sharded(sharded)  # weights and optimizer state, resharded to this world size
             self.train_engine.load_training_state(training_state)
         elif sharded.is_dir():
@@ -287,6 +293,9 @@ class RLRun:
                 state.version = result.version
                 metrics = result.metrics
                 metrics["time/step_s"] = time.perf_counter() - t0
+                metrics.update(self.train_engine.metrics())  # e.g. its ranks' peak memory
+                metrics.update(self.runtime.memory_metrics())  # its rollout replicas' peak memory
+                metrics.update(memory_metrics("driver"))
                 metrics.update(self._throughput(metrics))
                 self._check_finite(metrics)
                 last = state.step == cfg.train.steps

@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -27,9 +27,9 @@ import torch
 from asyncflow.config import Config
 from asyncflow.data import DatasetError, Example
 from asyncflow.data.prompts import PromptEncoder, PromptSource, TrainSet
-from asyncflow.engines.base import SamplingParams
+from asyncflow.engines.base import SamplingParams, train_engine_loads_policy
 from asyncflow.envs.sandbox import SandboxLimits
-from asyncflow.models.loading import load_tokenizer, resolve_model_path
+from asyncflow.models.loading import load_model, load_tokenizer, resolve_model_path
 from asyncflow.models.value import CriticSpec
 from asyncflow.rewards import RewardRunner, check_reward_specs
 from asyncflow.rewards.contract import RewardFn
@@ -138,25 +138,34 @@ def critic_spec(config: Config, model_path) -> CriticSpec | None:
                       train_trunk=c.train_trunk)
 
 
-def train_engine_options(config: Config, policy: torch.nn.Module, model_path) -> dict:
-    """Keyword arguments of `make_train_engine(config.train.engine, ...)`. A multi-rank engine also gets
-    `world_size`, `model_path` (its ranks load the policy themselves), `dtype`, `timeout_s` and the `launcher`
-    that places its ranks, the runtime's (`asyncflow.runtime.factory.rank_launcher`)."""
+def train_engine_options(config: Config, model_path, policy: torch.nn.Module | None = None) -> dict:
+    """Keyword arguments of `make_train_engine(config.train.engine, ...)`. An engine that trains the policy in this
+    process gets it as `model`: `policy`, or the model at `model_path` loaded here. Any other engine also gets
+    `world_size`, `model_path`, `dtype`, `timeout_s` and the `launcher` that places its ranks, the runtime's
+    (`asyncflow.runtime.factory.rank_launcher`); one whose ranks load the policy themselves
+    (`train_engine_loads_policy`: FSDP2) gets the device its ranks use instead of a model, so this process loads
+    no copy of the weights."""
     t = config.train
-    options = dict(
-        model=policy, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas, grad_clip=t.grad_clip,
+    options: dict[str, Any] = dict(
+        lr=t.lr, weight_decay=t.weight_decay, betas=t.betas, grad_clip=t.grad_clip,
         lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=t.steps,
         use_reference=config.algo.kl_coef > 0, packing=t.packing, precision=t.precision,
         activation_checkpointing=t.activation_checkpointing, critic=critic_spec(config, model_path),
     )
+
+    def loaded_policy() -> torch.nn.Module:
+        return policy if policy is not None else load_model(model_path, dtype=config.model.dtype,
+                                                             device=config.model.device)
+
     if t.engine == "torch":
-        return {**options, "lora": lora_settings(config)}
+        return {**options, "model": loaded_policy(), "lora": lora_settings(config)}
     from asyncflow.runtime.factory import rank_launcher
 
-    return {
-        **options, "world_size": t.world_size, "model_path": str(model_path), "dtype": config.model.dtype,
-        "timeout_s": config.runtime.call_timeout_s, "launcher": rank_launcher(config),
-    }
+    options.update(world_size=t.world_size, model_path=str(model_path), dtype=config.model.dtype,
+                   timeout_s=config.runtime.call_timeout_s, launcher=rank_launcher(config))
+    if train_engine_loads_policy(t.engine):  # FSDP2: its ranks load it
+        return {**options, "ranks_device": torch.device(config.model.device).type}
+    return {**options, "model": loaded_policy()}
 
 
 def teacher_engine_options(config: Config, tokenizer) -> dict:

@@ -47,7 +47,7 @@ from asyncflow.data import Example
 from asyncflow.data.prompts import open_task
 from asyncflow.data.tasks import carve_validation
 from asyncflow.engines.base import ShardedCheckpointing, make_train_engine
-from asyncflow.models.loading import load_model, load_tokenizer, render_prompt, resolve_model_path
+from asyncflow.models.loading import load_tokenizer, model_with_weights, render_prompt, resolve_model_path
 from asyncflow.models.logprobs import TrainSample, response_mask
 from asyncflow.models.tri_model import TriLogProbs
 from asyncflow.observe import MetricsLogger, TrainProgress
@@ -183,7 +183,6 @@ def run_sft(config: Config, output: str | Path, stop: StopSignals | None = None)
     seed_everything(config.run.seed)
     model_path = resolve_model_path(config.model.path, seed=config.run.seed)
     tokenizer = load_tokenizer(model_path)
-    model = load_model(model_path, dtype=config.model.dtype, device=config.model.device)
     train, validation = sft_pools(config)
     settings = sft_settings(config, train, validation)
     resume_from = _resumable(output, settings)
@@ -192,7 +191,7 @@ def run_sft(config: Config, output: str | Path, stop: StopSignals | None = None)
         output.mkdir(parents=True)
     probe = ValidationProbe(config, model_path, tokenizer, validation) if validation else None
     engine = make_train_engine(config.train.engine, **{  # SFT's optimizer; unpacked: its rows share no prompt
-        **train_engine_options(config, model, model_path), "lr": cfg.lr, "betas": cfg.betas, "total_steps": cfg.steps,
+        **train_engine_options(config, model_path), "lr": cfg.lr, "betas": cfg.betas, "total_steps": cfg.steps,
         "weight_decay": cfg.weight_decay, "grad_clip": cfg.grad_clip, "lr_schedule": cfg.lr_schedule,
         "warmup_steps": cfg.warmup_steps, "use_reference": False, "packing": "off", "critic": None})  # no critic in SFT
     rng, to_sample = random.Random(config.run.seed), sft_samples(config, tokenizer)
@@ -234,8 +233,8 @@ def run_sft(config: Config, output: str | Path, stop: StopSignals | None = None)
                 if stopping:
                     raise RunStopped(stop.signum, f"stopped by {stop.name} during SFT (step {step}): the SFT model is "
                                      f"not written; SFT continues from this step's checkpoint when run again")
-        model = load_model(model_path, dtype=config.model.dtype)
-        model.load_state_dict(engine.state_dict())  # under LoRA the merged weights: a plain model folder
+        # under LoRA the merged weights: a plain model folder; the engine's tensors, not a second copy of them
+        model = model_with_weights(model_path, engine.state_dict(), dtype=config.model.dtype)
     finally:
         metrics.close()
         engine.close()

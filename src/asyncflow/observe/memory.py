@@ -1,0 +1,61 @@
+"""Peak memory of a process, as a run reports it: `peak_rss_mb` (this process's peak resident set size),
+`memory_metrics` (the same as a metric named after the process's role) and `reset_peak_rss` (start a new peak,
+for measuring one phase).
+
+Each kind of worker reports its own under `memory/peak_rss_mb/ROLE` (`driver`, `rank_R` for a training rank,
+`rollout_R` for a rollout replica), so a benchmark reads the driver's, each rank's and each replica's peak from a
+run's metrics.jsonl.
+
+Invariants: the peak is the kernel's high-water mark (`VmHWM` of /proc/self/status; `getrusage` where there is
+no /proc), so it never decreases except by `reset_peak_rss`; a forked process starts from its parent's resident
+size at the fork.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from pathlib import Path
+
+METRIC_PREFIX = "memory/peak_rss_mb/"
+_STATUS = Path("/proc/self/status")
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size in MiB."""
+    kib = _status_kib("VmHWM")
+    if kib is not None:
+        return kib / 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
+
+
+def rss_mb() -> float | None:
+    """This process's resident set size now in MiB (None without /proc)."""
+    kib = _status_kib("VmRSS")
+    return None if kib is None else kib / 1024
+
+
+def reset_peak_rss() -> bool:
+    """Make the peak the current resident size (Linux: /proc/self/clear_refs), so `peak_rss_mb` then measures what
+    follows; False where that is not possible (the peak then covers the process's whole life)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def memory_metrics(role: str) -> dict[str, float]:
+    """`{"memory/peak_rss_mb/<role>": peak_rss_mb()}`."""
+    return {METRIC_PREFIX + role: peak_rss_mb()}

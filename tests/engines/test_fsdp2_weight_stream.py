@@ -1,0 +1,80 @@
+"""FSDP2 weights leave the ranks one bucket at a time: the ranks all-gather one parameter at a time and rank 0 hands
+over one bucket's tensors (`FSDP2TrainEngine.weight_stream`), so no rank holds more than one bucket of gathered
+weights (the engine's `weights/gather_peak_bytes`), and what every transport publishes from the stream is
+bit-identical to what it publishes from the whole state dict. The engine also reports each rank's peak memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncflow.engines.fsdp2_train import FSDP2TrainEngine
+from asyncflow.models.loading import load_model
+from asyncflow.models.logprobs import TrainSample
+from asyncflow.runtime.inline import ProcessRanks
+from asyncflow.weights import BucketStream, make_weight_sync
+
+BUCKET_BYTES = 64 << 10  # several buckets even for the tiny model
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_path, one_torch_thread):
+    engine = FSDP2TrainEngine(model_path=tiny_llama_path, ranks_device="cpu", world_size=2, lr=1e-3,
+                              launcher=ProcessRanks, bucket_bytes=BUCKET_BYTES)
+    yield engine
+    engine.close()
+
+
+def train_one_step(engine: FSDP2TrainEngine) -> None:
+    from tests.engines.test_fsdp2_train import policy_loss
+
+    samples = [TrainSample([3, 4, 5, 6], [7, 8, 9], 0), TrainSample([5, 6], [7, 8, 9, 10, 11], 1)]
+    engine.backward_micro_batch(samples, policy_loss(samples, seed=0))
+    engine.optimizer_step(grad_scale=1 / 8)
+
+
+def test_the_stream_is_the_state_dict_and_no_rank_holds_more_than_a_bucket(engine, tiny_llama_path):
+    stream = engine.weight_stream()
+    assert isinstance(stream, BucketStream), "nothing cached: streamed from the ranks"
+    manifest = stream.manifest
+    assert len(manifest.buckets) > 3
+    initial = load_model(tiny_llama_path).state_dict()
+    streamed = {}
+    for index, members in enumerate(stream.buckets()):
+        entries = [e for e in manifest.tensors if e.bucket == index]
+        assert [tuple(t.shape) for t in members] == [e.shape for e in entries]
+        streamed.update({e.name: t for e, t in zip(entries, members, strict=True)})
+    assert streamed.keys() == initial.keys()
+    assert all(torch.equal(streamed[k], initial[k]) for k in initial), "the ranks' weights, bit for bit"
+    largest_bucket = max(b.nbytes for b in manifest.buckets)
+    total = sum(t.nbytes for t in initial.values())
+    assert 0 < engine.metrics()["weights/gather_peak_bytes"] <= largest_bucket < total / 3
+
+
+@pytest.mark.parametrize("kind", ["inprocess", "shared_memory"])
+def test_a_transport_publishes_the_stream_bit_identically(engine, kind):
+    train_one_step(engine)
+    stream = engine.weight_stream()
+    assert isinstance(stream, BucketStream)
+    whole = engine.state_dict()  # the same version, gathered into this process
+    received = {}
+    for source in (stream, whole):
+        publisher = make_weight_sync(kind, bucket_bytes=BUCKET_BYTES)
+        receiver = publisher.receiver_spec.open()
+        try:
+            publisher.publish(source, 1)
+            version, weights = receiver.wait_for(1, timeout=10.0)
+            received[type(source).__name__] = {k: v.clone() for k, v in weights.items()}
+        finally:
+            receiver.close()
+            publisher.close()
+    from_stream, from_dict = received["BucketStream"], received["dict"]
+    assert from_stream.keys() == whole.keys()
+    assert all(torch.equal(from_stream[k], from_dict[k]) for k in whole)
+    assert all(torch.equal(from_stream[k], whole[k]) for k in whole)
+
+
+def test_each_rank_reports_its_peak_memory(engine):
+    metrics = engine.metrics()
+    for rank in (0, 1):
+        assert metrics[f"memory/peak_rss_mb/rank_{rank}"] > 50, "a rank with torch and a model loaded"
