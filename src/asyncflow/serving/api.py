@@ -460,10 +460,6 @@ class _API:
         if len(set(names)) != len(names):
             duplicate = next(name for name in names if names.count(name) > 1)
             raise APIError(400, f"tools: the function name {duplicate!r} is given twice", param="tools")
-        for index, message in enumerate(body.messages):
-            if message.role == "tool" and not isinstance(getattr(message, "tool_call_id", None), str):
-                raise APIError(400, f"messages.{index}.tool_call_id: a tool message needs the id of the call it "
-                               "answers", param=f"messages.{index}.tool_call_id")
         choice = body.tool_choice
         if choice is not None and choice != "none" and not names:
             raise APIError(400, "tool_choice: only allowed when `tools` are given", param="tool_choice")
@@ -887,7 +883,8 @@ class TextStream:
 
     def _safe(self, pending: str) -> str:
         """The text so far (`pending`: the window's unsettled part) less what must be held back."""
-        text = self._held(self._text + pending).rstrip("\ufffd").rstrip()  # U+FFFD: the end of a multi-byte character is due
+        # U+FFFD: the end of a multi-byte character is due
+        text = self._held(self._text + pending).rstrip("\ufffd").rstrip()
         held = [*self.stops, self.hold_from] if self.hold_from else self.stops
         hold = max((k for s in held for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
         return text[: len(text) - hold]
