@@ -18,6 +18,12 @@ decode cleanly yet (part of a multi-byte character), trailing whitespace (a deco
 what follows) and a tail that could be the start of a stop string. An engine without `streams_tokens` still
 streams, a choice at a time when it finishes (`/v1/models` says which: `"streaming": "token"` or `"choice"`).
 
+Tool calling (`asyncflow.serving.tool_calling`, docs/serving.md): chat `tools` are rendered by the chat template
+(a template that renders nothing of them: 400 naming `tools`) and, unless `tool_choice` is "none", each choice's
+text is parsed in the model's `ServedModel.tool_call_format` into `message.tool_calls` / `delta.tool_calls`
+(text whose calls are malformed is content); a stream holds the text back from the first call's opening on until
+the choice is parsed. `tool_choice` "required" or a named function is not enforced on the sampling.
+
 Episodes (training an agent through this server): `/episodes/{episode_id}/v1/...` serves the same routes
 and records every call under the episode (`asyncflow.serving.episodes`); only episodes the training driver
 opened are served. A call whose prompt text starts with the episode's latest context (the previous prompt
