@@ -239,3 +239,30 @@ def test_an_episode_turn_the_agent_changed_is_rendered_as_given(server):
     assert '{"expression": "7*6"}' in decode(second.prompt_token_ids)
     row = episode_row(recorder.close("ep-changed"))
     assert row.calls == 1 and row.dropped_calls == 1  # history rewritten: not trained, never re-tokenized
+
+
+def test_a_turn_is_split_into_the_text_outside_its_calls_and_the_calls_in_order():
+    from asyncflow.serving.tool_calling import parse_turn
+
+    two = ('Let me see. <tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call> and '
+           '<tool_call>{"name": "b"}</tool_call>')
+    turn = parse_turn(two, "hermes")
+    assert turn.content == "Let me see.  and "
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in turn.tool_calls] == [
+        ("a", {"x": 1}), ("b", {})]
+    assert len(set(turn.call_ids)) == 2 and all(i.startswith("call_") for i in turn.call_ids)
+    assert parse_turn(" " + CALL + " ", "hermes").content is None  # only whitespace outside: null content
+    for malformed in (CALL[:-3], "<tool_call>[1]</tool_call>", '<tool_call>{"name": "a", "arguments": 3}</tool_call>'):
+        assert parse_turn(malformed, "hermes").tool_calls == [] and parse_turn(malformed, "hermes").content == malformed
+
+
+def test_a_stream_holds_the_text_from_a_call_on_also_past_a_stop_string():
+    from asyncflow.serving.api import TextStream
+
+    tokenizer = tools_tokenizer()
+    ids = tokenizer("Hi <tool_call>{}</tool_call> END more", add_special_tokens=False)["input_ids"]
+    stream = TextStream(tokenizer, ["END"], hold_from="<tool_call>")
+    sent = "".join(stream.add([i], [0.0])[0] for i in ids)
+    assert sent == "Hi " and stream.stopped  # the text before the stop string is final: its space goes out too
+    plain = TextStream(tokenizer, ["END"])
+    assert "".join(plain.add([i], [0.0])[0] for i in ids) == "Hi <tool_call>{}</tool_call> "
