@@ -11,15 +11,18 @@ TEMPLATE = ("{% for m in messages %}<s>{{ m.role }}: {{ m.content }}</s>{% endfo
 
 
 @contextmanager
-def running_server(model_path, chat_template: str, *, limits=None, tokenizer_wrapper=None):
+def running_server(model_path, chat_template: str, *, limits=None, tokenizer_wrapper=None, prepare_weights=None):
     """(server thread, engine service, episode recorder) of `asyncflow serve MODEL` with `KEY` and `NAME`
-    (`limits`: its `ServingLimits`; `tokenizer_wrapper(tokenizer)`: what the server tokenizes with)."""
+    (`limits`: its `ServingLimits`; `tokenizer_wrapper(tokenizer)`: what the server tokenizes with;
+    `prepare_weights(weights)`: run on the loaded `ServedWeights` before serving, e.g. a few training steps)."""
     from asyncflow.serving.episodes import EpisodeRecorder
     from asyncflow.serving.server import ServerThread
     from asyncflow.workflow.serve import build_app, load_served
 
     recorder = EpisodeRecorder()
     weights = load_served(str(model_path))
+    if prepare_weights is not None:
+        prepare_weights(weights)
     if tokenizer_wrapper is not None:
         weights.tokenizer = tokenizer_wrapper(weights.tokenizer)
     extra = {} if limits is None else {"limits": limits}

@@ -18,6 +18,12 @@ decode cleanly yet (part of a multi-byte character), trailing whitespace (a deco
 what follows) and a tail that could be the start of a stop string. An engine without `streams_tokens` still
 streams, a choice at a time when it finishes (`/v1/models` says which: `"streaming": "token"` or `"choice"`).
 
+Tool calling (`asyncflow.serving.tool_calling`, docs/serving.md): chat `tools` are rendered by the chat template
+(a template that renders nothing of them: 400 naming `tools`) and, unless `tool_choice` is "none", each choice's
+text is parsed in the model's `ServedModel.tool_call_format` into `message.tool_calls` / `delta.tool_calls`
+(text whose calls are malformed is content); a stream holds the text back from the first call's opening on until
+the choice is parsed. `tool_choice` "required" or a named function is not enforced on the sampling.
+
 Episodes (training an agent through this server): `/episodes/{episode_id}/v1/...` serves the same routes
 and records every call under the episode (`asyncflow.serving.episodes`); only episodes the training driver
 opened are served. A call whose prompt text starts with the episode's latest context (the previous prompt
@@ -77,6 +83,15 @@ from asyncflow.engines.service import EngineService, EngineServiceError
 from asyncflow.engines.torch_inference import MIN_TEMPERATURE
 from asyncflow.serving.episodes import CallRecord, EpisodeRecorder, UnknownEpisodeError
 from asyncflow.serving.limits import ServingLimits
+from asyncflow.serving.tool_calling import (
+    TOOL_CALL_FORMATS,
+    Tool,
+    ToolChoice,
+    ToolTurn,
+    parse_turn,
+    sampled_turns,
+    template_messages,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +111,8 @@ class ServedModel:
     episode_sampling: SamplingParams | None = None
     """Training: episode calls sample with its temperature, top-p and top-k whatever the agent asks (the trainer
     recomputes log-probs at that temperature), and at most its `max_new_tokens` per call."""
+    tool_call_format: str = "hermes"
+    """How this model writes tool calls: a key of `serving.tool_calling.TOOL_CALL_FORMATS`."""
 
 
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
@@ -191,6 +208,12 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=1)  # only the sampled token's log-prob is known
     max_completion_tokens: int | None = Field(None, ge=1)
+    tools: Items[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = None  # accepted; not enforced (docs/serving.md)
+
+    def tool_choice_or_default(self) -> ToolChoice:
+        return self.tool_choice if self.tool_choice is not None else "auto" if self.tools else "none"
 
 
 # ---------------------------------------------------------------- the app
@@ -389,9 +412,10 @@ class _API:
         self._check_model(body.model)
         self._episode(episode_id, body.n)
         self._check_size(body, 1)
+        self._check_tools(body)
 
         def prepare():
-            ids, text = self._chat_prompt(body.messages, episode_id)
+            ids, text = self._chat_prompt(body.messages, episode_id, self._rendered_tools(body))
             return ids, text, self._params(body, body.max_completion_tokens or body.max_tokens, [len(ids)], episode_id)
 
         ids, text, params = await asyncio.to_thread(prepare)
@@ -400,15 +424,16 @@ class _API:
     async def _answer(self, body: _Sampling, rendered: list[tuple[list[int], str]], params: SamplingParams, kind: str,
                       episode_id: str | None, logprobs: bool):
         """Generate `body.n` choices per rendered (ids, text) prompt: streamed, or as one response."""
+        tool_format = self._tool_format(body)
         if body.stream:
-            return self._stream(body, rendered, params, kind, episode_id, logprobs=logprobs)
+            return self._stream(body, rendered, params, kind, episode_id, logprobs=logprobs, tool_format=tool_format)
         results = await self._generate([ids for ids, _ in rendered], params, body.n)
 
         def respond():
             choices = []
             for p, ((_ids, text), completions) in enumerate(zip(rendered, results)):
                 for c, completion in enumerate(completions):
-                    out = self._finish(completion, body.stop, episode_id, kind, text)
+                    out = self._finish(completion, body.stop, episode_id, kind, text, tool_format)
                     choices.append({"index": p * body.n + c, **out})
             return self._respond(body, choices, kind=kind, logprobs=logprobs)
 
@@ -432,6 +457,34 @@ class _API:
         if longest > limits.max_stop_chars:
             raise APIError(400, f"stop: a stop string of {longest} characters is over the limit of "
                            f"{limits.max_stop_chars} (limits.max_stop_chars)", param="stop")
+
+    def _check_tools(self, body: ChatRequest) -> None:
+        """What pydantic cannot say about `tools` / `tool_choice`: 400 naming the field."""
+        names = [tool.function.name for tool in body.tools or []]
+        if body.tools is not None and not names:
+            raise APIError(400, "tools: an empty list (leave `tools` out for no tools)", param="tools")
+        if len(set(names)) != len(names):
+            duplicate = next(name for name in names if names.count(name) > 1)
+            raise APIError(400, f"tools: the function name {duplicate!r} is given twice", param="tools")
+        choice = body.tool_choice
+        if choice is not None and choice != "none" and not names:
+            raise APIError(400, "tool_choice: only allowed when `tools` are given", param="tool_choice")
+        if not isinstance(choice, str) and choice is not None and choice.function.name not in names:
+            raise APIError(400, f"tool_choice: names the function {choice.function.name!r}, which is not in `tools` "
+                           f"({', '.join(names)})", param="tool_choice")
+
+    def _rendered_tools(self, body: ChatRequest) -> list[dict] | None:
+        """The tools handed to the chat template (Hugging Face's shape, which is OpenAI's); None with `tool_choice`
+        "none" (the tools are neither rendered nor parsed)."""
+        if not body.tools or body.tool_choice_or_default() == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in body.tools]
+
+    def _tool_format(self, body: _Sampling) -> str | None:
+        """The tool-call format to parse this request's choices with; None: the text is returned as it is."""
+        if not isinstance(body, ChatRequest) or self._rendered_tools(body) is None:
+            return None
+        return self.served.tool_call_format
 
     def _check_model(self, model: str) -> None:
         if model != self.served.name:
@@ -474,7 +527,8 @@ class _API:
         self._check_ids(ids, "prompt")
         return ids, prompt
 
-    def _chat_prompt(self, messages: list[ChatMessage], episode_id: str | None) -> tuple[list[int], str]:
+    def _chat_prompt(self, messages: list[ChatMessage], episode_id: str | None,
+                     tools: list[dict] | None = None) -> tuple[list[int], str]:
         tokenizer = self.served.tokenizer
         template = self.served.chat_template or getattr(tokenizer, "chat_template", None)
         if not template:
@@ -486,11 +540,23 @@ class _API:
             if isinstance(m.content, list):
                 message["content"] = "".join(part.text for part in m.content)
             plain.append(message)
-        try:
-            text = tokenizer.apply_chat_template(plain, chat_template=template, tokenize=False,
-                                                 add_generation_prompt=True)
-        except Exception as err:  # jinja raises its own kinds (a template's raise_exception, a bad field)
-            raise APIError(400, f"the chat template failed on these messages: {err}", param="messages") from None
+        if episode_id is not None and self.recorder is not None:
+            plain = sampled_turns(plain, functools.partial(self.recorder.tool_turn, episode_id))
+        plain = template_messages(plain)
+
+        def render(tools: list[dict] | None) -> str:
+            try:
+                return tokenizer.apply_chat_template(plain, chat_template=template, tokenize=False,
+                                                     add_generation_prompt=True, tools=tools)
+            except Exception as err:  # jinja raises its own kinds (a template's raise_exception, a bad field)
+                raise APIError(400, f"the chat template failed on these messages: {err}",
+                               param="messages") from None
+
+        text = render(tools)
+        if tools and text == render(None):  # a template without a `tools` branch would drop them silently
+            raise APIError(400, f"tools: the chat template of model {self.served.name!r} does not render tools; "
+                           "start the server with --chat-template FILE (one with a `tools` branch), or leave "
+                           "`tools` out", param="tools")
         self._check_chars(len(text), "messages")  # every field the template renders counts, not `content` only
         ids = self._continued(episode_id, "chat", text)
         if ids is None:
@@ -569,9 +635,11 @@ class _API:
         return [done[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _finish(self, completion: Completion, stops: list[str], episode_id: str | None, kind: str,
-                prompt_text: str) -> dict:
+                prompt_text: str, tool_format: str | None = None) -> dict:
         """One choice: the ids up to the first stop string (that string left out of the text), recorded under the
-        episode; the context text it leaves is what the agent will send back to continue."""
+        episode; the context text it leaves is what the agent will send back to continue. With `tool_format`, its
+        `turn` is the text parsed into content and tool calls (a tool-calling turn is remembered by the episode
+        with the text sampled, so that the agent's sending it back renders that text)."""
         tokenizer = self.served.tokenizer
         ids, logprobs, finish = completion.response_ids, completion.logprobs, completion.finish_reason
         text = tokenizer.decode(ids, skip_special_tokens=True)
@@ -587,8 +655,17 @@ class _API:
                 self.recorder.record(episode_id, call, kind=kind, text=context)
             except UnknownEpisodeError:
                 raise APIError(404, f"episode {episode_id!r} was closed", code="episode_not_found") from None
-        return {"text": text, "finish_reason": finish, "token_ids": list(ids), "token_logprobs": list(logprobs),
-                "prompt_token_ids": list(completion.prompt_ids), "weight_version": completion.weight_version}
+        turn = ToolTurn(text) if tool_format is None else parse_turn(text, tool_format)
+        if turn.tool_calls:
+            finish = "tool_calls" if finish == "stop" else finish
+            if episode_id is not None:
+                try:
+                    self.recorder.record_tool_turn(episode_id, turn.call_ids, text, turn)
+                except UnknownEpisodeError:
+                    raise APIError(404, f"episode {episode_id!r} was closed", code="episode_not_found") from None
+        return {"text": text, "turn": turn, "finish_reason": finish, "token_ids": list(ids),
+                "token_logprobs": list(logprobs), "prompt_token_ids": list(completion.prompt_ids),
+                "weight_version": completion.weight_version}
 
     # ------------------------------------------------------------ responses
     def _text_offsets(self, ids: list[int]) -> list[int]:
@@ -625,7 +702,10 @@ class _API:
                       "logprobs": self._logprobs(kind, ids, lps) if logprobs else None,
                       **{k: c[k] for k in ("token_ids", "token_logprobs", "prompt_token_ids", "weight_version")}}
             if kind == "chat":
-                choice["message"] = {"role": "assistant", "content": c["text"]}
+                turn = c["turn"]
+                choice["message"] = {"role": "assistant", "content": turn.content}
+                if turn.tool_calls:
+                    choice["message"]["tool_calls"] = turn.tool_calls
             else:
                 choice["text"] = c["text"]
             out.append(choice)
@@ -633,7 +713,7 @@ class _API:
         return {**self._envelope(kind, object_name), "choices": out, "usage": usage}
 
     def _stream(self, body: _Sampling, rendered: list[tuple[list[int], str]], params: SamplingParams, kind: str,
-                episode_id: str | None, *, logprobs: bool) -> StreamingResponse:
+                episode_id: str | None, *, logprobs: bool, tool_format: str | None = None) -> StreamingResponse:
         """Submit every choice with a token callback and stream its pieces as they come (module docstring)."""
         loop = asyncio.get_running_loop()
         arrivals: asyncio.Queue = asyncio.Queue()
@@ -655,15 +735,23 @@ class _API:
         def event(choices: list[dict], **extra) -> str:
             return f"data: {json.dumps({**envelope, 'choices': choices, **extra})}\n\n"
 
-        def piece(index: int, text: str, ids: list[int], lps: list[float], finish: str | None = None, **extra) -> str:
-            body_part = {"delta": {"content": text} if text else {}} if kind == "chat" else {"text": text}
+        def piece(index: int, text: str, ids: list[int], lps: list[float], finish: str | None = None,
+                  tool_calls: list[dict] | None = None, **extra) -> str:
+            if kind == "chat":
+                delta = {"content": text} if text else {}
+                if tool_calls:  # each call whole, in one delta (OpenAI's shape allows its arguments in pieces)
+                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
+                body_part = {"delta": delta}
+            else:
+                body_part = {"text": text}
             return event([{"index": index, **body_part, "finish_reason": finish, "token_ids": ids,
                            "token_logprobs": lps, "logprobs": self._logprobs(kind, ids, lps) if logprobs else None,
                            **extra}])
 
         async def events():
             nonlocal abandoned
-            streams = [TextStream(self.served.tokenizer, body.stop) for _ in futures]
+            hold_from = None if tool_format is None else TOOL_CALL_FORMATS[tool_format].opening
+            streams = [TextStream(self.served.tokenizer, body.stop, hold_from) for _ in futures]
             usage = {"prompt_tokens": sum(len(ids) for ids, _ in rendered), "completion_tokens": 0}
             deadline = loop.time() + self.timeout_s
             try:
@@ -692,12 +780,15 @@ class _API:
                         except EngineServiceError as err:
                             raise APIError(503, f"the engine failed: {err}", type="server_error",
                                            code="engine_unavailable") from None
-                        out = self._finish(completion, body.stop, episode_id, kind, rendered[index // body.n][1])
+                        out = self._finish(completion, body.stop, episode_id, kind, rendered[index // body.n][1],
+                                           tool_format)
                         sent = len(streams[index].ids)
                         usage["completion_tokens"] += len(out["token_ids"])
-                        yield piece(index, text + streams[index].rest(out["text"]), ids + out["token_ids"][sent:],
-                                    lps_before + out["token_logprobs"][sent:], out["finish_reason"],
-                                    prompt_token_ids=out["prompt_token_ids"], weight_version=out["weight_version"])
+                        turn = out["turn"]
+                        yield piece(index, text + streams[index].rest(turn.content or ""),
+                                    ids + out["token_ids"][sent:], lps_before + out["token_logprobs"][sent:],
+                                    out["finish_reason"], turn.tool_calls, prompt_token_ids=out["prompt_token_ids"],
+                                    weight_version=out["weight_version"])
                     for index, (text, ids, lps) in waiting.items():
                         if ids or text:
                             yield piece(index, text, ids, lps)
@@ -753,9 +844,10 @@ class TextStream:
     is described in the module docstring.
     """
 
-    def __init__(self, tokenizer, stops: list[str]):
+    def __init__(self, tokenizer, stops: list[str], hold_from: str | None = None):
         self.tokenizer = tokenizer
         self.stops = stops
+        self.hold_from = hold_from  # text from its first occurrence on is held (a tool call: parsed once whole)
         self.ids: list[int] = []
         self.stopped = False
         self._text = ""  # decoded text of ids[:read]
@@ -777,7 +869,12 @@ class TextStream:
             cut = _stop_at(text, self.stops, max(0, settled - longest))
             if cut >= 0:
                 self.stopped, self._text = True, text[:cut]
-        return self.rest(self._text if self.stopped else self._safe(pending)), ids[:taken], logprobs[:taken]
+        return self.rest(self._held(self._text) if self.stopped else self._safe(pending)), ids[:taken], logprobs[:taken]
+
+    def _held(self, text: str) -> str:
+        """`text` up to `hold_from`, if it holds one."""
+        at = text.find(self.hold_from) if self.hold_from else -1
+        return text if at < 0 else text[:at]
 
     def _pending_text(self) -> str:
         """The text of the ids after `read` (moving the window on when it decodes cleanly)."""
@@ -792,8 +889,10 @@ class TextStream:
 
     def _safe(self, pending: str) -> str:
         """The text so far (`pending`: the window's unsettled part) less what must be held back."""
-        text = (self._text + pending).rstrip("\ufffd").rstrip()  # U+FFFD: the end of a multi-byte character is due
-        hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        # U+FFFD: the end of a multi-byte character is due
+        text = self._held(self._text + pending).rstrip("\ufffd").rstrip()
+        held = [*self.stops, self.hold_from] if self.hold_from else self.stops
+        hold = max((k for s in held for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
         return text[: len(text) - hold]
 
     def rest(self, text: str) -> str:

@@ -1,7 +1,9 @@
 """Episodes: what the OpenAI-compatible server recorded for one agent run, and the training row made of it.
 
-Owns: `EpisodeRecorder` (thread-safe: calls by episode id, and each episode's latest context so a later
-call that extends it reuses its token ids) and `episode_row` (an episode's calls -> one training row).
+Owns: `EpisodeRecorder` (thread-safe: calls by episode id, each episode's latest context so a later
+call that extends it reuses its token ids, and the tool-calling turns it returned, by their call ids, so a
+later call that sends one back renders the text that was sampled: `serving.tool_calling`) and `episode_row`
+(an episode's calls -> one training row).
 
 How an episode becomes a row (`episode_row`). The row's prompt is the first call's prompt ids; its
 response is, call after call, the new context the agent added (loss mask 0, log-prob 0) followed by the
@@ -78,6 +80,7 @@ class EpisodeRecorder:
     def __init__(self):
         self._calls: dict[str, list[CallRecord]] = {}
         self._contexts: dict[str, tuple[str, list[int], str]] = {}  # (kind, ids, text) of the latest call
+        self._tool_turns: dict[str, dict[tuple[str, ...], tuple[str, object]]] = {}  # by episode, by call ids
         self._lock = threading.Lock()
 
     def open(self, episode_id: str) -> None:
@@ -98,6 +101,18 @@ class EpisodeRecorder:
             self._calls[episode_id].append(call)
             self._contexts[episode_id] = (kind, call.prompt_ids + call.response_ids, text)
 
+    def record_tool_turn(self, episode_id: str, call_ids: tuple[str, ...], text: str, turn: object) -> None:
+        """Remember an assistant turn with tool calls: the text the model sampled and the `turn` returned for it."""
+        with self._lock:
+            if episode_id not in self._calls:
+                raise UnknownEpisodeError(episode_id)
+            self._tool_turns.setdefault(episode_id, {})[call_ids] = (text, turn)
+
+    def tool_turn(self, episode_id: str, call_ids: tuple[str, ...]) -> tuple[str, object] | None:
+        """(sampled text, turn returned) of the episode's tool-calling turn with these call ids, if it returned one."""
+        with self._lock:
+            return self._tool_turns.get(episode_id, {}).get(call_ids)
+
     def context(self, episode_id: str, kind: str) -> tuple[list[int], str] | None:
         """(ids, text) of the episode's latest context, if its latest call was of `kind` ("chat" or "completion":
         a context is reused only by a call of the same kind)."""
@@ -109,4 +124,5 @@ class EpisodeRecorder:
         """End the episode (later calls to it are refused) and return its calls in order."""
         with self._lock:
             self._contexts.pop(episode_id, None)
+            self._tool_turns.pop(episode_id, None)
             return self._calls.pop(episode_id, [])
