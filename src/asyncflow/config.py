@@ -512,6 +512,8 @@ class AlgoConfig(Section):
             return "off"
         if isinstance(value, str) and "+" in value:
             return [part.strip() for part in value.split("+")]
+        if isinstance(value, list):
+            return ["off" if v is False else v for v in value]
         return value
 
     @field_validator("mismatch_correction")
@@ -552,7 +554,7 @@ class AlgoConfig(Section):
             if key in _changed_fields(self.mismatch):
                 raise ValueError(f"algo.mismatch_threshold and algo.mismatch.{key} set the same number: keep one")
         for key in _changed_fields(self.mismatch):
-            owner = next(c for c in typing.get_args(MismatchCorrection) if key.startswith(f"{c}_"))  # icepop_low -> icepop
+            owner = next(c for c in typing.get_args(MismatchCorrection) if key.startswith(f"{c}_"))
             if owner not in chosen:
                 raise ValueError(f"algo.mismatch.{key} applies to algo.mismatch_correction={owner} only, but "
                                  f"algo.mismatch_correction is {self.mismatch_correction}")
