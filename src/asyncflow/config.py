@@ -368,6 +368,8 @@ PolicyLossConfig = Annotated[
 ]
 
 
+# The names, the ratio weights, the thresholded corrections and `MismatchConfig`'s defaults repeat
+# `asyncflow.algos.correction`'s (a test keeps them equal): this module does not import torch.
 #: `algo.mismatch_correction`'s names (`asyncflow.algos.correction.MISMATCH_CORRECTIONS`).
 MismatchCorrection = Literal["off", "token_tis", "geo_mis", "icepop", "seq_tis", "seq_mask", "m2po"]
 _RATIO_CORRECTIONS = ("token_tis", "icepop", "seq_tis")  # weight each token by its ratio: one per combination

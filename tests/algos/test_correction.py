@@ -279,3 +279,17 @@ def test_correction_names():
     assert correction_names("off") == () and correction_names(["off"]) == ()
     assert correction_names("icepop + seq_mask") == ("icepop", "seq_mask")
     assert correction_names(["geo_mis", "seq_mask", "m2po"]) == ("geo_mis", "seq_mask", "m2po")
+
+
+def test_the_config_offers_the_corrections_and_defaults_of_this_module():
+    """config.py repeats the names and defaults (it does not import torch): they must not drift apart."""
+    import dataclasses
+    import typing
+
+    from asyncflow import config
+    from asyncflow.algos import correction
+
+    assert typing.get_args(config.MismatchCorrection) == correction.MISMATCH_CORRECTIONS
+    assert config._RATIO_CORRECTIONS == correction.RATIO_WEIGHTS
+    assert config._THRESHOLD_KEYS == correction.THRESHOLD_FIELDS
+    assert config.MismatchConfig().model_dump() == dataclasses.asdict(correction.CorrectionBounds())
