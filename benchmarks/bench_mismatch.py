@@ -13,6 +13,8 @@ truncated and masked (tokens, and the correction's own count: `mismatch/{count}_
 (greedy, the test prompts) at RL step 0 and at the end. One seed and a few steps show what each correction
 touches under a real gap; they are not a learning comparison (that needs the main job's budget over seeds, as
 `benchmarks/policy_loss_seeds.py` runs for the losses: `--variant NAME:algo.mismatch_correction=X,rollout.dtype=...`).
+Stale data instead of (or with) the precision gap: `--set workflow.mode=async --set workflow.max_staleness=2
+--set algo.stale_old_logprobs=policy --set runtime.kind=inline` (the ratio then also holds the policy's drift).
 
 Run: .venv/bin/python benchmarks/bench_mismatch.py [--steps 20] [--seed 0] [--model PATH|preset:NAME]
         [--out runs/mismatch] [--corrections off token_tis icepop ...] [--parallel 1] [--set KEY=VALUE ...]
@@ -90,7 +92,7 @@ def main() -> None:
         runs = {c: job.result() for c, job in jobs.items()}
     print(f"bf16 rollouts vs fp32 trainer, seed {args.seed}, {args.steps} steps from {model}")
     header = (f"{'correction':<20}{'|gap|':>10}{'|gap| same':>12}{'truncated':>11}{'masked tok':>12}"
-              f"{'masked seq':>12}  {'own count':<30}{'held-out start -> end':>24}")
+              f"{'masked seq':>12}  {'own count':<56}{'held-out start -> end':>22}")
     print(header)
     for correction, rows in runs.items():
         trained = [r for r in rows if r.get("step", 0) > 0]
@@ -102,7 +104,7 @@ def main() -> None:
               f"{mean_of(trained, 'mismatch/abs_log_ratio_same_version'):>12.5f}"
               f"{mean_of(trained, 'mismatch/truncated_tokens_fraction'):>11.4f}"
               f"{mean_of(trained, 'mismatch/masked_tokens_fraction'):>12.4f}"
-              f"{mean_of(trained, 'mismatch/masked_sequences_fraction'):>12.4f}  {own:<30}{held_out:>24}")
+              f"{mean_of(trained, 'mismatch/masked_sequences_fraction'):>12.4f}  {own:<56}{held_out:>22}")
 
 
 if __name__ == "__main__":
