@@ -47,6 +47,30 @@ def test_resolved_config_round_trips(tmp_path):
     assert load_config(tmp_path / "config.yaml") == config
 
 
+def test_mismatch_corrections_combine_as_a_list_or_with_plus():
+    assert load_config(None, ["algo.mismatch_correction=[token_tis]"]).algo.mismatch_correction == "token_tis"
+    algo = load_config(None, ["algo.mismatch_correction=token_tis+seq_mask", "algo.mismatch.seq_mask_threshold=3"]).algo
+    assert algo.mismatch_correction == ["token_tis", "seq_mask"] and algo.mismatch.seq_mask_threshold == 3
+    assert algo.mismatch_corrections() == ["token_tis", "seq_mask"]
+    assert load_config(None, []).algo.mismatch_corrections() == []
+
+
+@pytest.mark.parametrize(("overrides", "error"), [
+    (["algo.mismatch_correction=[token_tis, icepop]"], "both weight each token by its ratio"),
+    (["algo.mismatch_correction=[off, m2po]"], "off cannot be combined"),
+    (["algo.mismatch_correction=icepop", "algo.mismatch_threshold=3"], "algo.mismatch_threshold sets the one number"),
+    (["algo.mismatch_correction=[token_tis, seq_mask]", "algo.mismatch_threshold=3"], "algo.mismatch_threshold sets"),
+    (["algo.mismatch_correction=token_tis", "algo.mismatch_threshold=3", "algo.mismatch.token_tis_cap=4"],
+     "set the same number"),
+    (["algo.mismatch_correction=token_tis", "algo.mismatch.icepop_low=0.3"],
+     "applies to algo.mismatch_correction=icepop"),
+    (["algo.mismatch_correction=icepop", "algo.mismatch.icepop_low=2"], "icepop_low"),
+])  # fmt: skip
+def test_mismatch_keys_are_refused_where_they_do_not_apply(overrides, error):
+    with pytest.raises(ConfigError, match=error):
+        load_config(None, overrides)
+
+
 def test_the_mismatch_threshold_is_checked_against_its_correction():
     with pytest.raises(ConfigError, match="algo.mismatch_threshold"):
         load_config(None, ["algo.mismatch_correction=geo_mis", "algo.mismatch_threshold=0.5"])

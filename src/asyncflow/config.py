@@ -11,6 +11,7 @@ Invariants:
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -367,6 +368,38 @@ PolicyLossConfig = Annotated[
 ]
 
 
+# The names, the ratio weights, the thresholded corrections and `MismatchConfig`'s defaults repeat
+# `asyncflow.algos.correction`'s (a test keeps them equal): this module does not import torch.
+#: `algo.mismatch_correction`'s names (`asyncflow.algos.correction.MISMATCH_CORRECTIONS`).
+MismatchCorrection = Literal["off", "token_tis", "geo_mis", "icepop", "seq_tis", "seq_mask", "m2po"]
+_RATIO_CORRECTIONS = ("token_tis", "icepop", "seq_tis")  # weight each token by its ratio: one per combination
+_THRESHOLD_KEYS = {"token_tis": "token_tis_cap", "geo_mis": "geo_mis_threshold", "seq_tis": "seq_tis_cap",
+                   "seq_mask": "seq_mask_threshold"}  # what `algo.mismatch_threshold` sets, by correction
+
+
+class MismatchConfig(Section):
+    """Each train/inference mismatch correction's parameters (`algo.mismatch_correction`;
+    `asyncflow.algos.correction`), at the defaults of the frameworks that ship them. A key of a correction
+    that is not chosen is refused."""
+
+    token_tis_cap: float = Field(2.0, gt=1)
+    """`token_tis`: the cap of each token's weight min(ratio, cap) (verl's default)."""
+    geo_mis_threshold: float = Field(1.001, gt=1)
+    """`geo_mis`: a response is kept when its geometric-mean ratio lies in [1/c, c] (verl's geo_mis preset)."""
+    seq_tis_cap: float = Field(2.0, gt=1)
+    """`seq_tis`: the cap of each response's weight min(prod_t ratio_t, cap) (verl `rollout_is_threshold`)."""
+    seq_mask_threshold: float = Field(2.0, gt=1)
+    """`seq_mask`: a response is kept when its sequence ratio prod_t ratio_t lies in [1/c, c] (verl
+    `rollout_rs_threshold`, which defaults to `rollout_is_threshold`, 2)."""
+    # Every key starts with its correction's name (`icepop_low` is icepop's): how a key not in use is found.
+    icepop_low: float = Field(0.5, gt=0, le=1)
+    """`icepop`: a token whose ratio is below this is masked (IcePop's alpha, OpenRLHF's default)."""
+    icepop_high: float = Field(5.0, ge=1)
+    """`icepop`: a token whose ratio is above this is masked (IcePop's beta, OpenRLHF's default)."""
+    m2po_tau: float = Field(0.04, gt=0)
+    """`m2po`: the bound on the mean squared log-ratio of the kept tokens (M2PO's tau)."""
+
+
 class CriticConfig(Section):
     """The value model of PPO with a critic (`algo.advantage: gae`; `asyncflow.models.value`)."""
 
@@ -423,18 +456,30 @@ class AlgoConfig(Section):
     """DAPO dynamic sampling: drop groups whose rewards are all equal."""
     overlong_filter: bool = False
     """Exclude responses cut at `max_new_tokens` from the loss."""
-    mismatch_correction: Literal["off", "token_tis", "geo_mis"] = "off"
+    mismatch_correction: MismatchCorrection | list[MismatchCorrection] = "off"
     """Correction of the policy loss for the train/inference mismatch (the trainer's recomputed log-probs vs the
-    engine's sampling log-probs; `asyncflow.algos.correction`): `off`; `token_tis`, truncated importance
-    sampling, each token's loss weighted by min(pi_train / pi_rollout, threshold) (TIS; verl `rollout_is:
-    token`, slime `--use-tis`); `geo_mis`, sequence-level masked IS, a response whose geometric-mean ratio
-    exp(mean_t log pi_train / pi_rollout) leaves [1/threshold, threshold] is left out of the policy loss
-    (verl `rollout_rs: geometric`, its `geo_mis` preset). The ratio is taken against PPO's old log-probs, so a
-    token trained against its own sampling log-prob (stale, with `stale_old_logprobs: rollout`) has ratio 1;
-    with `stale_old_logprobs: policy` it also corrects for staleness (AReaL's decoupled objective)."""
+    engine's sampling log-probs; `asyncflow.algos.correction`, docs/workflows.md for when to use which), with
+    ratio = pi_train / pi_rollout per token: `off`; `token_tis`, truncated importance sampling, each token's
+    loss weighted by min(ratio, cap) (TIS; verl `rollout_is: token`, slime `--use-tis`); `icepop`, each token
+    weighted by its ratio inside [icepop_low, icepop_high] and left out of the loss outside it (IcePop;
+    OpenRLHF `--use_icepop`); `seq_tis`, each response weighted by min(prod_t ratio_t, cap) (verl
+    `rollout_is: sequence`); `seq_mask`, a response whose sequence ratio prod_t ratio_t leaves [1/c, c] is
+    left out (verl `rollout_rs: sequence`); `geo_mis`, the same on the geometric mean exp(mean_t log ratio_t)
+    (verl `rollout_rs: geometric`, its `geo_mis` preset); `m2po`, the tokens with the largest squared
+    log-ratio are left out until the mean over the rest is <= m2po_tau (M2PO; computed per micro-batch: see
+    docs/workflows.md). A list (or `a+b`) combines them, the weights multiplying: at most one of token_tis,
+    icepop, seq_tis with any of the masks geo_mis, seq_mask, m2po (e.g. `[token_tis, seq_mask]`, verl's IS
+    weight with a rejection mask). Their parameters are `algo.mismatch`. The ratio is taken against PPO's old
+    log-probs, so a token trained against its own sampling log-prob (stale, with `stale_old_logprobs:
+    rollout`) has ratio 1; with `stale_old_logprobs: policy` it also corrects for staleness (AReaL's decoupled
+    objective)."""
     mismatch_threshold: float | None = Field(None, gt=1)
-    """The cap (`token_tis`) or band (`geo_mis`) of `mismatch_correction`; `null` = its default (2.0 for
-    `token_tis`, 1.001 for `geo_mis`)."""
+    """Shorthand for the one number of a single `token_tis` (`mismatch.token_tis_cap`), `geo_mis`
+    (`mismatch.geo_mis_threshold`), `seq_tis` (`mismatch.seq_tis_cap`) or `seq_mask`
+    (`mismatch.seq_mask_threshold`): the cap or band of `mismatch_correction`; `null` = that key's value
+    (defaults 2.0, 1.001, 2.0, 2.0). Refused where it would not name one number (icepop, m2po, or two of those)."""
+    mismatch: MismatchConfig = Field(default_factory=MismatchConfig)
+    """The parameters of each mismatch correction (`mismatch_correction`)."""
     stale_old_logprobs: Literal["rollout", "policy"] = "rollout"
     """PPO's old log-probs for a row generated by an older weight version (`async`): `rollout`, the
     log-probs its generating policy recorded (ratio and clip against the behaviour policy, which corrects
@@ -464,8 +509,58 @@ class AlgoConfig(Section):
     @field_validator("mismatch_correction", mode="before")
     @classmethod
     def _yaml_off(cls, value: Any) -> Any:
-        """YAML 1.1 reads a bare `off` as false."""
-        return "off" if value is False else value
+        """YAML 1.1 reads a bare `off` as false; `a+b` is the list `[a, b]`."""
+        if value is False:
+            return "off"
+        if isinstance(value, str) and "+" in value:
+            return [part.strip() for part in value.split("+")]
+        if isinstance(value, list):
+            return ["off" if v is False else v for v in value]
+        return value
+
+    @field_validator("mismatch_correction")
+    @classmethod
+    def _one_combination(cls, value: str | list[str]) -> str | list[str]:
+        """A list of one is that name; `off` stands alone, no name twice, at most one ratio weight."""
+        if isinstance(value, str):
+            return value
+        if not value:
+            raise ValueError("give a correction, a list of corrections, or off")
+        if len(value) == 1:
+            return value[0]
+        if "off" in value or len(set(value)) != len(value):
+            raise ValueError(f"{value}: off cannot be combined, and no correction can be named twice")
+        ratios = [v for v in value if v in _RATIO_CORRECTIONS]
+        if len(ratios) > 1:
+            raise ValueError(f"{ratios} both weight each token by its ratio: combine at most one of "
+                             f"{list(_RATIO_CORRECTIONS)} with any of the masks geo_mis, seq_mask, m2po")
+        return value
+
+    def mismatch_corrections(self) -> list[str]:
+        """The chosen mismatch corrections (`[]` for off)."""
+        chosen = [self.mismatch_correction] if isinstance(self.mismatch_correction, str) else self.mismatch_correction
+        return [c for c in chosen if c != "off"]
+
+    @model_validator(mode="after")
+    def _mismatch_keys_of_the_chosen_corrections(self) -> AlgoConfig:
+        """`mismatch_threshold` names one number, and an `algo.mismatch` key of a correction not chosen would do
+        nothing: both refused where they do not apply."""
+        chosen = self.mismatch_corrections()
+        if self.mismatch_threshold is not None:
+            thresholded = [c for c in chosen if c in _THRESHOLD_KEYS]
+            if len(thresholded) != 1:
+                raise ValueError(
+                    f"algo.mismatch_threshold sets the one number of a single token_tis, geo_mis, seq_tis or seq_mask, "
+                    f"but algo.mismatch_correction is {self.mismatch_correction}: set algo.mismatch.* instead")
+            key = _THRESHOLD_KEYS[thresholded[0]]
+            if key in _changed_fields(self.mismatch):
+                raise ValueError(f"algo.mismatch_threshold and algo.mismatch.{key} set the same number: keep one")
+        for key in _changed_fields(self.mismatch):
+            owner = next(c for c in typing.get_args(MismatchCorrection) if key.startswith(f"{c}_"))
+            if owner not in chosen:
+                raise ValueError(f"algo.mismatch.{key} applies to algo.mismatch_correction={owner} only, but "
+                                 f"algo.mismatch_correction is {self.mismatch_correction}")
+        return self
 
     @model_validator(mode="after")
     def _teacher_or_reference(self) -> AlgoConfig:

@@ -19,9 +19,15 @@ CHOICES = ("advantage", "loss", "loss_agg", "kl_estimator", "stale_old_logprobs"
 
 
 def accepted(field: str) -> list[str]:
-    """The values of a `Literal` field, or the kinds of a field of variants (`algo.loss`)."""
+    """The values of a `Literal` field (also one that takes a list of them, `algo.mismatch_correction`), or the
+    kinds of a field of variants (`algo.loss`)."""
     choices = []
     for choice in typing.get_args(AlgoConfig.model_fields[field].annotation):
+        if typing.get_origin(choice) is typing.Literal:
+            choices.extend(typing.get_args(choice))
+            continue
+        if typing.get_origin(choice) is list:  # a list of the values already listed
+            continue
         variant = typing.get_args(choice)[0] if typing.get_origin(choice) is typing.Annotated else choice
         choices.append(variant.model_fields["kind"].default if isinstance(variant, type) else choice)
     return [c for c in choices if c not in REJECTED.get(field, set())]
@@ -66,6 +72,13 @@ def test_the_combinations_cover_every_accepted_value():
     used = {o for run in combinations() for o in run}
     for field in CHOICES:
         assert {f"algo.{field}={v}" for v in accepted(field)} <= used
+
+
+def test_a_combination_of_mismatch_corrections_trains_one_step(tmp_path):
+    row = one_step(tmp_path, "algo.mismatch_correction=[icepop, seq_mask, m2po]")
+    assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])
+    for count in ("icepop_masked_tokens", "seq_mask_masked_sequences", "m2po_masked_tokens", "masked_tokens"):
+        assert 0.0 <= row[f"mismatch/{count}_fraction"] <= 1.0
 
 
 @pytest.mark.parametrize("key", ["algo.critic.kind=separate", "algo.critic.lr=1e-3", "algo.critic.value_clip=0.5",

@@ -22,9 +22,15 @@ from asyncflow.algos.advantages import (
 )
 from asyncflow.algos.correction import (
     MISMATCH_CORRECTIONS,
+    CorrectionBounds,
+    correction_names,
     correction_weights,
     geometric_masked_weights,
+    icepop_weights,
     mismatch_sums,
+    second_moment_masked_weights,
+    sequence_masked_weights,
+    sequence_truncated_weights,
     truncated_importance_weights,
 )
 from asyncflow.algos.distill import combine_with_reward, distill_advantages, reverse_kl_sums
@@ -49,7 +55,8 @@ from asyncflow.algos.losses import (
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGGREGATION_MODES", "KL_ESTIMATORS", "MISMATCH_CORRECTIONS", "POLICY_LOSSES",
     "aggregate", "aggregation_normalisers", "broadcast_to_tokens", "cispo_loss", "combine_with_reward",
-    "compute_advantages", "distill_advantages", "reverse_kl_sums",
+    "compute_advantages", "distill_advantages", "reverse_kl_sums", "CorrectionBounds", "correction_names",
+    "icepop_weights", "second_moment_masked_weights", "sequence_masked_weights", "sequence_truncated_weights",
     "correction_weights", "discounted_returns", "dr_grpo_advantages", "entropy_from_logits", "gae",
     "geometric_masked_weights", "grpo_advantages", "gspo_loss", "keep_groups_with_variance", "kl_penalty",
     "masked_mean", "mismatch_sums", "outcome_rewards_to_tokens", "overlong_mask", "overlong_penalty", "policy_loss",

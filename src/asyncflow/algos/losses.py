@@ -25,13 +25,13 @@ token: they differ once rows are stale or updated more than once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from asyncflow.algos._checks import check_ndim, check_same_shape, float_mask
-from asyncflow.algos.correction import correction_weights
+from asyncflow.algos.correction import CorrectionBounds, correction_weights
 
 AGGREGATION_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -411,8 +411,9 @@ def rl_objective(
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
     entropy_coef: float = 0.0,
-    correction: str = "off",
+    correction: str | Sequence[str] = "off",
     correction_threshold: float | None = None,
+    correction_bounds: CorrectionBounds | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The RL training objective of one micro-batch, as an unnormalised SUM (divide by the whole batch's
     token or sequence count once every micro-batch is in: see the module docstring's invariant).
@@ -424,7 +425,8 @@ def rl_objective(
     `loss` names the policy loss (`POLICY_LOSSES`: ppo, gspo, cispo) and clip_low / clip_high its clip range.
 
         old_t   = rollout_logprobs_t for stale tokens (the behaviour policy that sampled them), else old_logprobs_t
-        w_t     = correction_weights(correction, old, rollout_logprobs, correction_threshold)  ("off": none)
+        w_t     = correction_weights(correction, old, rollout_logprobs, correction_threshold, correction_bounds)
+                  (a name, a list of names whose weights multiply, or "off": none)
         obj     = POLICY_LOSSES[loss](logprobs, old, advantages, w)                 (e.g. the clipped surrogate)
                 + kl_coef * agg(kl_penalty(logprobs, ref_logprobs))                 (ref_logprobs given)
                 - entropy_coef * agg(entropy)
@@ -432,8 +434,9 @@ def rl_objective(
 
     Returns (loss, stats) with stats as sums over valid tokens (divide by the batch's tokens for means):
     the policy loss's stats, `entropy`, `logprob_gap` (|old - rollout_logprobs|), `kl` when ref given, and
-    the correction's counts `mismatch/truncated_tokens_fraction`, `mismatch/masked_tokens_fraction` and
-    `mismatch/masked_sequences_fraction` (a count of rows: divide it by the batch's sequences).
+    the correction's counts as `mismatch/{count}_fraction` (`correction_weights`: `truncated_tokens`,
+    `masked_tokens`, `masked_sequences` and each chosen correction's own; the counts of rows,
+    `correction.SEQUENCE_COUNTS`, are divided by the batch's sequences).
     """
     if loss not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {loss!r}; expected one of {tuple(POLICY_LOSSES)}")
@@ -441,7 +444,8 @@ def rl_objective(
     old = logprobs.detach() if old_logprobs is None else old_logprobs
     if stale is not None:
         old = torch.where(stale if stale.ndim == 2 else stale[:, None], rollout_logprobs, old)
-    weights, counts = correction_weights(correction, old, rollout_logprobs, mask, correction_threshold)
+    weights, counts = correction_weights(correction, old, rollout_logprobs, mask, correction_threshold,
+                                         correction_bounds)
     objective, stats = POLICY_LOSSES[loss](
         logprobs, old, advantages, mask, clip_low=clip_low, clip_high=clip_high, aggregation=aggregation,
         importance_weights=weights, **as_sum,

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from asyncflow.algos.advantages import compute_advantages, outcome_gae
-from asyncflow.algos.correction import mismatch_sums
+from asyncflow.algos.correction import SEQUENCE_COUNTS, CorrectionBounds, mismatch_sums
 from asyncflow.algos.distill import combine_with_reward, distill_advantages, reverse_kl_sums
 from asyncflow.algos.filtering import keep_groups_with_variance
 from asyncflow.algos.losses import VALUE_SUMS, explained_variance_from_sums, rl_objective, value_objective
@@ -43,7 +43,8 @@ from asyncflow.models.tri_model import TriLogProbs
 from asyncflow.workers.rollout import Rollout, complete_groups, rollouts_from_batch
 
 TRAIN_COLUMNS = ["prompt_ids", "response_ids", "rollout_logprobs", "reward"]
-PER_SEQUENCE_STATS = ("mismatch/masked_sequences_fraction",)  # step metrics divided by sequences, not tokens
+# step metrics divided by sequences, not tokens
+PER_SEQUENCE_STATS = tuple(f"mismatch/{count}_fraction" for count in SEQUENCE_COUNTS)
 
 
 class StalenessError(RuntimeError):
@@ -153,8 +154,9 @@ class PolicyLoss:
             kl_coef=algo.kl_coef,
             kl_estimator=algo.kl_estimator,
             entropy_coef=algo.entropy_coef,
-            correction=algo.mismatch_correction,
+            correction=algo.mismatch_corrections() or "off",
             correction_threshold=algo.mismatch_threshold,
+            correction_bounds=CorrectionBounds(**algo.mismatch.model_dump()),
         )
         gap = mismatch_sums(out.old, rollout_logprobs, out.policy.mask, same_version=self.current.to(device))
         stats = {**stats, **distill_stats, **{f"mismatch/{name}": value for name, value in gap.items()}}

@@ -48,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from asyncflow.algos.correction import CORRECTION_COUNTS
 from asyncflow.config import Config
 from asyncflow.engines.base import ShardedCheckpointing, make_train_engine
 from asyncflow.models.loading import load_tokenizer, resolve_model_path
@@ -338,9 +339,10 @@ class RLRun:
         if cfg.algo.kl_coef > 0:  # `kl` is measured only against a reference model
             show["kl"] = "kl"
         show["mismatch"] = "mismatch/abs_log_ratio"
-        if cfg.algo.mismatch_correction != "off":
-            show["corrected"] = {"token_tis": "mismatch/truncated_tokens_fraction",
-                                 "geo_mis": "mismatch/masked_sequences_fraction"}[cfg.algo.mismatch_correction]
+        corrections = cfg.algo.mismatch_corrections()
+        if corrections:  # what the one correction changed; of a combination, the tokens it masked
+            show["corrected"] = (f"mismatch/{CORRECTION_COUNTS[corrections[0]]}_fraction" if len(corrections) == 1
+                                 else "mismatch/masked_tokens_fraction")
         if cfg.workflow.mode == "async":
             show["stale"] = "staleness/mean"
             if cfg.rollout.on_weight_update == "resume":
