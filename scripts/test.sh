@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/python -m ruff check src tests benchmarks examples scripts
-exec .venv/bin/python -m pytest "$@"
+# --durations: the slowest tests of every run are in its log (what to shorten next)
+exec .venv/bin/python -m pytest --durations=25 "$@"

@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_vllm.sh
-exec .venv-vllm/bin/python -m pytest -m vllm "$@"
+exec .venv-vllm/bin/python -m pytest -m vllm --durations=10 "$@"
