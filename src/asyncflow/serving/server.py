@@ -27,6 +27,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import random
 import socket
@@ -36,7 +37,7 @@ from collections import OrderedDict
 
 import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
 from asyncflow.serving.limits import ServingLimits
 
@@ -138,10 +139,11 @@ class _GuardedProtocol(H11Protocol):
 
     def __init__(self, *args, limits: ServingLimits, budget: ConnectionBudget, **kwargs):
         super().__init__(*args, **kwargs)
-        self.conn = _H11Connection(limits.max_header_bytes, self._check_head)
+        self._guarded_conn = self.conn = _H11Connection(limits.max_header_bytes, self._check_head)
         self._limits, self._budget = limits, budget
-        self._head_timer = None
-        self._sending_after = None  # while a request is arriving: the cycle before it (its head replaces `cycle`)
+        self._head_timer: asyncio.TimerHandle | None = None
+        # while a request is arriving: the cycle before it (its head replaces `cycle`)
+        self._sending_after: RequestResponseCycle | None = None
         self._sending = False
 
     def connection_made(self, transport) -> None:
@@ -169,7 +171,8 @@ class _GuardedProtocol(H11Protocol):
     def _check_request_arrived(self) -> None:
         if self._sending and self.cycle is not self._sending_after and not self.cycle.more_body:
             self._sending = False
-            self._head_timer.cancel()
+            if self._head_timer is not None:
+                self._head_timer.cancel()
             self._budget.admitted(self)
 
     def data_received(self, data: bytes) -> None:
@@ -189,7 +192,7 @@ class _GuardedProtocol(H11Protocol):
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
-        if self.conn.refused_with != 431:
+        if self._guarded_conn.refused_with != 431:
             return super().send_400_response(msg)
         body = f"request head over {self._limits.max_header_bytes} bytes (limits.max_header_bytes)".encode()
         self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain\r\n"
@@ -214,7 +217,8 @@ def _server(app, limits: ServingLimits | None) -> uvicorn.Server:
     limits = limits or ServingLimits()
     protocol = functools.partial(_GuardedProtocol, limits=limits, budget=ConnectionBudget(limits))
     return uvicorn.Server(uvicorn.Config(
-        app, log_level="warning", access_log=False, lifespan="off", ws="none", http=protocol,
+        app, log_level="warning", access_log=False, lifespan="off", ws="none",
+        http=protocol,  # type: ignore[arg-type]  # uvicorn calls it like a protocol class
         timeout_keep_alive=limits.keep_alive_s, h11_max_incomplete_event_size=limits.max_header_bytes,
     ))
 
@@ -251,6 +255,8 @@ class ServerThread:
 
     def stop(self, timeout: float = 30.0) -> None:
         self._server.should_exit = True
+        if self._thread is None:
+            return  # never started
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError(f"the HTTP server did not stop within {timeout:.0f} s")

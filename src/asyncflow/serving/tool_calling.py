@@ -171,8 +171,8 @@ def sampled_turns(messages: list[dict], lookup: Callable[[tuple[str, ...]], tupl
     for message in messages:
         calls = message.get("tool_calls")
         if message.get("role") == "assistant" and isinstance(calls, list) and calls:
-            ids = tuple(call.get("id") for call in calls if isinstance(call, dict))
-            known = lookup(ids) if all(isinstance(i, str) for i in ids) else None
+            ids = tuple(call["id"] for call in calls if isinstance(call, dict) and isinstance(call.get("id"), str))
+            known = lookup(ids) if len(ids) == len(calls) else None
             if known is not None:
                 text, turn = known
                 if _same_calls(calls, turn.tool_calls) and (message.get("content") or None) == turn.content:

@@ -123,7 +123,8 @@ class InFlightUpdates:
 
     def __exit__(self, *exc_info) -> None:
         self._stop.set()
-        self._thread.join(self.timeout)
+        if self._thread is not None:
+            self._thread.join(self.timeout)
 
 
 def rollout_loop(worker, queue, receiver, steps: range, *, max_staleness: int, batch_size: int, timeout: float,
@@ -139,7 +140,7 @@ def rollout_loop(worker, queue, receiver, steps: range, *, max_staleness: int, b
     engine = worker.engine
     generated = 0
     try:
-        in_flight = contextlib.nullcontext()
+        in_flight: contextlib.AbstractContextManager = contextlib.nullcontext()
         if on_weight_update == "resume":
             in_flight = InFlightUpdates(engine, receiver, timeout=timeout, timeline=timeline, name=name)
         for step in steps:

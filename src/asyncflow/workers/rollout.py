@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -148,7 +148,7 @@ class RowWriter:
         rows, self.rows = self.rows, []
         if not rows:
             return
-        columns = {
+        columns: dict[str, Any] = {  # a column: a tensor per row, or one tensor of a value per row
             "response_ids": [torch.tensor(r.response_ids, dtype=torch.int64) for r in rows],
             "rollout_logprobs": [torch.tensor(r.logprobs, dtype=torch.float32) for r in rows],
         }
@@ -159,6 +159,7 @@ class RowWriter:
         if rows[0].reward is not None:
             columns["reward"] = torch.tensor([r.reward for r in rows], dtype=torch.float32)
         elif self.scorer is not None:
+            assert self.row_meta is not None, "a scorer reads the rows' metadata"
             columns["reward"] = self.scorer.score_ids([r.response_ids for r in rows],
                                                       [self.row_meta[r.index] for r in rows])
         if self._in_flight is not None:

@@ -60,6 +60,12 @@ def padded(values: list[list[float]] | list[torch.Tensor], length: int) -> torch
     return out
 
 
+def _computed(advantages: torch.Tensor | None) -> torch.Tensor:
+    if advantages is None:
+        raise ValueError("a row reached the trainer without its advantages (assign_advantages first)")
+    return advantages
+
+
 def assign_advantages(groups: list[list[Rollout]], algo: AlgoConfig, max_new_tokens: int) -> dict[str, float]:
     """Compute per-token advantages in place; returns how many rollouts were filtered out.
 
@@ -131,7 +137,7 @@ class PolicyLoss:
         rollout_logprobs = self.rollout_logprobs.to(device)
         advantages, value_part = self.advantages.to(device), None
         if self.rewards is not None:
-            if out.values is None:
+            if out.values is None or out.old_values is None:
                 raise ValueError("algo.advantage=gae needs the critic's values: the training engine ran no critic")
             advantages, returns = outcome_gae(self.rewards.to(device), out.old_values, out.policy.mask, algo.gamma,
                                               algo.lam)
@@ -330,7 +336,7 @@ class PolicyTrainer:
         samples = [TrainSample(r.prompt_ids, r.response_ids, r.group_id, r.loss_mask) for r in batch]
         L = max(len(r.response_ids) for r in batch)
         device = self.engine.device
-        advantages = padded([r.advantages for r in batch], L).to(device)
+        advantages = padded([_computed(r.advantages) for r in batch], L).to(device)
         rollout_logprobs = padded([r.rollout_logprobs for r in batch], L).to(device)
         # Tokens sampled by the weights the trainer holds (all of them without a version to compare with).
         current = torch.ones(len(batch), L, dtype=torch.bool, device=device)

@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -149,7 +149,7 @@ def _prune(checkpoint: Path) -> None:
 
 
 @contextmanager
-def pinned(pick: Callable[[], T], checkpoint_of: Callable[[T], Path | None] = lambda picked: picked,
+def pinned(pick: Callable[[], T], checkpoint_of: Callable[[Any], Path | None] = lambda picked: picked,
            attempts: int = 5) -> Iterator[T]:
     """`pick()` (what to read: a checkpoint, or something naming one) with its checkpoint held against pruning for
     the block: a shared `flock` on the checkpoint's folder, which `save_checkpoint` does not prune (a writer never

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Any] = {}  # signal -> its handler before ours (a callable, SIG_DFL, SIG_IGN, None)
 
     @property
     def requested(self) -> bool:
