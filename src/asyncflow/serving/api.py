@@ -1,8 +1,8 @@
 """An OpenAI-compatible HTTP API over an `EngineService`: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
 
-Owns: the request models (pydantic), their parsing and checks, prompt rendering (the tokenizer's chat template), stop
-strings, the responses (plain and server-sent events) and the OpenAI error shape. Built with FastAPI; this
-package is the only one that imports the HTTP stack.
+Owns: the request models (pydantic), their parsing and checks, prompt rendering (the tokenizer's chat template, given
+a chat request's `tools` too), stop strings, the responses (plain and server-sent events) and the OpenAI error shape.
+Built with FastAPI; this package is the only one that imports the HTTP stack.
 
 Extra fields (beyond OpenAI's): each choice carries `token_ids` (the ids sampled), `token_logprobs` (their
 sampling log-probs), `prompt_token_ids` and `weight_version` (the policy version that sampled them); a
@@ -194,6 +194,7 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=1)  # only the sampled token's log-prob is known
     max_completion_tokens: int | None = Field(None, ge=1)
+    tools: Items[dict[str, Any]] | None = None  # tool definitions, handed to the chat template (its `tools` branch)
 
 
 # ---------------------------------------------------------------- the app
@@ -394,7 +395,7 @@ class _API:
         self._check_size(body, 1)
 
         def prepare():
-            ids, text = self._chat_prompt(body.messages, episode_id)
+            ids, text = self._chat_prompt(body.messages, episode_id, body.tools)
             return ids, text, self._params(body, body.max_completion_tokens or body.max_tokens, [len(ids)], episode_id)
 
         ids, text, params = await asyncio.to_thread(prepare)
@@ -477,7 +478,8 @@ class _API:
         self._check_ids(ids, "prompt")
         return ids, prompt
 
-    def _chat_prompt(self, messages: list[ChatMessage], episode_id: str | None) -> tuple[list[int], str]:
+    def _chat_prompt(self, messages: list[ChatMessage], episode_id: str | None,
+                     tools: list[dict[str, Any]] | None = None) -> tuple[list[int], str]:
         tokenizer = self.served.tokenizer
         template = self.served.chat_template or getattr(tokenizer, "chat_template", None)
         if not template:
@@ -491,7 +493,7 @@ class _API:
             plain.append(message)
         try:
             text = tokenizer.apply_chat_template(plain, chat_template=template, tokenize=False,
-                                                 add_generation_prompt=True)
+                                                 add_generation_prompt=True, tools=tools or None)
         except Exception as err:  # jinja raises its own kinds (a template's raise_exception, a bad field)
             raise APIError(400, f"the chat template failed on these messages: {err}", param="messages") from None
         self._check_chars(len(text), "messages")  # every field the template renders counts, not `content` only
