@@ -139,7 +139,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     # 1,235,814,400 parameters (262,668,288 of them the tied embedding)
     "llama-3.2-1b": Architecture("llama", 2048, 16, 32, 8, 8192, 131072, 500_000.0, 128256, 1e-5, "bfloat16",
                                  _LLAMA3_ROPE, {"head_dim": 64}),
-    # the same families at a size that trains on a CPU: ~1.1M parameters with the trained tokenizer
+    # the same families at a size that trains on a CPU; with the trained tokenizer (446 tokens, padded to 448)
+    # qwen2.5-tiny has 845,952 parameters, llama-3.2-tiny 1,041,536
     "qwen2.5-tiny": Architecture("qwen2", 128, 4, 4, 2, 384, 2048, 1_000_000.0, None, 1e-6, "float32"),
     "llama-3.2-tiny": Architecture("llama", 128, 4, 4, 2, 512, 2048, 500_000.0, None, 1e-5, "float32",
                                    {**_LLAMA3_ROPE, "factor": 8.0, "original_max_position_embeddings": 512}),
