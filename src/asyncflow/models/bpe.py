@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -172,7 +172,7 @@ def parse_bpe_preset(name: str) -> Architecture:
         return shape
     if not 1 <= layers <= shape.layers:
         raise ValueError(f"model preset {name!r}: {base} has {shape.layers} layers; ask for 1 to {shape.layers}")
-    return Architecture(**{**shape.__dict__, "layers": layers})
+    return replace(shape, layers=layers)
 
 
 def build_bpe_tokenizer(corpus: list[str] | None = None, vocab_size: int = BPE_VOCAB_SIZE) -> PreTrainedTokenizerFast:
