@@ -113,6 +113,15 @@ class Transcript:
         self.loss_mask += [0] * len(ids)
         self.token_versions += [version] * len(ids)
 
+    def count_retokenize_drift(self, sampled: Sequence[Sequence[int]]) -> int:
+        """How many trained ids (loss mask 1, in order) differ from the ids the engine sampled (`sampled`: each
+        generation's ids as the engine returned them, in order), the difference in count included. Multi-turn rows
+        and `serve` episodes keep the sampled ids, never text turned back into ids, so this is 0
+        (`rollout/retokenize_drift_tokens` counts it per step)."""
+        trained = [token for token, mask in zip(self.response_ids, self.loss_mask) if mask]
+        generated = [token for piece in sampled for token in piece]
+        return sum(a != b for a, b in zip(trained, generated)) + abs(len(trained) - len(generated))
+
 @runtime_checkable
 class InferenceEngine(Protocol):
     """`weight_version`: the version tokens are sampled with now. Abilities (defaults in `InferenceEngineBase`):

@@ -2,7 +2,8 @@
 
 Owns: resolving a model reference (a local Hugging Face folder, or `preset:NAME` which is first
 materialised as such a folder) and loading it with `AutoModelForCausalLM` / `AutoTokenizer`,
-plus prompt rendering (chat template when the tokenizer has one) and prompt lengths in bulk.
+plus prompt rendering (chat template when the tokenizer has one), prompt lengths in bulk, and the
+ids that end a sample (`eos_token_ids`: the tokenizer's EOS and the generation config's).
 
 Invariant: presets are never special-cased after materialisation; they go through exactly the
 same `from_pretrained` calls as any user model.
@@ -16,7 +17,14 @@ from pathlib import Path
 from typing import cast
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from asyncflow.models.presets import build_preset
 
@@ -50,6 +58,24 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def load_generation_config(path: str | Path) -> GenerationConfig | None:
+    """The folder's `generation_config.json`, or None when it has none."""
+    if not (Path(path) / "generation_config.json").exists():
+        return None
+    return GenerationConfig.from_pretrained(str(path))
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, generation_config: GenerationConfig | None = None
+                  ) -> tuple[int, ...]:
+    """The ids that end a sample, without repeats: the tokenizer's EOS, then the generation config's
+    `eos_token_id` (an int or a list: chat models list the end of a turn and the end of a document, as
+    Qwen2.5-Instruct's `[<|im_end|>, <|endoftext|>]`; vLLM stops at all of them too)."""
+    ids = [tokenizer.eos_token_id]
+    listed = getattr(generation_config, "eos_token_id", None)
+    ids += listed if isinstance(listed, list) else [listed]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
 def load_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu") -> PreTrainedModel:

@@ -1,9 +1,11 @@
-"""Built-in tiny models and an offline character-level tokenizer.
+"""Built-in tiny models and an offline character-level tokenizer; the entry point of every preset.
 
-Owns: the presets (tiny Llama and Qwen2 configurations, random init) and the character
-tokenizer used by the built-in tasks. Both are written as ordinary Hugging Face folders
-(`config.json` + safetensors weights, `tokenizer.json` + `tokenizer_config.json`) so that they
-load back through `asyncflow.models.loading`, the same code path a user's own model takes.
+Owns: the character presets (tiny Llama and Qwen2 configurations, random init), the character
+tokenizer used by the built-in tasks, and `build_preset`, which also builds the real-shaped presets
+with a byte-level BPE tokenizer (`asyncflow.models.bpe`, e.g. `qwen2.5-0.5b`, `qwen2.5-tiny-2l`).
+All are written as ordinary Hugging Face folders (`config.json` + safetensors weights, `tokenizer.json` +
+`tokenizer_config.json`) so that they load back through `asyncflow.models.loading`, the same code path a
+user's own model takes.
 
 Invariant: a preset is fully determined by (name, vocabulary, seed); building it twice gives
 byte-identical weights.
@@ -18,6 +20,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config
+
+from asyncflow.models.bpe import bpe_preset_names, build_bpe_preset, is_bpe_preset
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)
@@ -73,10 +77,15 @@ def build_char_tokenizer(
     return fast
 
 
+def preset_names() -> list[str]:
+    """Every preset name: the character presets, then the BPE architectures (each also as `NAME-<N>l`)."""
+    return sorted(PRESETS) + [f"{name}[-<N>l]" for name in bpe_preset_names()]
+
+
 def preset_config(name: str, vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> PretrainedConfig:
     """The transformers config of preset `name` for a given vocabulary."""
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+        raise ValueError(f"unknown model preset {name!r}; choose one of {preset_names()}")
     arch, hidden, layers, heads, kv_heads, inter, max_pos = PRESETS[name]
     config_class: Callable[..., PretrainedConfig] = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
     return config_class(
@@ -99,7 +108,10 @@ def build_preset(name: str, out_dir: str | Path, *, seed: int = 0) -> Path:
     """Create preset `name` with random weights and save model + tokenizer to `out_dir`.
 
     Returns `out_dir`. Existing folders with a matching `asyncflow_preset.json` stamp are reused.
+    A BPE preset's name (`asyncflow.models.bpe`) is built by `build_bpe_preset`.
     """
+    if is_bpe_preset(name):
+        return build_bpe_preset(name, out_dir, seed=seed)
     out = Path(out_dir)
     stamp = {"preset": name, "seed": seed, "alphabet": DEFAULT_ALPHABET}
     stamp_file = out / "asyncflow_preset.json"

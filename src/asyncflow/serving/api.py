@@ -1,8 +1,8 @@
 """An OpenAI-compatible HTTP API over an `EngineService`: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
 
-Owns: the request models (pydantic), their parsing and checks, prompt rendering (the tokenizer's chat template), stop
-strings, the responses (plain and server-sent events) and the OpenAI error shape. Built with FastAPI; this
-package is the only one that imports the HTTP stack.
+Owns: the request models (pydantic), their parsing and checks, prompt rendering (the tokenizer's chat template, given
+a chat request's `tools` too), stop strings, the responses (plain and server-sent events) and the OpenAI error shape.
+Built with FastAPI; this package is the only one that imports the HTTP stack.
 
 Extra fields (beyond OpenAI's): each choice carries `token_ids` (the ids sampled), `token_logprobs` (their
 sampling log-probs), `prompt_token_ids` and `weight_version` (the policy version that sampled them); a
@@ -108,6 +108,9 @@ class ServedModel:
     vocab_size: int
     chat_template: str | None = None
     """Jinja chat template overriding the tokenizer's own (None: the tokenizer's)."""
+    eos_token_ids: tuple[int, ...] = ()
+    """Ids that end a sample besides the tokenizer's EOS: the model's generation config's (`<|endoftext|>` beside
+    `<|im_end|>` for ChatML models), as the rollout engine stops (`asyncflow.workflow.setup.sampling_params`)."""
     episode_sampling: SamplingParams | None = None
     """Training: episode calls sample with its temperature, top-p and top-k whatever the agent asks (the trainer
     recomputes log-probs at that temperature), and at most its `max_new_tokens` per call."""
@@ -587,7 +590,7 @@ class _API:
                 400, f"this model's maximum context length is {limit} tokens; the prompt has {longest} and "
                 f"max_tokens asks for {max_tokens} more", param="max_tokens", code="context_length_exceeded")
         tokenizer = self.served.tokenizer
-        stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        stop_ids = [i for i in (tokenizer.eos_token_id, *self.served.eos_token_ids) if i is not None]
         for stop in body.stop:  # a stop string that is one token stops the engine itself
             try:
                 ids = self._encode(stop)

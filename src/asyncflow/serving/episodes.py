@@ -14,6 +14,7 @@ one are left out of training and counted in `EpisodeRow.dropped_calls`, never re
 Invariants:
 - Every id of `response_ids` with loss mask 1 is an id the engine sampled, in order, with its log-prob
   and weight version; ids with mask 0 come from the agent's prompts, byte for byte.
+- `EpisodeRow.retokenize_drift_tokens` (trained ids against the kept calls' sampled ids) is 0.
 - `prompt_ids + response_ids` equals the last kept call's prompt ids followed by its sampled ids.
 - An episode takes calls only while it is open: `open` .. `close`.
 """
@@ -44,6 +45,7 @@ class EpisodeRow(Transcript):
     finish_reason: str = "stop"
     calls: int = 0  # calls in the row
     dropped_calls: int = 0  # calls after the first one that did not extend the row's context
+    retokenize_drift_tokens: int = 0  # trained ids that differ from the kept calls' sampled ids (stays 0)
 
     @property
     def weight_version(self) -> int:
@@ -67,6 +69,7 @@ def episode_row(calls: list[CallRecord]) -> EpisodeRow | None:
         row.finish_reason = call.finish_reason
         row.calls += 1
         context = call.prompt_ids + call.response_ids
+    row.retokenize_drift_tokens = row.count_retokenize_drift([call.response_ids for call in calls[: row.calls]])
     return row
 
 

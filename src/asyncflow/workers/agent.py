@@ -261,6 +261,7 @@ class AgentRolloutWorker:
             rows.append(FinishedRow(
                 episode.index, row.response_ids, row.logprobs, row.weight_version,
                 {"finish_reason": row.finish_reason, "agent_calls": row.calls, "agent_dropped_calls": row.dropped_calls,
+                 "retokenize_drift_tokens": row.retokenize_drift_tokens,
                  "agent_error": outcome.error, **({"agent_scores": outcome.scores} if outcome.scores else {})},
                 reward=reward, loss_mask=row.loss_mask, trained_prompt_ids=row.prompt_ids,
             ))

@@ -17,6 +17,8 @@ Without a chat template an observation is `<tool_response>TEXT</tool_response>` 
 Invariants:
 - `Episode.response_ids` is exactly the concatenation, in order, of each turn's sampled ids and each
   observation's appended ids; `loss_mask` is 1 exactly on the sampled ids.
+- The trained ids are the sampled ones: `count_retokenize_drift` (the sampled ids of each turn against the
+  row's ids under loss mask 1) is 0 for every episode, recorded in the row's metadata.
 - A transcript never exceeds `max_context_tokens`: a turn's token budget is what is left of it; a turn
   cut by that budget or by `max_new_tokens`, an observation that would not fit, or `max_turns` model turns
   without a final answer end the episode with finish reason "length" and reward 0.
@@ -99,6 +101,7 @@ class Episode(Transcript):
     reward: float = 0.0
     info: dict[str, float] = field(default_factory=dict)
     weight_version: int = 0  # of its latest turn (weights change between partitions, so of every turn)
+    sampled: list[list[int]] = field(default_factory=list)  # each turn's ids as the engine returned them
 
 
 class EpisodeRunner:
@@ -128,6 +131,7 @@ class EpisodeRunner:
                 return self._cut(episode)
             turn_params = replace(params, max_new_tokens=min(params.max_new_tokens, budget))
             completion = generate(episode.prompt_ids + episode.response_ids, turn_params)
+            episode.sampled.append(list(completion.response_ids))
             episode.add_sampled(completion.response_ids, completion.logprobs, completion.weight_version)
             episode.weight_version = completion.weight_version
             episode.turns += 1
@@ -218,6 +222,7 @@ class MultiTurnSpec:
 def episode_metadata(episode: Episode) -> dict[str, Any]:
     """What a row's metadata records of its episode (read back by the step metrics)."""
     return {"finish_reason": episode.finish_reason, "turns": episode.turns,
+            "retokenize_drift_tokens": episode.count_retokenize_drift(episode.sampled),
             **{f"env/{k}": episode.info.get(k, 0) for k in (*COUNTERS, "env_errors")}}
 
 

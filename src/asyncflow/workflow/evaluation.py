@@ -80,7 +80,7 @@ def evaluate_model(config, model: str | Path, test: list[Example]) -> dict[str, 
     with pinned(lambda: resolve_model_ref(str(model)), lambda resolved: resolved.checkpoint) as ref:  # not pruned
         weights = None if ref.checkpoint is None else load_weights(ref.checkpoint)  # verified before a model loads
     tokenizer = load_tokenizer(ref.model_path)
-    params = sampling_params(config, tokenizer, greedy=True)
+    params = sampling_params(config, tokenizer, greedy=True, model_path=ref.model_path)
     spec = evaluation_spec(rollout_spec(config, ref.model_path, tokenizer), params)
     worker = build_rollout_worker(spec, scorer=None)
     try:

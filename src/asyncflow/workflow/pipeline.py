@@ -69,7 +69,9 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     """Reward, length and truncation statistics of a step's rows, and which prompts they were: group ids are
     handed out in data order, so `data/groups` distinct ids spanning `data/group_id_min..max` name them. For
     multi-turn episodes also `env/turns_mean`, `env/sampled_tokens` (trained) and the step's tool calls, tool
-    errors, tool timeouts, malformed calls and episodes whose environment raised (`env/env_errors`)."""
+    errors, tool timeouts, malformed calls and episodes whose environment raised (`env/env_errors`). For rows that
+    record it (multi-turn and agent episodes) `rollout/retokenize_drift_tokens`: trained ids that are not the sampled
+    ones, which must stay 0 (`Transcript.count_retokenize_drift`)."""
     rewards = np.array([r.reward for r in rollouts], dtype=np.float64)
     lengths = np.array([len(r.response_ids) for r in rollouts], dtype=np.float64)
     groups = {r.group_id for r in rollouts}
@@ -85,6 +87,9 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
         "rollout/samples": float(len(rollouts)),
         "rollout/tokens": float(lengths.sum()),
     }
+    drift = [r.metadata["retokenize_drift_tokens"] for r in rollouts if "retokenize_drift_tokens" in r.metadata]
+    if drift:
+        metrics["rollout/retokenize_drift_tokens"] = float(sum(drift))
     if rollouts and "turns" in rollouts[0].metadata:  # multi-turn episodes (`asyncflow.workers.multiturn`)
         metrics["env/turns_mean"] = float(np.mean([r.metadata.get("turns", 0) for r in rollouts]))
         trained = [sum(r.loss_mask) for r in rollouts if r.loss_mask is not None]

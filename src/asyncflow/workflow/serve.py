@@ -23,7 +23,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncflow.engines.base import SamplingParams, make_inference_engine
 from asyncflow.engines.service import EngineService
-from asyncflow.models.loading import PRESET_PREFIX, ModelLoadError, load_model, load_tokenizer, resolve_model_path
+from asyncflow.models.loading import (
+    PRESET_PREFIX,
+    ModelLoadError,
+    eos_token_ids,
+    load_model,
+    load_tokenizer,
+    resolve_model_path,
+)
 from asyncflow.workflow.checkpoint import CheckpointError, checkpoint_step, latest_checkpoint, load_weights, pinned
 from asyncflow.workflow.run_folder import CONFIG_FILE
 
@@ -129,6 +136,7 @@ def build_app(weights: ServedWeights, *, api_key: str, name: str | None = None, 
         name=name or weights.name, tokenizer=weights.tokenizer, service=service,
         max_model_len=int(getattr(config, "max_position_embeddings", 0) or weights.tokenizer.model_max_length),
         vocab_size=model.get_input_embeddings().num_embeddings, chat_template=chat_template,
+        eos_token_ids=eos_token_ids(weights.tokenizer, getattr(model, "generation_config", None)),
     )
     return make_app(served, api_key=api_key, request_timeout_s=request_timeout_s, recorder=recorder,
                     limits=limits), service

@@ -29,7 +29,13 @@ from asyncflow.data import DatasetError, Example
 from asyncflow.data.prompts import PromptEncoder, PromptSource, TrainSet
 from asyncflow.engines.base import SamplingParams, train_engine_loads_policy
 from asyncflow.envs.sandbox import SandboxLimits
-from asyncflow.models.loading import load_model, load_tokenizer, resolve_model_path
+from asyncflow.models.loading import (
+    eos_token_ids,
+    load_generation_config,
+    load_model,
+    load_tokenizer,
+    resolve_model_path,
+)
 from asyncflow.models.value import CriticSpec
 from asyncflow.rewards import RewardRunner, check_reward_specs
 from asyncflow.rewards.contract import RewardFn
@@ -73,7 +79,8 @@ def rollout_spec(config: Config, model_path, tokenizer) -> RolloutSpec:
     r = config.rollout
     return RolloutSpec(
         model_path=str(model_path), dtype=config.rollout_dtype(), device=config.model.device, engine=r.engine,
-        engine_options=r.factory_options(), max_batch_size=r.max_batch_size, params=sampling_params(config, tokenizer),
+        engine_options=r.factory_options(), max_batch_size=r.max_batch_size,
+        params=sampling_params(config, tokenizer, model_path=model_path),
         group_size=r.group_size, seed=config.run.seed, on_weight_update=r.on_weight_update,
         multiturn=multiturn_spec(config), agent=agent_options(config, model_path, tokenizer),
         make_scorer=partial(make_reward_worker, config),
@@ -238,9 +245,13 @@ def multiturn_spec(config: Config) -> MultiTurnSpec | None:
     )
 
 
-def sampling_params(config: Config, tokenizer, *, greedy: bool = False) -> SamplingParams:
+def sampling_params(config: Config, tokenizer, *, greedy: bool = False, model_path=None) -> SamplingParams:
+    """Rollout (or, `greedy`, evaluation) sampling of `config`. A sample stops at the tokenizer's EOS, the EOS ids of
+    the generation config of `model_path` (default: the resolved `model.path`) and `rollout.stop_token_ids`."""
     r = config.rollout
-    stop = tuple(dict.fromkeys(i for i in [tokenizer.eos_token_id, *r.stop_token_ids] if i is not None))
+    folder = model_path if model_path is not None else resolve_model_path(config.model.path, seed=config.run.seed)
+    generation = load_generation_config(folder)
+    stop = tuple(dict.fromkeys([*eos_token_ids(tokenizer, generation), *r.stop_token_ids]))
     if greedy:
         return SamplingParams(
             temperature=config.eval.temperature, max_new_tokens=config.eval.max_new_tokens or r.max_new_tokens,
