@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from asyncflow.data.tasks import TASKS, make_task
 
@@ -36,7 +37,7 @@ FIXED_TEXT = (
 )
 
 
-def _tool_call(name: str, arguments: dict) -> str:
+def _tool_call(name: str, arguments: dict[str, Any]) -> str:
     return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}, separators=(",", ":")) + "</tool_call>"
 
 

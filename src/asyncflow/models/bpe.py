@@ -185,7 +185,9 @@ def build_bpe_tokenizer(corpus: list[str] | None = None, vocab_size: int = BPE_V
         pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
     ])
-    tokenizer.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    # the options are written to tokenizer.json as Qwen2.5's are (the stubs of `tokenizers` omit them)
+    byte_level: Any = decoders.ByteLevel
+    tokenizer.decoder = byte_level(add_prefix_space=False, trim_offsets=False, use_regex=False)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(corpus, trainer)
@@ -208,7 +210,7 @@ def bpe_preset_config(name: str, tokenizer_size: int, pad_id: int, eos_id: int) 
     config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config}[shape.family]
     family_fields: dict[str, Any] = (
         {"use_sliding_window": False, "max_window_layers": shape.layers} if shape.family == "qwen2" else {})
-    return config_class(
+    config: PretrainedConfig = config_class(
         vocab_size=vocab_size, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, intermediate_size=shape.intermediate,
         max_position_embeddings=shape.max_positions, rms_norm_eps=shape.rms_norm_eps, rope_theta=shape.rope_theta,
@@ -216,6 +218,7 @@ def bpe_preset_config(name: str, tokenizer_size: int, pad_id: int, eos_id: int) 
         pad_token_id=pad_id, bos_token_id=None, eos_token_id=eos_id, dtype=shape.dtype,
         **family_fields, **shape.extra,
     )
+    return config
 
 
 def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
