@@ -1,6 +1,10 @@
+from pathlib import Path
+
 import pytest
 
 from asyncflow.config import MOVED_KEYS, ConfigError, build_config, dump_config, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -139,3 +143,8 @@ def test_a_reward_entry_mapping_is_tagged_by_its_kind(entry, fragment):
     with pytest.raises(ConfigError) as err:
         build_config({"reward": {"fns": [entry]}})
     assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("example", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda path: path.name)
+def test_every_example_config_loads(example):
+    load_config(example)  # a key renamed in the schema but not in an example fails here, not in a user's first run
