@@ -231,7 +231,8 @@ def no_model_loads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    for module in ("asyncflow.workflow.run", "asyncflow.workflow.sft"):
+    # the driver's loaders: the training engine's options (setup), a rollout engine's (torch_inference)
+    for module in ("asyncflow.workflow.setup", "asyncflow.engines.torch_inference"):
         monkeypatch.setattr(f"{module}.load_model", refuse)
 
 

@@ -324,12 +324,13 @@ class RLRun:
         return history
 
     def close(self) -> None:
-        """Stop the runtime (replicas, their engines and servers), the weight channel, the evaluation engine and
-        the training engine (a multi-rank engine's ranks). Idempotent."""
+        """Stop the weight channel, the evaluation engine, the training engine (a multi-rank engine's ranks) and
+        then the runtime (replicas, their engines and servers): last, as its close may end the Ray session the
+        others' handles belong to (`hold_ray`). Idempotent."""
         if self.closed:
             return
         self.closed = True
-        for part in (self.runtime, self.workflow, self.eval_worker, self.train_engine):
+        for part in (self.workflow, self.eval_worker, self.train_engine, self.runtime):
             if part is not None:
                 part.close()
 
