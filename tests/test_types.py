@@ -43,6 +43,8 @@ PACKAGES = (
     "asyncflow.workflow.checkpoint",
     "asyncflow.serving.server",
     "asyncflow.serving.tool_calling",
+    "asyncflow.serving.metering",
+    "asyncflow.workflow.watch",
 )
 
 

@@ -1,4 +1,5 @@
-"""An OpenAI-compatible HTTP API over an `EngineService`: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
+"""An OpenAI-compatible HTTP API over an `EngineService`: `/v1/models`, `/v1/completions`, `/v1/chat/completions`
+(and `/metrics`, `asyncflow.serving.metering`).
 
 Owns: the request models (pydantic), their parsing and checks, prompt rendering (the tokenizer's chat template, given
 a chat request's `tools` too), stop strings, the responses (plain and server-sent events) and the OpenAI error shape.
@@ -83,6 +84,7 @@ from asyncflow.engines.service import EngineService, EngineServiceError
 from asyncflow.engines.torch_inference import MIN_TEMPERATURE
 from asyncflow.serving.episodes import CallRecord, EpisodeRecorder, UnknownEpisodeError
 from asyncflow.serving.limits import ServingLimits
+from asyncflow.serving.metering import ServeMeter
 from asyncflow.serving.tool_calling import (
     TOOL_CALL_FORMATS,
     Tool,
@@ -243,13 +245,14 @@ def make_app(served: ServedModel, *, api_key: str, recorder: EpisodeRecorder | N
     async def _unexpected(request: Request, err: Exception):  # a bug here: the engine loop is not affected
         return error_response(500, f"internal error: {type(err).__name__}: {err}", type="server_error")
 
+    app.add_api_route("/metrics", api.metrics, methods=["GET"])
     for prefix in ("", "/episodes/{episode_id}"):
         app.add_api_route(prefix + "/v1/models", api.models, methods=["GET"])
         app.add_api_route(prefix + "/v1/completions", api.completions, methods=["POST"])
         app.add_api_route(prefix + "/v1/chat/completions", api.chat, methods=["POST"])
     # The key is checked first: no body of a client without it is read.
     buffered = BufferedBody(app, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
-    return Authorize(buffered, api_key=api_key, health=api.health)
+    return api.meter.layer(Authorize(buffered, api_key=api_key, health=api.health))
 
 
 def parse_request(raw: bytes, model: type[BaseModel], limits: ServingLimits):
@@ -361,6 +364,7 @@ class _API:
         self.timeout_s = timeout_s
         self.limits = limits
         self.told_choice_streaming = False
+        self.meter = ServeMeter(self._health)
 
     def _health(self) -> dict:
         service = self.served.service
@@ -372,6 +376,11 @@ class _API:
         """`GET /health`: 200 while a request would be served, else 503; engine errors survived so far."""
         health = self._health()
         return JSONResponse(health, 200 if health["status"] == "ok" else 503)
+
+    async def metrics(self) -> Response:
+        """`GET /metrics`: Prometheus series of the requests answered and the tokens sampled (`serving.metering`)."""
+        content, content_type = self.meter.exposition()
+        return Response(content, media_type=content_type)
 
     async def models(self, episode_id: str | None = None):
         self._episode(episode_id)
@@ -666,6 +675,7 @@ class _API:
                     self.recorder.record_tool_turn(episode_id, turn.call_ids, text, turn)
                 except UnknownEpisodeError:
                     raise APIError(404, f"episode {episode_id!r} was closed", code="episode_not_found") from None
+        self.meter.choice(len(completion.prompt_ids), len(ids), finish, completion.weight_version)
         return {"text": text, "turn": turn, "finish_reason": finish, "token_ids": list(ids),
                 "token_logprobs": list(logprobs), "prompt_token_ids": list(completion.prompt_ids),
                 "weight_version": completion.weight_version}
