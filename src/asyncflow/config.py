@@ -666,6 +666,11 @@ class TrainConfig(Section):
     """Recompute each decoder layer's activations in the backward instead of keeping them from the forward
     (Hugging Face gradient checkpointing, non-reentrant): activation memory of one layer instead of all, for
     about one extra forward of compute. Gradients are unchanged."""
+    router_aux_loss_coef: float | None = Field(None, ge=0)
+    """Mixture-of-experts policies: the weight of the load-balancing loss added to each micro-batch's loss (logged
+    as `moe/load_balancing_loss`: experts per token when balanced, up to the number of experts); `null` = the model
+    config's own `router_aux_loss_coef` (0.001 for Qwen3-MoE and Mixtral), `0` = logged only. Ignored for dense
+    models."""
 
     @model_validator(mode="after")
     def _single_process_engine(self) -> TrainConfig:
