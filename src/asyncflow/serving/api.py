@@ -85,6 +85,7 @@ from asyncflow.engines.torch_inference import MIN_TEMPERATURE
 from asyncflow.serving.episodes import CallRecord, EpisodeRecorder, UnknownEpisodeError
 from asyncflow.serving.limits import ServingLimits
 from asyncflow.serving.metering import ServeMeter
+from asyncflow.serving.router import ReplicaRouter
 from asyncflow.serving.tool_calling import (
     TOOL_CALL_FORMATS,
     Tool,
@@ -104,7 +105,8 @@ class ServedModel:
 
     name: str
     tokenizer: Any
-    service: EngineService | None
+    service: EngineService | ReplicaRouter | None
+    """One engine service, or several replicas behind a router (`asyncflow.serving.router`)."""
     max_model_len: int
     """Prompt plus completion, in tokens (the model's position limit)."""
     vocab_size: int
@@ -439,7 +441,7 @@ class _API:
         tool_format = self._tool_format(body)
         if body.stream:
             return self._stream(body, rendered, params, kind, episode_id, logprobs=logprobs, tool_format=tool_format)
-        results = await self._generate([ids for ids, _ in rendered], params, body.n)
+        results = await self._generate([ids for ids, _ in rendered], params, body.n, episode_id or body.user)
 
         def respond():
             choices = []
@@ -614,8 +616,11 @@ class _API:
                               tuple(dict.fromkeys(stop_ids)))
 
     # ------------------------------------------------------------ generation
-    def _submit(self, prompts: list[list[int]], params: SamplingParams, n: int, on_tokens=None) -> list[Future]:
-        """`n` requests per prompt (choice `i` = prompt `i // n`); `on_tokens(choice, ids, logprobs)` if given."""
+    def _submit(self, prompts: list[list[int]], params: SamplingParams, n: int, session: str | None,
+                on_tokens=None) -> list[Future]:
+        """`n` requests per prompt (choice `i` = prompt `i // n`); `on_tokens(choice, ids, logprobs)` if given;
+        `session` (the episode, or the request's `user`) keeps a session's requests on one replica
+        (`asyncflow.serving.router`)."""
         service = self.served.service
         if service is None:
             raise APIError(503, "no engine is serving right now", type="server_error", code="engine_unavailable")
@@ -623,7 +628,7 @@ class _API:
         try:
             for choice, ids in enumerate(ids for ids in prompts for _ in range(n)):
                 callback = None if on_tokens is None else functools.partial(on_tokens, choice)
-                futures.append(service.submit(ids, params, on_tokens=callback))
+                futures.append(service.submit(ids, params, on_tokens=callback, session=session))
         except EngineServiceError as err:
             _cancel(futures)
             raise APIError(503, f"the engine is stopped: {err}", type="server_error",
@@ -634,8 +639,9 @@ class _API:
         return APIError(504, f"generation did not finish within {self.timeout_s:.0f} s", type="timeout_error",
                         code="timeout")
 
-    async def _generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[list[Completion]]:
-        futures = self._submit(prompts, params, n)
+    async def _generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                        session: str | None) -> list[list[Completion]]:
+        futures = self._submit(prompts, params, n, session)
         try:
             done = await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for f in futures)), self.timeout_s)
         except asyncio.TimeoutError:
@@ -736,7 +742,7 @@ class _API:
             if not abandoned:
                 loop.call_soon_threadsafe(arrivals.put_nowait, (choice, ids, lps))
 
-        futures = self._submit([ids for ids, _ in rendered], params, body.n, on_tokens)
+        futures = self._submit([ids for ids, _ in rendered], params, body.n, episode_id or body.user, on_tokens)
         for choice, future in enumerate(futures):
             future.add_done_callback(lambda f, c=choice: abandoned or loop.call_soon_threadsafe(
                 arrivals.put_nowait, (c, f, None)))
