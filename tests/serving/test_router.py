@@ -57,7 +57,7 @@ def test_a_draining_or_stopped_replica_gets_nothing_and_its_sessions_move(router
     router.replicas[moved_to].close()
     run(router, "a")
     assert router._pins["a"] != moved_to and router.healthy
-    for i, replica in enumerate(router.replicas):
+    for i in range(len(router.replicas)):
         router.drain(i)
     with pytest.raises(EngineServiceError, match="no replica can take a request"):
         router.submit([1, 2], PARAMS, session="a")

@@ -7,8 +7,9 @@ Invariants:
 - A request of a session (an episode's id, or the request's `user` field) goes to the replica the session is
   pinned to while that replica is healthy, not draining and below `max_in_flight`; otherwise to the healthy,
   not draining replica with the fewest requests in flight (ties: the fewest served so far, then the lowest index),
-  and the session is pinned there. So an episode's turns find the prefix they share on the replica that computed it, and a busy or lost
-  replica does not hold its sessions hostage. A request without a session goes to the least-loaded replica.
+  and the session is pinned there. So an episode's turns find the prefix they share on the replica that computed
+  it, and a busy or lost replica does not hold its sessions hostage. A request without a session goes to the
+  least-loaded replica.
 - A draining replica (one being updated) gets no new request; those it has in flight finish on it.
   `update_weights` updates the replicas one at a time, so the others keep serving.
 - Pins are bounded: the `max_sessions` most recently used are kept.
