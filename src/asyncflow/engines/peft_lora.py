@@ -1,6 +1,6 @@
 """LoRA adapters through peft: the only module of asyncflow that imports peft.
 
-Owns: `LoRASettings`, wrapping a policy with adapters (`add_adapters`), the merged weights
+Owns: peft's config of `LoRASettings` (`peft_config`; the settings themselves are `asyncflow.engines.base`'s), wrapping a policy with adapters (`add_adapters`), the merged weights
 (`merged_state_dict`: base + alpha/r * B @ A under the base model's own parameter names, what a
 rollout engine loads), the adapter's own tensors (`adapter_state_dict`, `load_adapter_state_dict`), and
 writing an adapter folder in peft format (`save_adapter`).
@@ -18,7 +18,6 @@ Invariants:
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -26,27 +25,24 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
 
+from asyncflow.engines.base import LoRASettings  # where callers of this module also find it
+
 ADAPTER = "default"  # peft's adapter name; a policy carries one adapter
 LoRAWrapper = PeftModel
 """peft's wrapper of a model with adapters (what `add_adapters` returns), named here so that callers type it
 without importing peft."""
 
 
-@dataclass(frozen=True)
-class LoRASettings:
-    rank: int
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] | str = ("q_proj", "k_proj", "v_proj", "o_proj")
 
-    def peft_config(self, base_model_name_or_path: str | None = None) -> LoraConfig:
-        targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
-        # peft annotates lora_alpha as int; it is a scale (alpha / r) and takes any number
-        return LoraConfig(
-            r=self.rank, lora_alpha=self.alpha,  # type: ignore[arg-type]
-            lora_dropout=self.dropout, target_modules=targets,
-            task_type="CAUSAL_LM", base_model_name_or_path=base_model_name_or_path,
-        )  # fmt: skip
+def peft_config(settings: LoRASettings, base_model_name_or_path: str | None = None) -> LoraConfig:
+    """peft's `LoraConfig` of `settings`."""
+    targets = settings.target_modules if isinstance(settings.target_modules, str) else list(settings.target_modules)
+    # peft annotates lora_alpha as int; it is a scale (alpha / r) and takes any number
+    return LoraConfig(
+        r=settings.rank, lora_alpha=settings.alpha,  # type: ignore[arg-type]
+        lora_dropout=settings.dropout, target_modules=targets,
+        task_type="CAUSAL_LM", base_model_name_or_path=base_model_name_or_path,
+    )  # fmt: skip
 
 
 def add_adapters(model: torch.nn.Module, settings: LoRASettings) -> PeftModel:
@@ -57,7 +53,7 @@ def add_adapters(model: torch.nn.Module, settings: LoRASettings) -> PeftModel:
     try:
         with warnings.catch_warnings():  # peft asks transformers 5 about gradient checkpointing the old way
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-            return get_peft_model(model, settings.peft_config())
+            return get_peft_model(model, peft_config(settings))
     except ValueError as err:
         raise ValueError(f"train.lora.target_modules={settings.target_modules!r}: {err}") from None
 
@@ -107,5 +103,5 @@ def save_adapter(out: Path, settings: LoRASettings, tensors: dict[str, torch.Ten
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    settings.peft_config(base_model_name_or_path=base_model).save_pretrained(str(out))
+    peft_config(settings, base_model_name_or_path=base_model).save_pretrained(str(out))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))

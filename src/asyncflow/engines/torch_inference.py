@@ -38,6 +38,11 @@ Invariants:
   right after each of its tokens is sampled (prefill and decode steps alike), before that token can finish
   the sample, so the token that ends it is delivered too and its `Completion` comes after every call; a
   recomputation after a weight update samples nothing, so nothing is delivered twice.
+- LoRA adapter sync (`adapter=` settings, `train.lora.sync: adapter`): the engine loads the base weights once and
+  wraps the same target modules with the same LoRA layers as the trainer (`asyncflow.engines.peft_lora`: frozen
+  base, `y = base(x) + alpha/r * B(A(x))`); `update_weights` then takes the adapter's tensors only (peft's naming,
+  `adapter_state_dict`) and copies them into the A/B matrices, with the same in-flight semantics as full weights.
+  The outputs equal those of the merged weights up to float rounding.
 - One `torch.Generator` seeded with `seed` drives all sampling: the same seed, requests (in the
   same order) and `max_batch_size` give identical completions.
 """
@@ -48,7 +53,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers.cache_utils import Cache
@@ -57,11 +62,15 @@ from asyncflow.engines.base import (
     Completion,
     GenerationRequest,
     InferenceEngineBase,
+    LoRASettings,
     SamplingParams,
     register_inference_engine,
 )
 from asyncflow.models.hf import causal_lm
 from asyncflow.models.loading import load_model, resolve_model_path
+
+if TYPE_CHECKING:
+    from asyncflow.engines.peft_lora import LoRAWrapper
 
 
 class SlotKVCache(Cache):
@@ -240,7 +249,9 @@ class TorchInferenceEngine(InferenceEngineBase):
         device: str | torch.device = "cpu",
         seed: int = 0,
         weight_version: int = 0,
+        adapter: LoRASettings | None = None,
     ) -> None:
+        """`adapter`: LoRA adapter sync (module docstring); `model` is then the base model, wrapped in place."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         config = causal_lm(model).config
@@ -253,6 +264,12 @@ class TorchInferenceEngine(InferenceEngineBase):
                 f"{sorted(layer_types)}"
             )
         self.device = torch.device(device)
+        self.adapted: LoRAWrapper | None = None  # peft's wrapper of `model` under adapter sync
+        if adapter is not None:
+            from asyncflow.engines.peft_lora import add_adapters  # peft is imported only when asked for
+
+            self.adapted = add_adapters(model, adapter)
+            model.requires_grad_(False)
         self.model = model.to(self.device).eval()
         self.max_batch_size = max_batch_size
         self.weight_version = weight_version
@@ -266,7 +283,8 @@ class TorchInferenceEngine(InferenceEngineBase):
 
     # ---------------------------------------------------------------- public API
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load `state_dict` into the model in place (strict); tokens sampled afterwards carry `version`.
+        """Load `state_dict` into the model in place (strict; under adapter sync the adapter's tensors, every one
+        of them); tokens sampled afterwards carry `version`.
         Thread-safe. While a `generate` runs it only hands the weights over: the generating thread applies
         them at its next step (a newer call replaces a pending one); otherwise they are loaded at once."""
         with self._lock:
@@ -276,7 +294,12 @@ class TorchInferenceEngine(InferenceEngineBase):
             self._load(state_dict, version)
 
     def _load(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        self.model.load_state_dict(state_dict)
+        if self.adapted is not None:
+            from asyncflow.engines.peft_lora import load_adapter_state_dict
+
+            load_adapter_state_dict(self.adapted, dict(state_dict))
+        else:
+            self.model.load_state_dict(state_dict)
         self.weight_version = version
 
     def _take_pending(self) -> bool:

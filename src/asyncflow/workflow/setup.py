@@ -48,7 +48,7 @@ from asyncflow.workers.stage import StageWorker
 from asyncflow.workflow.kinds import environment_kind, reward_kind
 
 if TYPE_CHECKING:
-    from asyncflow.engines.peft_lora import LoRASettings
+    from asyncflow.engines.base import LoRASettings
 
 
 def seed_everything(seed: int) -> None:
@@ -121,11 +121,11 @@ def stage_workers(config: Config) -> list[StageWorker]:
 
 
 def lora_settings(config: Config) -> LoRASettings | None:
-    """The LoRA settings of `config.train.lora`, or None when `rank` is 0 (peft is imported only otherwise)."""
+    """The LoRA settings of `config.train.lora`, or None when `rank` is 0."""
     lora = config.train.lora
     if lora.rank == 0:
         return None
-    from asyncflow.engines.peft_lora import LoRASettings
+    from asyncflow.engines.base import LoRASettings
 
     targets = lora.target_modules if isinstance(lora.target_modules, str) else tuple(lora.target_modules)
     return LoRASettings(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=targets)
