@@ -76,6 +76,15 @@ class LoRASettings:
         }  # fmt: skip
 
 
+def check_adapter_tensors(names: Iterable[str]) -> None:
+    """ValueError naming `train.lora.sync` unless every name is a LoRA adapter tensor's (`...lora_A.weight`): what
+    an engine under adapter sync takes per version."""
+    full = [name for name in names if ".lora_" not in name]
+    if full:
+        raise ValueError(f"train.lora.sync=adapter: the engine takes the LoRA adapter's tensors per version, got "
+                         f"other tensors ({full[:3]}); publish the adapter alone, or set train.lora.sync=merged")
+
+
 @dataclass
 class GenerationRequest:
     request_id: Any

@@ -1,8 +1,10 @@
 """LoRA adapters through peft: the only module of asyncflow that imports peft.
 
-Owns: peft's config of `LoRASettings` (`peft_config`; the settings themselves are `asyncflow.engines.base`'s), wrapping a policy with adapters (`add_adapters`), the merged weights
-(`merged_state_dict`: base + alpha/r * B @ A under the base model's own parameter names, what a
-rollout engine loads), the adapter's own tensors (`adapter_state_dict`, `load_adapter_state_dict`), and
+Owns: peft's config of `LoRASettings` (`peft_config`; the settings are `asyncflow.engines.base`'s), wrapping
+a policy with adapters (`add_adapters`), the merged weights (`merged_state_dict`: base + alpha/r * B @ A under
+the base model's own parameter names, what a rollout engine loads under `train.lora.sync: merged`), the
+adapter's own tensors (`adapter_state_dict`, `load_adapter_state_dict`: what it loads under `adapter`, the
+built-in engine wrapping its base model here too), and
 writing an adapter folder in peft format (`save_adapter`).
 
 Invariants:

@@ -64,6 +64,7 @@ from asyncflow.engines.base import (
     InferenceEngineBase,
     LoRASettings,
     SamplingParams,
+    check_adapter_tensors,
     register_inference_engine,
 )
 from asyncflow.models.hf import causal_lm
@@ -287,6 +288,8 @@ class TorchInferenceEngine(InferenceEngineBase):
         of them); tokens sampled afterwards carry `version`.
         Thread-safe. While a `generate` runs it only hands the weights over: the generating thread applies
         them at its next step (a newer call replaces a pending one); otherwise they are loaded at once."""
+        if self.adapted is not None:
+            check_adapter_tensors(state_dict)  # here, not on the generating thread that may load them
         with self._lock:
             if self._open_generations:
                 self._pending = (state_dict, version)

@@ -80,6 +80,7 @@ from asyncflow.engines.base import (
     LoRASettings,
     SamplingParams,
     TokenCallback,
+    check_adapter_tensors,
     register_inference_engine,
 )
 from asyncflow.engines.torch_inference import check_prompt, check_sampling_params
@@ -527,10 +528,7 @@ class VLLMInferenceEngine(InferenceEngineBase):
         """Write `tensors` as a peft adapter folder, load it into vLLM as `version`'s adapter and make it the one new
         requests run with; unload the adapters nothing uses any more."""
         assert self.adapter is not None and self._adapter_dir is not None  # adapter sync
-        full = [name for name in tensors if ".lora_" not in name]
-        if full:
-            raise ValueError(f"{ADAPTER_SYNC}: the engine takes the LoRA adapter's tensors per version, got other "
-                             f"tensors ({full[:3]}); publish `adapter_weights()`, or set train.lora.sync=merged")
+        check_adapter_tensors(tensors)
         check_adapter_modules(adapter_modules(tensors), self._lora_modules)
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
@@ -544,7 +542,8 @@ class VLLMInferenceEngine(InferenceEngineBase):
             save_file(distinct_tensors(tensors), os.path.join(folder, "adapter_model.safetensors"))
             request = LoRARequest(lora_name=f"asyncflow-v{version}-{lora_id}", lora_int_id=lora_id, lora_path=folder)
             try:
-                self._loop.run(self._llm.add_lora(request), self.call_timeout_s, f"LoRA adapter load of version {version}")
+                what = f"LoRA adapter load of version {version}"
+                self._loop.run(self._llm.add_lora(request), self.call_timeout_s, what)
             except Exception as err:
                 shutil.rmtree(folder, ignore_errors=True)
                 if isinstance(err, TimeoutError):

@@ -84,7 +84,18 @@ def rollout_spec(config: Config, model_path, tokenizer) -> RolloutSpec:
         group_size=r.group_size, seed=config.run.seed, on_weight_update=r.on_weight_update,
         multiturn=multiturn_spec(config), agent=agent_options(config, model_path, tokenizer),
         make_scorer=partial(make_reward_worker, config),
+        **adapter_sync(config),
     )
+
+
+def adapter_sync(config: Config) -> dict:
+    """The `RolloutSpec` fields of LoRA adapter sync (`train.lora.sync: adapter`; {} otherwise)."""
+    if config.train.lora.sync != "adapter":
+        return {}
+    lora = lora_settings(config)
+    if lora is None:
+        return {}
+    return {"adapter": lora, "adapter_slots": config.workflow.max_staleness + 1}
 
 
 def row_columns(spec: RolloutSpec) -> list[str]:
