@@ -6,6 +6,7 @@ per version samples as the merged weights do, in flight too, and refuses anythin
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -182,10 +183,16 @@ def test_adapter_update_during_generation_labels_each_token_with_its_version(tin
     assert_same_completions(results["adapter"], results["merged"])
 
 
-def test_adapter_sync_refuses_full_weights(tiny_llama_path, lora_engine):
+def test_adapter_sync_refuses_full_weights_and_other_adapters(tiny_llama_path, lora_engine):
     adapter, _ = twin_engines(tiny_llama_path, lora_engine)
     with pytest.raises(ValueError, match="train.lora.sync"):
         adapter.update_weights(lora_engine.state_dict(), 1)
+    other_rank = TorchTrainEngine(load_model(tiny_llama_path), lr=1e-2, lora=replace(SETTINGS, rank=2))
+    with pytest.raises(ValueError, match="train.lora.rank or target_modules differ"):
+        adapter.update_weights(other_rank.adapter_weights(), 1)
+    fewer = {k: v for k, v in lora_engine.adapter_weights().items() if "v_proj" not in k}
+    with pytest.raises(ValueError, match="missing"):
+        adapter.update_weights(fewer, 1)
     assert adapter.weight_version == 0
 
 

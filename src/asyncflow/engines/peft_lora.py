@@ -3,8 +3,8 @@
 Owns: peft's config of `LoRASettings` (`peft_config`; the settings are `asyncflow.engines.base`'s), wrapping
 a policy with adapters (`add_adapters`), the merged weights (`merged_state_dict`: base + alpha/r * B @ A under
 the base model's own parameter names, what a rollout engine loads under `train.lora.sync: merged`), the
-adapter's own tensors (`adapter_state_dict`, `load_adapter_state_dict`: what it loads under `adapter`, the
-built-in engine wrapping its base model here too), and
+adapter's own tensors (`adapter_state_dict`, `load_adapter_state_dict`; under `adapter` what a rollout engine
+takes, the built-in engine wrapping its base model here too and copying them in with `copy_adapter`), and
 writing an adapter folder in peft format (`save_adapter`).
 
 Invariants:
@@ -20,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -91,6 +92,31 @@ def load_adapter_state_dict(wrapper: PeftModel, tensors: dict[str, torch.Tensor]
     if missing or result.unexpected_keys:
         raise ValueError(f"adapter tensors do not match the model: missing {missing[:3]}, "
                          f"unexpected {list(result.unexpected_keys)[:3]}")
+
+
+def adapter_parameters(wrapper: PeftModel) -> dict[str, torch.Tensor]:
+    """The adapter's parameters themselves under the names `adapter_state_dict` gives them (A/B of every LoRA layer)."""
+    return {f"base_model.model.{name}.{part}.weight": cast(torch.Tensor, getattr(layer, part)[ADAPTER].weight)
+            for name, layer in lora_layers(wrapper.base_model.model).items() for part in ("lora_A", "lora_B")}
+
+
+def match_adapter(parameters: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:
+    """ValueError unless `tensors` (`adapter_state_dict` output) has exactly the names and shapes of `parameters`."""
+    if tensors.keys() != parameters.keys():
+        missing, unexpected = sorted(parameters.keys() - tensors.keys()), sorted(tensors.keys() - parameters.keys())
+        raise ValueError(f"adapter tensors do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    for name, parameter in parameters.items():
+        if tensors[name].shape != parameter.shape:
+            raise ValueError(f"adapter tensor {name}: shape {tuple(tensors[name].shape)}, the model's is "
+                             f"{tuple(parameter.shape)} (train.lora.rank or target_modules differ)")
+
+
+@torch.no_grad()
+def copy_adapter(parameters: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy `tensors` (checked by `match_adapter`) into `parameters` (`adapter_parameters`) in place: one copy per
+    tensor, no walk over the model (what a rollout engine does per version)."""
+    for name, parameter in parameters.items():
+        parameter.copy_(tensors[name])
 
 
 @torch.no_grad()

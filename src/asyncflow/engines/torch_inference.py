@@ -53,7 +53,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from transformers.cache_utils import Cache
@@ -70,8 +70,6 @@ from asyncflow.engines.base import (
 from asyncflow.models.hf import causal_lm
 from asyncflow.models.loading import load_model, resolve_model_path
 
-if TYPE_CHECKING:
-    from asyncflow.engines.peft_lora import LoRAWrapper
 
 
 class SlotKVCache(Cache):
@@ -265,11 +263,11 @@ class TorchInferenceEngine(InferenceEngineBase):
                 f"{sorted(layer_types)}"
             )
         self.device = torch.device(device)
-        self.adapted: LoRAWrapper | None = None  # peft's wrapper of `model` under adapter sync
+        self._adapter: dict[str, torch.Tensor] | None = None  # A/B parameters under peft's names (adapter sync)
         if adapter is not None:
-            from asyncflow.engines.peft_lora import add_adapters  # peft is imported only when asked for
+            from asyncflow.engines.peft_lora import adapter_parameters, add_adapters  # peft only when asked for
 
-            self.adapted = add_adapters(model, adapter)
+            self._adapter = adapter_parameters(add_adapters(model, adapter))
             model.requires_grad_(False)
         self.model = model.to(self.device).eval()
         self.max_batch_size = max_batch_size
@@ -288,8 +286,11 @@ class TorchInferenceEngine(InferenceEngineBase):
         of them); tokens sampled afterwards carry `version`.
         Thread-safe. While a `generate` runs it only hands the weights over: the generating thread applies
         them at its next step (a newer call replaces a pending one); otherwise they are loaded at once."""
-        if self.adapted is not None:
-            check_adapter_tensors(state_dict)  # here, not on the generating thread that may load them
+        if self._adapter is not None:  # checked here, not on the generating thread that may load them
+            from asyncflow.engines.peft_lora import match_adapter
+
+            check_adapter_tensors(state_dict)
+            match_adapter(self._adapter, state_dict)
         with self._lock:
             if self._open_generations:
                 self._pending = (state_dict, version)
@@ -297,10 +298,10 @@ class TorchInferenceEngine(InferenceEngineBase):
             self._load(state_dict, version)
 
     def _load(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        if self.adapted is not None:
-            from asyncflow.engines.peft_lora import load_adapter_state_dict
+        if self._adapter is not None:
+            from asyncflow.engines.peft_lora import copy_adapter
 
-            load_adapter_state_dict(self.adapted, dict(state_dict))
+            copy_adapter(self._adapter, state_dict)
         else:
             self.model.load_state_dict(state_dict)
         self.weight_version = version

@@ -46,7 +46,8 @@ from asyncflow.models.tri_model import Packing, make_reference, tri_model_logpro
 from asyncflow.models.value import CriticSpec, attach_critic, critic_parameters, is_critic_key, policy_weights
 
 if TYPE_CHECKING:
-    from asyncflow.engines.peft_lora import LoRASettings, LoRAWrapper
+    from asyncflow.engines.base import LoRASettings
+    from asyncflow.engines.peft_lora import LoRAWrapper
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:

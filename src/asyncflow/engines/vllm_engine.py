@@ -679,8 +679,9 @@ class VLLMInferenceEngine(InferenceEngineBase):
 
             self._loop.run(stop(), SHUTDOWN_TIMEOUT_S, "shutdown")
         self._loop.close()
-        if getattr(self, "_adapter_dir", None) is not None:
-            shutil.rmtree(self._adapter_dir, ignore_errors=True)
+        adapter_dir: str | None = getattr(self, "_adapter_dir", None)
+        if adapter_dir is not None:
+            shutil.rmtree(adapter_dir, ignore_errors=True)
             self._adapter_dir = None
         if self._owned_dir is not None:
             shutil.rmtree(self._owned_dir, ignore_errors=True)
