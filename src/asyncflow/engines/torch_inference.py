@@ -71,7 +71,6 @@ from asyncflow.models.hf import causal_lm
 from asyncflow.models.loading import load_model, resolve_model_path
 
 
-
 class SlotKVCache(Cache):
     """Keys/values of `rows` independent sequences, one row each, per layer `[rows, kv_heads, capacity, head_dim]`.
 
