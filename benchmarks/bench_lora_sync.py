@@ -8,10 +8,12 @@ carries (fp32). Engine time: `update_weights` with the merged weights on an engi
 `update_weights` with the adapter on an engine under adapter sync, interleaved, `--reps` each (median and best);
 "+ first token" adds one greedy 1-token request right after, so vLLM's activation of a new adapter (it copies the
 adapter into its LoRA slots at the first batch that uses it) is counted. The vLLM engines use the `file` transfer
-(the default). `--engine torch` runs in the main environment (peft), `--engine vllm` in .venv-vllm.
+(the default). `--engine torch` runs in the main environment (peft), `--engine vllm` in .venv-vllm. `--bytes-of`
+only counts the bytes of one update for the published shapes (`asyncflow.models.bpe`, on the meta device).
 
 Run: PYTHONPATH=src python benchmarks/bench_lora_sync.py --engine torch [--sizes 512x8,1024x8] [--rank 16]
      PYTHONPATH=src .venv-vllm/bin/python benchmarks/bench_lora_sync.py --engine vllm
+     PYTHONPATH=src python benchmarks/bench_lora_sync.py --bytes-of qwen2.5-0.5b,llama-3.2-1b
 """
 
 from __future__ import annotations
@@ -121,6 +123,24 @@ def one_size(args, hidden: int, layers: int) -> None:
           f"+ first token {ratio[1]:.3f} (medians)")
 
 
+def bytes_of(names: list[str], rank: int) -> None:
+    """Bytes of one update, merged and adapter (rank `rank` on `TARGETS`), for the published shapes, in their dtype."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncflow.models.bpe import bpe_preset_config
+
+    print(f"\n| shape | parameters | merged MB | adapter r={rank} MB | adapter / merged |\n|---|---:|---:|---:|---:|")
+    for name in names:
+        config = bpe_preset_config(name, 1, 0, 0)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        element = model.dtype.itemsize
+        full = sum(p.numel() for p in model.parameters()) * element  # tied embeddings counted once
+        adapter = sum(rank * (m.in_features + m.out_features) * element for n, m in model.named_modules()
+                      if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in TARGETS)
+        print(f"| {name} | {full / element / 1e6:.1f}M | {full / 1e6:.0f} | {adapter / 1e6:.1f} | {adapter / full:.4f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--engine", choices=("torch", "vllm"), default="torch")
@@ -128,7 +148,11 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--bytes-of", default=None, help="published shapes to count bytes of, comma-separated")
     args = parser.parse_args()
+    if args.bytes_of:
+        bytes_of(args.bytes_of.split(","), args.rank)
+        return
     torch.set_num_threads(args.threads)
     for size in args.sizes.split(","):
         hidden, layers = (int(x) for x in size.split("x"))
