@@ -138,7 +138,8 @@ def bytes_of(names: list[str], rank: int) -> None:
         full = sum(p.numel() for p in model.parameters()) * element  # tied embeddings counted once
         adapter = sum(rank * (m.in_features + m.out_features) * element for n, m in model.named_modules()
                       if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in TARGETS)
-        print(f"| {name} | {full / element / 1e6:.1f}M | {full / 1e6:.0f} | {adapter / 1e6:.1f} | {adapter / full:.4f} |")
+        params = full / element / 1e6
+        print(f"| {name} | {params:.1f}M | {full / 1e6:.0f} | {adapter / 1e6:.1f} | {adapter / full:.4f} |")
 
 
 def main() -> None:
