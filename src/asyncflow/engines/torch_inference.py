@@ -262,11 +262,12 @@ class TorchInferenceEngine(InferenceEngineBase):
                 f"{sorted(layer_types)}"
             )
         self.device = torch.device(device)
-        self._adapter: dict[str, torch.Tensor] | None = None  # A/B parameters under peft's names (adapter sync)
+        self.adapter = adapter
+        self._adapter_parameters: dict[str, torch.Tensor] | None = None  # A/B under peft's names (adapter sync)
         if adapter is not None:
             from asyncflow.engines.peft_lora import adapter_parameters, add_adapters  # peft only when asked for
 
-            self._adapter = adapter_parameters(add_adapters(model, adapter))
+            self._adapter_parameters = adapter_parameters(add_adapters(model, adapter))
             model.requires_grad_(False)
         self.model = model.to(self.device).eval()
         self.max_batch_size = max_batch_size
@@ -285,11 +286,11 @@ class TorchInferenceEngine(InferenceEngineBase):
         of them); tokens sampled afterwards carry `version`.
         Thread-safe. While a `generate` runs it only hands the weights over: the generating thread applies
         them at its next step (a newer call replaces a pending one); otherwise they are loaded at once."""
-        if self._adapter is not None:  # checked here, not on the generating thread that may load them
+        if self._adapter_parameters is not None:  # checked here, not on the generating thread that may load them
             from asyncflow.engines.peft_lora import match_adapter
 
             check_adapter_tensors(state_dict)
-            match_adapter(self._adapter, state_dict)
+            match_adapter(self._adapter_parameters, state_dict)
         with self._lock:
             if self._open_generations:
                 self._pending = (state_dict, version)
@@ -297,10 +298,10 @@ class TorchInferenceEngine(InferenceEngineBase):
             self._load(state_dict, version)
 
     def _load(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        if self._adapter is not None:
+        if self._adapter_parameters is not None:
             from asyncflow.engines.peft_lora import copy_adapter
 
-            copy_adapter(self._adapter, state_dict)
+            copy_adapter(self._adapter_parameters, state_dict)
         else:
             self.model.load_state_dict(state_dict)
         self.weight_version = version
