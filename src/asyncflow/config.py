@@ -602,11 +602,11 @@ class LoRAConfig(Section):
     but the output head). Embeddings and the output head are not supported (they are tied in the presets)."""
     sync: Literal["adapter", "merged"] = "adapter"
     """What a weight version carries to the rollout engines. `adapter`: the adapter's A/B tensors alone (about
-    2 * rank / hidden of the targeted weights' bytes); each engine loads the base weights once from `model.path` and
-    applies the adapter (the built-in engine with the trainer's LoRA layers, vLLM as one LoRA adapter per version,
-    each request finishing on the adapter it started with). Needs `rollout.engine` `torch` or `vllm`, and with
-    vLLM target modules its LoRA takes (refused at the engine's start otherwise). `merged`: the full weights, base +
-    alpha/r * B @ A, loaded by any engine as full fine-tuning's are."""
+    rank * (1/d_in + 1/d_out) of each targeted weight's bytes); each engine loads the base weights once from
+    `model.path` and applies the adapter (the built-in engine with the trainer's LoRA layers, vLLM as one LoRA
+    adapter per version, each request finishing on the adapter it started with). Needs `rollout.engine` `torch`
+    or `vllm`, and with vLLM target modules its LoRA takes (refused at the engine's start otherwise). `merged`:
+    the full weights, base + alpha/r * B @ A, loaded by any engine as full fine-tuning's are."""
 
     @field_validator("rank")
     @classmethod
