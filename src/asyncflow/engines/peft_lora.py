@@ -96,8 +96,9 @@ def load_adapter_state_dict(wrapper: PeftModel, tensors: dict[str, torch.Tensor]
 
 def adapter_parameters(wrapper: PeftModel) -> dict[str, torch.Tensor]:
     """The adapter's parameters themselves under the names `adapter_state_dict` gives them (A/B of every LoRA layer)."""
-    return {f"base_model.model.{name}.{part}.weight": cast(torch.Tensor, getattr(layer, part)[ADAPTER].weight)
-            for name, layer in lora_layers(wrapper.base_model.model).items() for part in ("lora_A", "lora_B")}
+    # module paths in the wrapper are `base_model.model.<path in the model>`, as in the saved names
+    return {f"{name}.{part}.weight": cast(torch.Tensor, getattr(layer, part)[ADAPTER].weight)
+            for name, layer in lora_layers(wrapper).items() for part in ("lora_A", "lora_B")}
 
 
 def match_adapter(parameters: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:
