@@ -204,3 +204,18 @@ def test_adapter_sync_config(tiny_llama_path):
         build_config({}, ["train.lora.rank=4", "rollout.engine=pkg.mod:factory"])
     with pytest.raises(ConfigError, match="train.lora.sync"):
         build_config({}, ["train.lora.rank=4", "train.lora.sync=full"])
+
+
+def test_vllm_adapter_sync_settings_are_checked_by_name():
+    from asyncflow.engines.vllm_engine import adapter_modules, check_adapter_modules, vllm_lora_rank
+
+    assert [vllm_lora_rank(r) for r in (1, 4, 16, 17)] == [1, 8, 16, 32]
+    with pytest.raises(ValueError, match="train.lora.rank=600.*train.lora.sync=merged"):
+        vllm_lora_rank(600)
+    names = ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+             "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"]
+    assert adapter_modules(names) == {"q_proj", "down_proj"}
+    check_adapter_modules({"q_proj", "down_proj"}, {"q_proj", "k_proj", "down_proj"})
+    check_adapter_modules({"anything"}, None)  # unknown: vLLM's own load decides
+    with pytest.raises(ValueError, match=r"train.lora.target_modules.*\['down_proj'\].*train.lora.sync=merged"):
+        check_adapter_modules({"q_proj", "down_proj"}, {"q_proj"})
