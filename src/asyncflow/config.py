@@ -582,21 +582,31 @@ class AlgoConfig(Section):
         return self
 
 
+ADAPTER_ENGINES = ("torch", "vllm")  # rollout engines that apply LoRA adapters (`train.lora.sync: adapter`)
+
+
 class LoRAConfig(Section):
     rank: int = Field(0, ge=0)
     """LoRA rank r; 0 = off (full fine-tuning). With r > 0 the policy's `target_modules` get adapters (through
     peft: the `lora` extra, `pip install 'asyncflow-rl[lora]'`); only the adapters are trained and optimized,
-    the base weights stay frozen. Rollout engines receive the merged weights (base + alpha/r * B @ A)."""
+    the base weights stay frozen. What rollout engines receive per weight version is `sync`'s choice."""
     alpha: float = Field(16.0, gt=0)
     """LoRA scaling numerator: the update is `alpha / rank * B @ A`."""
     dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on the adapter's input during training. Above 0 the training-side log-probs are noisy while
-    rollout samples from the merged weights without dropout."""
+    rollout samples without dropout."""
     target_modules: list[str] | Literal["all-linear"] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
     )
     """Names (last component) of the linear modules that get adapters, or `all-linear` (every linear layer
     but the output head). Embeddings and the output head are not supported (they are tied in the presets)."""
+    sync: Literal["adapter", "merged"] = "adapter"
+    """What a weight version carries to the rollout engines. `adapter`: the adapter's A/B tensors alone (about
+    rank * (1/d_in + 1/d_out) of each targeted weight's bytes); each engine loads the base weights once from
+    `model.path` and applies the adapter (the built-in engine with the trainer's LoRA layers, vLLM as one LoRA
+    adapter per version, each request finishing on the adapter it started with). Needs `rollout.engine` `torch`
+    or `vllm`, and with vLLM target modules its LoRA takes (refused at the engine's start otherwise). `merged`:
+    the full weights, base + alpha/r * B @ A, loaded by any engine as full fine-tuning's are."""
 
     @field_validator("rank")
     @classmethod
@@ -980,6 +990,16 @@ class Config(Section):
             raise ValueError(
                 f"{what} with rollout.on_weight_update=resume: an agent's calls are sampled with the weights of their "
                 "partition only; use on_weight_update=finish"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_adapter_sync_engine(self) -> Config:
+        """`train.lora.sync=adapter` needs a rollout engine that applies adapters."""
+        if self.train.lora.rank and self.train.lora.sync == "adapter" and self.rollout.engine not in ADAPTER_ENGINES:
+            raise ValueError(
+                f"train.lora.sync=adapter: rollout.engine {self.rollout.engine!r} takes no LoRA adapters (only "
+                f"{', '.join(ADAPTER_ENGINES)} do); set train.lora.sync=merged to send it the merged weights"
             )
         return self
 

@@ -1,10 +1,12 @@
 """LoRA on the built-in training engine (issue 17): only the adapters train and sit in the optimizer, the base
 weights stay bit-identical, the merged weights a rollout engine loads reproduce the trainer's log-probs there,
-and bad settings are named."""
+and bad settings are named. Adapter sync (issue 43): a rollout engine holding the base weights and taking the adapter
+per version samples as the merged weights do, in flight too, and refuses anything but adapter tensors."""
 
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -116,3 +118,104 @@ def test_bad_lora_settings_are_named(tiny_llama_path):
         build_config({}, ["train.lora.rank=-1"])
     with pytest.raises(ValueError, match="train.lora.target_modules"):
         TorchTrainEngine(load_model(tiny_llama_path), lr=1e-2, lora=LoRASettings(rank=2, target_modules=("qkv",)))
+
+
+def twin_engines(tiny_llama_path, lora_engine) -> tuple[TorchInferenceEngine, TorchInferenceEngine]:
+    """Rollout engines on the base weights with the same seed: one under adapter sync, one taking merged weights."""
+    adapter = TorchInferenceEngine(load_model(tiny_llama_path).eval(), max_batch_size=4, seed=3, adapter=SETTINGS)
+    merged = TorchInferenceEngine(load_model(tiny_llama_path).eval(), max_batch_size=4, seed=3)
+    return adapter, merged
+
+
+def update_both(adapter: TorchInferenceEngine, merged: TorchInferenceEngine, trainer: TorchTrainEngine, version: int):
+    adapter.update_weights(trainer.adapter_weights(), version)
+    merged.update_weights(trainer.state_dict(), version)
+
+
+def assert_same_completions(ours, theirs) -> None:
+    """Same tokens and versions; sampling log-probs equal to fp32 rounding (the adapter path sums in another order)."""
+    assert [(c.response_ids, c.token_versions, c.weight_version) for c in ours] == \
+        [(c.response_ids, c.token_versions, c.weight_version) for c in theirs]
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
+
+
+def test_adapter_sync_samples_as_the_merged_weights_do_after_every_update(tiny_llama_path, lora_engine):
+    adapter, merged = twin_engines(tiny_llama_path, lora_engine)
+    published = lora_engine.adapter_weights()
+    assert all(".lora_" in k for k in published) and len(published) == 2 * 3 * 4  # A, B x 3 modules x 4 layers
+    for version in (1, 2):
+        train_steps(lora_engine, steps=2)
+        update_both(adapter, merged, lora_engine, version)
+        for temperature in (0.0, 1.0):
+            params = SamplingParams(temperature=temperature, max_new_tokens=8)
+            ours = list(adapter.generate(make_requests(6, seed=version), params))
+            theirs = list(merged.generate(make_requests(6, seed=version), params))
+            assert {c.weight_version for c in ours} == {version}
+            assert_same_completions(ours, theirs)
+        lora_engine.model.eval()
+        assert_logprobs_match_training_side(lora_engine.model, ours, temperature=1.0)
+        lora_engine.model.train()
+    # the base weights of the engine never change: only the A/B matrices do
+    base = load_model(tiny_llama_path).state_dict()
+    held = {k.replace(".base_layer.", "."): v for k, v in adapter.model.state_dict().items() if ".lora_" not in k}
+    assert all(torch.equal(held[k], v) for k, v in base.items())
+
+
+def test_adapter_update_during_generation_labels_each_token_with_its_version(tiny_llama_path, lora_engine):
+    adapter, merged = twin_engines(tiny_llama_path, lora_engine)
+    update_both(adapter, merged, lora_engine, 1)
+    train_steps(lora_engine, steps=2)
+    versions = {"adapter": (adapter, lora_engine.adapter_weights()), "merged": (merged, lora_engine.state_dict())}
+    results = {}
+    for name, (engine, weights) in versions.items():
+        sampled = []
+
+        def update_after_three(ids, logprobs, engine=engine, weights=weights, sampled=sampled):
+            sampled.extend(ids)
+            if len(sampled) == 3:  # on the generating thread: applied at the next step, slots recomputed
+                engine.update_weights(weights, 2)
+
+        requests = make_requests(4, seed=9)
+        requests[0].on_tokens = update_after_three
+        results[name] = list(engine.generate(requests, SamplingParams(temperature=1.0, max_new_tokens=10)))
+    assert any(c.token_versions is not None and set(c.token_versions) == {1, 2} for c in results["adapter"])
+    assert_same_completions(results["adapter"], results["merged"])
+
+
+def test_adapter_sync_refuses_full_weights_and_other_adapters(tiny_llama_path, lora_engine):
+    adapter, _ = twin_engines(tiny_llama_path, lora_engine)
+    with pytest.raises(ValueError, match="train.lora.sync"):
+        adapter.update_weights(lora_engine.state_dict(), 1)
+    other_rank = TorchTrainEngine(load_model(tiny_llama_path), lr=1e-2, lora=replace(SETTINGS, rank=2))
+    with pytest.raises(ValueError, match="train.lora.rank or target_modules differ"):
+        adapter.update_weights(other_rank.adapter_weights(), 1)
+    fewer = {k: v for k, v in lora_engine.adapter_weights().items() if "v_proj" not in k}
+    with pytest.raises(ValueError, match="missing"):
+        adapter.update_weights(fewer, 1)
+    assert adapter.weight_version == 0
+
+
+def test_adapter_sync_config(tiny_llama_path):
+    config = build_config({}, ["train.lora.rank=4"])
+    assert config.train.lora.sync == "adapter"
+    assert build_config({}, ["train.lora.rank=4", "rollout.engine=pkg.mod:factory", "train.lora.sync=merged"])
+    with pytest.raises(ConfigError, match="train.lora.sync=adapter: rollout.engine 'pkg.mod:factory'"):
+        build_config({}, ["train.lora.rank=4", "rollout.engine=pkg.mod:factory"])
+    with pytest.raises(ConfigError, match="train.lora.sync"):
+        build_config({}, ["train.lora.rank=4", "train.lora.sync=full"])
+
+
+def test_vllm_adapter_sync_settings_are_checked_by_name():
+    from asyncflow.engines.vllm_engine import adapter_modules, check_adapter_modules, vllm_lora_rank
+
+    assert [vllm_lora_rank(r) for r in (1, 4, 16, 17)] == [1, 8, 16, 32]
+    with pytest.raises(ValueError, match="train.lora.rank=600.*train.lora.sync=merged"):
+        vllm_lora_rank(600)
+    names = ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+             "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"]
+    assert adapter_modules(names) == {"q_proj", "down_proj"}
+    check_adapter_modules({"q_proj", "down_proj"}, {"q_proj", "k_proj", "down_proj"})
+    check_adapter_modules({"anything"}, None)  # unknown: vLLM's own load decides
+    with pytest.raises(ValueError, match=r"train.lora.target_modules.*\['down_proj'\].*train.lora.sync=merged"):
+        check_adapter_modules({"q_proj", "down_proj"}, {"q_proj"})

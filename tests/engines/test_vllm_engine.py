@@ -11,8 +11,15 @@ import time
 import pytest
 import torch
 
-from asyncflow.engines.base import GenerationRequest, InferenceEngine, SamplingParams, make_inference_engine
+from asyncflow.engines.base import (
+    GenerationRequest,
+    InferenceEngine,
+    LoRASettings,
+    SamplingParams,
+    make_inference_engine,
+)
 from asyncflow.engines.torch_inference import TorchInferenceEngine
+from asyncflow.engines.vllm_engine import check_adapter_modules
 from asyncflow.models.loading import ModelLoadError, load_model
 from asyncflow.models.logprobs import TrainSample, response_logprobs
 from asyncflow.weights import WeightSyncError, make_weight_sync
@@ -377,3 +384,100 @@ def test_the_openai_server_streams_vllms_tokens(engine, tiny_llama_path):
         assert "".join(c.text for c in mine) == choice.text
         assert [t for c in mine for t in c.token_ids] == choice.token_ids
         assert [lp for c in mine for lp in c.token_logprobs] == choice.token_logprobs
+
+
+# ---------------------------------------------------------------- LoRA adapter sync (train.lora.sync: adapter)
+LORA = LoRASettings(rank=4, alpha=8.0, target_modules="all-linear")
+
+
+@pytest.fixture(scope="module")
+def adapter_engine(tiny_llama_path):
+    """An engine under adapter sync with 3 adapter slots (`workflow.max_staleness` 2)."""
+    engine = make_inference_engine("vllm", model_path=str(tiny_llama_path), max_batch_size=9, seed=0, adapter=LORA,
+                                   adapter_slots=3)
+    yield engine
+    engine.shutdown()
+
+
+def random_adapter(model, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A LoRA adapter on every linear layer but the head, in peft's naming, and the merged weights it gives
+    (`W + alpha/r * B @ A`, computed here without peft)."""
+    g = torch.Generator().manual_seed(seed)
+    adapter, merged = {}, {k: v.clone() for k, v in model.state_dict().items()}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            a = 0.1 * torch.randn(LORA.rank, module.in_features, generator=g)
+            b = 0.1 * torch.randn(module.out_features, LORA.rank, generator=g)
+            adapter |= {f"base_model.model.{name}.lora_A.weight": a, f"base_model.model.{name}.lora_B.weight": b}
+            merged[f"{name}.weight"] = merged[f"{name}.weight"] + LORA.alpha / LORA.rank * b @ a
+    return adapter, merged
+
+
+def merged_model(tiny_llama_path, merged: dict[str, torch.Tensor]):
+    model = load_model(tiny_llama_path).eval()
+    model.load_state_dict(merged)
+    return model
+
+
+def test_adapter_sync_samples_as_the_merged_weights(adapter_engine, llama, tiny_llama_path):
+    """After each adapter-only update: greedy outputs equal the merged weights' (torch engine), and sampled
+    log-probs equal the trainer's recomputation on the merged weights (fp32 tolerance)."""
+    for version in (1, 2):
+        adapter, merged = random_adapter(llama, seed=version)
+        adapter_engine.update_weights(adapter, version)
+        model = merged_model(tiny_llama_path, merged)
+        requests = make_requests(8, seed=version)
+        got = run(adapter_engine, requests, temperature=0.0, max_new_tokens=16)
+        want = torch_greedy(model, requests, max_new_tokens=16)
+        assert {k: c.response_ids for k, c in got.items()} == {k: c.response_ids for k, c in want.items()}
+        assert {(c.weight_version, c.token_versions) for c in got.values()} == {(version, None)}
+        sampled = list(run(adapter_engine, make_requests(12, seed=3), temperature=1.0, max_new_tokens=16).values())
+        max_gap, mean_gap = logprob_gap(model, sampled, temperature=1.0)
+        assert max_gap < 1e-3 and mean_gap < 1e-4
+        base_gap, _ = logprob_gap(llama, sampled, temperature=1.0)
+        assert base_gap > 1e-2  # the adapter is applied: the base weights alone give other log-probs
+    assert adapter_engine.loaded_adapter_versions() == [2]  # version 1's adapter was unloaded
+
+
+def test_adapter_updates_in_flight_leave_each_request_on_its_version(adapter_engine, llama, tiny_llama_path):
+    """With `max_staleness` 2 (3 adapter slots), two updates land while requests run: a request started on v
+    finishes on v (every token labelled v, the output of v's merged weights), and each adapter is unloaded once
+    no request uses it."""
+    versions = {v: random_adapter(llama, seed=10 + v) for v in (3, 4, 5)}
+    adapter_engine.update_weights(versions[3][0], 3)
+    started: dict[int, int] = {}  # request id -> the engine's version when it was handed over
+    held_during: list[list[int]] = []
+
+    def requests():
+        for batch, version in enumerate((3, 4, 5)):
+            if version != 3:  # requests of the versions before are in flight (64 tokens each)
+                adapter_engine.update_weights(versions[version][0], version)
+                held_during.append(adapter_engine.loaded_adapter_versions())
+            for r in make_requests(3, seed=20 + batch):
+                r.request_id = 3 * batch + r.request_id
+                started[r.request_id] = adapter_engine.weight_version
+                yield r
+
+    got = run(adapter_engine, requests(), temperature=0.0, max_new_tokens=64)
+    assert held_during == [[3, 4], [3, 4, 5]]
+    assert sorted(got) == list(range(9))
+    for version in (3, 4, 5):
+        mine = {k: c for k, c in got.items() if started[k] == version}
+        assert mine and all(c.weight_version == version and c.token_versions is None for c in mine.values())
+        model = merged_model(tiny_llama_path, versions[version][1])
+        want = torch_greedy(model, [GenerationRequest(k, c.prompt_ids) for k, c in mine.items()], max_new_tokens=64)
+        assert {k: c.response_ids for k, c in mine.items()} == {k: c.response_ids for k, c in want.items()}
+    assert adapter_engine.loaded_adapter_versions() == [5]
+
+
+def test_adapter_sync_refuses_full_weights_and_unknown_modules(adapter_engine, llama, tiny_llama_path):
+    with pytest.raises(ValueError, match="train.lora.sync"):
+        adapter_engine.update_weights(llama.state_dict(), 9)
+    adapter, _ = random_adapter(llama, seed=1)
+    renamed = {k.replace("mlp.down_proj", "mlp.down_proj.unknown"): v for k, v in adapter.items()}
+    with pytest.raises(ValueError, match=r"train.lora.target_modules.*\['unknown'\].*train.lora.sync=merged"):
+        adapter_engine.update_weights(renamed, 9)
+    assert adapter_engine.weight_version != 9
+    # what an engine started with these target modules refuses, against the modules this vLLM's LoRA takes
+    with pytest.raises(ValueError, match=r"train.lora.target_modules.*\['rotary_emb'\]"):
+        check_adapter_modules(("q_proj", "rotary_emb"), adapter_engine._lora_modules)

@@ -1,7 +1,7 @@
 """Engine interfaces: what the workers need from an inference engine and a training engine.
 
 Owns: the `InferenceEngine` and `TrainEngine` protocols, the value types that cross them
-(`SamplingParams`, `GenerationRequest`, `Completion`), `Transcript` (completions and the tokens appended
+(`SamplingParams`, `GenerationRequest`, `Completion`, `LoRASettings`), `Transcript` (completions and the tokens appended
 between them, as a multi-turn row is trained), and the engine registry through which
 adapters (the built-in torch engines, vLLM, an OpenAI-compatible server ...) plug in.
 
@@ -52,6 +52,37 @@ class SamplingParams:
     top_k: int = 0
     max_new_tokens: int = 32
     stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class LoRASettings:
+    """A LoRA adapter's shape (`train.lora`): the training engine trains one; a rollout engine under adapter sync
+    applies one per weight version. Plain values (no peft import), so it travels to any process."""
+
+    rank: int
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] | str = ("q_proj", "k_proj", "v_proj", "o_proj")
+    """Module names (last component), or `all-linear`."""
+
+    def adapter_config(self, base_model_name_or_path: str | None = None) -> dict[str, Any]:
+        """The adapter's `adapter_config.json` in peft's format (what peft and vLLM read next to the tensors)."""
+        targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
+        return {
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.alpha,
+            "lora_dropout": self.dropout, "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "use_dora": False, "modules_to_save": None,
+            "base_model_name_or_path": base_model_name_or_path,
+        }  # fmt: skip
+
+
+def check_adapter_tensors(names: Iterable[str]) -> None:
+    """ValueError naming `train.lora.sync` unless every name is a LoRA adapter tensor's (`...lora_A.weight`): what
+    an engine under adapter sync takes per version."""
+    full = [name for name in names if ".lora_" not in name]
+    if full:
+        raise ValueError(f"train.lora.sync=adapter: the engine takes the LoRA adapter's tensors per version, got "
+                         f"other tensors ({full[:3]}); publish the adapter alone, or set train.lora.sync=merged")
 
 
 @dataclass

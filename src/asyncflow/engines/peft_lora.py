@@ -1,8 +1,10 @@
 """LoRA adapters through peft: the only module of asyncflow that imports peft.
 
-Owns: `LoRASettings`, wrapping a policy with adapters (`add_adapters`), the merged weights
-(`merged_state_dict`: base + alpha/r * B @ A under the base model's own parameter names, what a
-rollout engine loads), the adapter's own tensors (`adapter_state_dict`, `load_adapter_state_dict`), and
+Owns: peft's config of `LoRASettings` (`peft_config`; the settings are `asyncflow.engines.base`'s), wrapping
+a policy with adapters (`add_adapters`), the merged weights (`merged_state_dict`: base + alpha/r * B @ A under
+the base model's own parameter names, what a rollout engine loads under `train.lora.sync: merged`), the
+adapter's own tensors (`adapter_state_dict`, `load_adapter_state_dict`; under `adapter` what a rollout engine
+takes, the built-in engine wrapping its base model here too and copying them in with `copy_adapter`), and
 writing an adapter folder in peft format (`save_adapter`).
 
 Invariants:
@@ -18,7 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -26,27 +28,24 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
 
+from asyncflow.engines.base import LoRASettings  # where callers of this module also find it
+
 ADAPTER = "default"  # peft's adapter name; a policy carries one adapter
 LoRAWrapper = PeftModel
 """peft's wrapper of a model with adapters (what `add_adapters` returns), named here so that callers type it
 without importing peft."""
 
 
-@dataclass(frozen=True)
-class LoRASettings:
-    rank: int
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] | str = ("q_proj", "k_proj", "v_proj", "o_proj")
 
-    def peft_config(self, base_model_name_or_path: str | None = None) -> LoraConfig:
-        targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
-        # peft annotates lora_alpha as int; it is a scale (alpha / r) and takes any number
-        return LoraConfig(
-            r=self.rank, lora_alpha=self.alpha,  # type: ignore[arg-type]
-            lora_dropout=self.dropout, target_modules=targets,
-            task_type="CAUSAL_LM", base_model_name_or_path=base_model_name_or_path,
-        )  # fmt: skip
+def peft_config(settings: LoRASettings, base_model_name_or_path: str | None = None) -> LoraConfig:
+    """peft's `LoraConfig` of `settings`."""
+    targets = settings.target_modules if isinstance(settings.target_modules, str) else list(settings.target_modules)
+    # peft annotates lora_alpha as int; it is a scale (alpha / r) and takes any number
+    return LoraConfig(
+        r=settings.rank, lora_alpha=settings.alpha,  # type: ignore[arg-type]
+        lora_dropout=settings.dropout, target_modules=targets,
+        task_type="CAUSAL_LM", base_model_name_or_path=base_model_name_or_path,
+    )  # fmt: skip
 
 
 def add_adapters(model: torch.nn.Module, settings: LoRASettings) -> PeftModel:
@@ -57,7 +56,7 @@ def add_adapters(model: torch.nn.Module, settings: LoRASettings) -> PeftModel:
     try:
         with warnings.catch_warnings():  # peft asks transformers 5 about gradient checkpointing the old way
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-            return get_peft_model(model, settings.peft_config())
+            return get_peft_model(model, peft_config(settings))
     except ValueError as err:
         raise ValueError(f"train.lora.target_modules={settings.target_modules!r}: {err}") from None
 
@@ -95,6 +94,32 @@ def load_adapter_state_dict(wrapper: PeftModel, tensors: dict[str, torch.Tensor]
                          f"unexpected {list(result.unexpected_keys)[:3]}")
 
 
+def adapter_parameters(wrapper: PeftModel) -> dict[str, torch.Tensor]:
+    """The adapter's parameters themselves under the names `adapter_state_dict` gives them (A/B of every LoRA layer)."""
+    # module paths in the wrapper are `base_model.model.<path in the model>`, as in the saved names
+    return {f"{name}.{part}.weight": cast(torch.Tensor, getattr(layer, part)[ADAPTER].weight)
+            for name, layer in lora_layers(wrapper).items() for part in ("lora_A", "lora_B")}
+
+
+def match_adapter(parameters: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:
+    """ValueError unless `tensors` (`adapter_state_dict` output) has exactly the names and shapes of `parameters`."""
+    if tensors.keys() != parameters.keys():
+        missing, unexpected = sorted(parameters.keys() - tensors.keys()), sorted(tensors.keys() - parameters.keys())
+        raise ValueError(f"adapter tensors do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    for name, parameter in parameters.items():
+        if tensors[name].shape != parameter.shape:
+            raise ValueError(f"adapter tensor {name}: shape {tuple(tensors[name].shape)}, the model's is "
+                             f"{tuple(parameter.shape)} (train.lora.rank or target_modules differ)")
+
+
+@torch.no_grad()
+def copy_adapter(parameters: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy `tensors` (checked by `match_adapter`) into `parameters` (`adapter_parameters`) in place: one copy per
+    tensor, no walk over the model (what a rollout engine does per version)."""
+    for name, parameter in parameters.items():
+        parameter.copy_(tensors[name])
+
+
 @torch.no_grad()
 def reset_adapters(model: torch.nn.Module) -> None:
     """Zero every B matrix: the adapted model then computes exactly its base weights."""
@@ -107,5 +132,5 @@ def save_adapter(out: Path, settings: LoRASettings, tensors: dict[str, torch.Ten
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    settings.peft_config(base_model_name_or_path=base_model).save_pretrained(str(out))
+    peft_config(settings, base_model_name_or_path=base_model).save_pretrained(str(out))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))

@@ -38,6 +38,11 @@ Invariants:
   right after each of its tokens is sampled (prefill and decode steps alike), before that token can finish
   the sample, so the token that ends it is delivered too and its `Completion` comes after every call; a
   recomputation after a weight update samples nothing, so nothing is delivered twice.
+- LoRA adapter sync (`adapter=` settings, `train.lora.sync: adapter`): the engine loads the base weights once and
+  wraps the same target modules with the same LoRA layers as the trainer (`asyncflow.engines.peft_lora`: frozen
+  base, `y = base(x) + alpha/r * B(A(x))`); `update_weights` then takes the adapter's tensors only (peft's naming,
+  `adapter_state_dict`) and copies them into the A/B matrices, with the same in-flight semantics as full weights.
+  The outputs equal those of the merged weights up to float rounding.
 - One `torch.Generator` seeded with `seed` drives all sampling: the same seed, requests (in the
   same order) and `max_batch_size` give identical completions.
 """
@@ -57,7 +62,9 @@ from asyncflow.engines.base import (
     Completion,
     GenerationRequest,
     InferenceEngineBase,
+    LoRASettings,
     SamplingParams,
+    check_adapter_tensors,
     register_inference_engine,
 )
 from asyncflow.models.hf import causal_lm
@@ -240,7 +247,9 @@ class TorchInferenceEngine(InferenceEngineBase):
         device: str | torch.device = "cpu",
         seed: int = 0,
         weight_version: int = 0,
+        adapter: LoRASettings | None = None,
     ) -> None:
+        """`adapter`: LoRA adapter sync (module docstring); `model` is then the base model, wrapped in place."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         config = causal_lm(model).config
@@ -253,6 +262,13 @@ class TorchInferenceEngine(InferenceEngineBase):
                 f"{sorted(layer_types)}"
             )
         self.device = torch.device(device)
+        self.adapter = adapter
+        self._adapter_parameters: dict[str, torch.Tensor] | None = None  # A/B under peft's names (adapter sync)
+        if adapter is not None:
+            from asyncflow.engines.peft_lora import adapter_parameters, add_adapters  # peft only when asked for
+
+            self._adapter_parameters = adapter_parameters(add_adapters(model, adapter))
+            model.requires_grad_(False)
         self.model = model.to(self.device).eval()
         self.max_batch_size = max_batch_size
         self.weight_version = weight_version
@@ -266,9 +282,15 @@ class TorchInferenceEngine(InferenceEngineBase):
 
     # ---------------------------------------------------------------- public API
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load `state_dict` into the model in place (strict); tokens sampled afterwards carry `version`.
+        """Load `state_dict` into the model in place (strict; under adapter sync the adapter's tensors, every one
+        of them); tokens sampled afterwards carry `version`.
         Thread-safe. While a `generate` runs it only hands the weights over: the generating thread applies
         them at its next step (a newer call replaces a pending one); otherwise they are loaded at once."""
+        if self._adapter_parameters is not None:  # checked here, not on the generating thread that may load them
+            from asyncflow.engines.peft_lora import match_adapter
+
+            check_adapter_tensors(state_dict)
+            match_adapter(self._adapter_parameters, state_dict)
         with self._lock:
             if self._open_generations:
                 self._pending = (state_dict, version)
@@ -276,7 +298,12 @@ class TorchInferenceEngine(InferenceEngineBase):
             self._load(state_dict, version)
 
     def _load(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        self.model.load_state_dict(state_dict)
+        if self._adapter_parameters is not None:
+            from asyncflow.engines.peft_lora import copy_adapter
+
+            copy_adapter(self._adapter_parameters, state_dict)
+        else:
+            self.model.load_state_dict(state_dict)
         self.weight_version = version
 
     def _take_pending(self) -> bool:

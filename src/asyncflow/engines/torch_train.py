@@ -7,7 +7,8 @@ and the state that checkpoints save. Every micro-batch goes through the tri-mode
 old policy taken as the policy itself (one update per step), packed by shared prompt according
 to `packing` (`auto`: the rule `should_pack`; `on`; `off`). With `lora` (`asyncflow.engines.peft_lora`)
 the policy gets adapters and only they are optimized; `state_dict` is then the merged weights under
-the base model's names (what rollout engines and checkpoints' `model.safetensors` take) and
+the base model's names (what checkpoints' `model.safetensors` and rollout engines under `train.lora.sync: merged`
+take), `adapter_weights` the adapter alone (what rollout engines take under `train.lora.sync: adapter`), and
 `training_state` carries the adapter, so `load_checkpoint` restores it onto the frozen base.
 `precision="bf16"` runs the forward and backward under bfloat16 autocast (`compute_precision`) while the
 parameters, gradients and AdamW state stay float32; `activation_checkpointing` recomputes each decoder
@@ -46,7 +47,8 @@ from asyncflow.models.tri_model import Packing, make_reference, tri_model_logpro
 from asyncflow.models.value import CriticSpec, attach_critic, critic_parameters, is_critic_key, policy_weights
 
 if TYPE_CHECKING:
-    from asyncflow.engines.peft_lora import LoRASettings, LoRAWrapper
+    from asyncflow.engines.base import LoRASettings
+    from asyncflow.engines.peft_lora import LoRAWrapper
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
@@ -233,6 +235,15 @@ class TorchTrainEngine(TrainEngineBase):
 
             return policy_weights(merged_state_dict(self.model))
         return policy_weights({k: v.detach() for k, v in self.model.state_dict().items()})
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter's tensors alone (peft's names): what a weight version carries under
+        `train.lora.sync: adapter`. ValueError without LoRA."""
+        if self.adapted is None:
+            raise ValueError("adapter weights need LoRA (train.lora.rank > 0)")
+        from asyncflow.engines.peft_lora import adapter_state_dict
+
+        return adapter_state_dict(self.adapted)
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load full policy weights. Under LoRA they become the base and the adapter starts again from B = 0

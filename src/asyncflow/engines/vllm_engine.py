@@ -17,6 +17,13 @@ New weights reach vLLM's workers one of two ways (`weight_transfer`, config `rol
   workers feed to `reload_weights` as each arrives. No file on the way.
 - `file` (default): one safetensors file in /dev/shm (named after this process, so a crash leaks it only until
   the next start) that the worker extension loads in place.
+Under LoRA adapter sync (`adapter=` settings, `train.lora.sync: adapter`) vLLM keeps the base weights it started
+with and `update_weights` takes the adapter's tensors alone (peft's naming): each version becomes a peft adapter
+folder and one vLLM LoRA adapter (`add_lora`, its own id and name), loaded without pausing generation. A request
+runs with the adapter that was newest when it was submitted, to its end; a version's adapter is unloaded (and
+its folder removed) once it is neither the newest nor used by a request in flight. `adapter_slots` (vLLM's
+`max_loras`) adapters run in one batch: `workflow.max_staleness` + 1 covers every version a partition's requests
+can hold.
 
 Invariants:
 - Importing this module does not import vLLM; the engine imports it when it is made, and a missing vLLM is
@@ -60,6 +67,7 @@ import threading
 import time
 import weakref
 from collections.abc import Awaitable, Coroutine, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -69,8 +77,10 @@ from asyncflow.engines.base import (
     Completion,
     GenerationRequest,
     InferenceEngineBase,
+    LoRASettings,
     SamplingParams,
     TokenCallback,
+    check_adapter_tensors,
     register_inference_engine,
 )
 from asyncflow.engines.torch_inference import check_prompt, check_sampling_params
@@ -92,6 +102,8 @@ SHUTDOWN_TIMEOUT_S = 60.0
 WEIGHT_TRANSFERS = ("collective", "file")
 WEIGHT_GROUP_HOST = "127.0.0.1"  # vLLM's workers run on this host (the engine's own processes)
 MAX_CPU_KV_CACHE_BYTES = 2**30  # vLLM's CPU backend would otherwise size its KV cache from 90% of the RAM
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's `max_lora_rank` takes
+ADAPTER_SYNC = "train.lora.sync=adapter"
 _LIVE_ENGINES: weakref.WeakSet[VLLMInferenceEngine] = weakref.WeakSet()
 _T = TypeVar("_T")
 Finished = queue.Queue[tuple[str, Any]]  # (request key, vLLM's final output or the error that ended it)
@@ -167,6 +179,42 @@ def cpu_kv_cache_bytes(folder: Path, max_batch_size: int, max_model_len: int | N
     return max(min(per_token * element * length * max_batch_size, MAX_CPU_KV_CACHE_BYTES), 16 * 2**20)
 
 
+def vllm_lora_rank(rank: int) -> int:
+    """vLLM's `max_lora_rank` for an adapter of `rank`: the smallest value it takes that is not below it."""
+    fitting = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fitting:
+        raise ValueError(f"train.lora.rank={rank}: vLLM's LoRA takes ranks up to {VLLM_LORA_RANKS[-1]} "
+                         f"({ADAPTER_SYNC}); set train.lora.sync=merged")
+    return fitting[0]
+
+
+def adapter_modules(tensors: Iterable[str]) -> set[str]:
+    """The module names (last component) that adapter tensors in peft's naming (`...q_proj.lora_A.weight`) adapt."""
+    return {name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors}
+
+
+def check_adapter_modules(modules: Iterable[str], supported: set[str] | None) -> None:
+    """ValueError naming `train.lora.target_modules` when vLLM's LoRA cannot take one of `modules` on this model
+    (`supported`: what it takes; None: unknown, vLLM's own load decides)."""
+    unsupported = sorted(set(modules) - supported) if supported is not None else []
+    if unsupported:
+        raise ValueError(
+            f"train.lora.target_modules: vLLM's LoRA cannot take {unsupported} on this model (it takes "
+            f"{sorted(supported or ())}), so {ADAPTER_SYNC} cannot serve this adapter; set train.lora.sync=merged "
+            "(rollout engines then receive the merged weights) or choose other target modules"
+        )
+
+
+@dataclass
+class _Adapter:
+    """One weight version's adapter as vLLM holds it."""
+
+    version: int
+    request: Any  # vLLM's LoRARequest
+    folder: str
+    users: int = 0  # requests in flight that run with it
+
+
 class _LoopThread:
     """An asyncio event loop on a daemon thread; coroutines are run on it from other threads."""
 
@@ -212,11 +260,14 @@ class VLLMInferenceEngine(InferenceEngineBase):
         owned_dir: str | Path | None = None,
         weight_transfer: str = "file",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        adapter: LoRASettings | None = None,
+        adapter_slots: int = 2,
         **engine_args: Any,
     ) -> None:
         """`engine_args` go to vLLM's `AsyncEngineArgs` and override the defaults below; `owned_dir` is removed
         at `shutdown` (the folder a factory wrote a model into); `weight_transfer`: how `update_weights` reaches
-        the workers (module docstring), `bucket_bytes` the collective path's bucket size."""
+        the workers (module docstring), `bucket_bytes` the collective path's bucket size; `adapter`: LoRA adapter
+        sync with `adapter_slots` adapters per batch (module docstring)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if weight_transfer not in WEIGHT_TRANSFERS:
@@ -246,6 +297,20 @@ class VLLMInferenceEngine(InferenceEngineBase):
             worker_extension_cls=WORKER_EXTENSION, enforce_eager=current_platform.is_cpu(),
             disable_log_stats=True,
         )
+        self.adapter = adapter
+        self._adapters: dict[int, _Adapter] = {}  # version -> its loaded adapter, while newest or in use
+        self._newest: _Adapter | None = None  # the adapter new requests run with (None: the base weights)
+        self._adapter_of: dict[str, _Adapter] = {}  # request key -> the adapter it runs with
+        self._adapter_lock = threading.Lock()  # guards the three above
+        self._adapter_dir: str | None = None
+        self._lora_ids = itertools.count(1)  # vLLM's adapter ids: unique per engine, from 1
+        self._lora_modules: set[str] | None = None  # the modules vLLM's LoRA takes on this model (None: unknown)
+        if adapter is not None:
+            if adapter_slots < 1:
+                raise ValueError(f"adapter_slots must be >= 1, got {adapter_slots}")
+            args.update(enable_lora=True, max_lora_rank=vllm_lora_rank(adapter.rank), max_loras=adapter_slots,
+                        max_cpu_loras=adapter_slots)
+            self._adapter_dir = tempfile.mkdtemp(prefix="asyncflow-vllm-lora-")
         if current_platform.is_cpu() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             args["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(model_dir, max_batch_size, max_model_len, dtype)
         args.update(engine_args)
@@ -260,7 +325,14 @@ class VLLMInferenceEngine(InferenceEngineBase):
             )
             self.pretruncation_logprobs = all(hooked)
             self._loop.run(self._label(weight_version), call_timeout_s, "weight version label")
-            if weight_transfer == "collective":
+            if adapter is not None:
+                modules = self._loop.run(
+                    self._llm.collective_rpc("asyncflow_lora_modules"), call_timeout_s, "LoRA module query"
+                )[0]
+                self._lora_modules = None if modules is None else set(modules)
+                if not isinstance(adapter.target_modules, str):  # `all-linear`: checked on the tensors
+                    check_adapter_modules(adapter.target_modules, self._lora_modules)
+            elif weight_transfer == "collective":
                 self._join_weight_group()
         except BaseException:
             self.shutdown()
@@ -349,9 +421,10 @@ class VLLMInferenceEngine(InferenceEngineBase):
                         f"vLLM finished none of {len(in_flight)} requests in flight within {self.call_timeout_s:.0f} s"
                     ) from None
                 done = in_flight.pop(key)
+                version = self._release_adapter(key)
                 if isinstance(output, BaseException):
                     raise RuntimeError(f"vLLM failed on request {done.request_id!r}: {output!r}") from output
-                yield self._completion(done, output)
+                yield self._completion(done, output, version)
         finally:
             if in_flight and self._llm is not None:  # the caller stopped early, or a request failed
                 future = self._loop.submit(self._llm.abort(list(in_flight)))
@@ -359,21 +432,33 @@ class VLLMInferenceEngine(InferenceEngineBase):
                     future.result(self.call_timeout_s)
                 except Exception:  # noqa: BLE001 - best effort; the engine may be what failed
                     pass
+            for key in in_flight:
+                self._release_adapter(key)
 
     def _submit(self, request: GenerationRequest, params: SamplingParams, finished: Finished) -> str:
         self._checked(request)
         sampling = self.vllm_sampling_params(request.params or params, streamed=request.on_tokens is not None)
         key = f"{self._id_prefix}{next(self._ids)}"
-        self._loop.submit(self._run_one(key, request.prompt_ids, sampling, finished, request.on_tokens))
+        lora = None
+        if self.adapter is not None:
+            with self._adapter_lock:
+                adapter = self._newest
+                if adapter is not None:
+                    adapter.users += 1
+                    self._adapter_of[key] = adapter
+                    lora = adapter.request
+        self._loop.submit(self._run_one(key, request.prompt_ids, sampling, finished, request.on_tokens, lora))
         return key
 
     async def _run_one(
-        self, key: str, prompt_ids: list[int], sampling: Any, finished: Finished, on_tokens: TokenCallback | None
+        self, key: str, prompt_ids: list[int], sampling: Any, finished: Finished, on_tokens: TokenCallback | None,
+        lora: Any = None,
     ) -> None:
         final: Any = None  # vLLM's last RequestOutput
         delivered = 0
         try:
-            async for output in self._llm.generate({"prompt_token_ids": prompt_ids}, sampling, request_id=key):
+            prompt = {"prompt_token_ids": prompt_ids}
+            async for output in self._llm.generate(prompt, sampling, request_id=key, lora_request=lora):
                 final = output
                 if on_tokens is not None:
                     sample = output.outputs[0]
@@ -387,11 +472,15 @@ class VLLMInferenceEngine(InferenceEngineBase):
             return
         finished.put((key, final.outputs[0]))
 
-    def _completion(self, request: GenerationRequest, output: Any) -> Completion:
+    def _completion(self, request: GenerationRequest, output: Any, adapter_version: int | None) -> Completion:
+        """`adapter_version`: the version of the adapter the request ran with (under adapter sync), which sampled
+        every token; otherwise vLLM's per-token labels say."""
         response_ids = list(output.token_ids)
         logprobs = [output.logprobs[i][token].logprob for i, token in enumerate(response_ids)]
         spans = output.weight_versions or []
-        if len(spans) > 1:
+        if adapter_version is not None:
+            token_versions, version = None, adapter_version
+        elif len(spans) > 1:
             token_versions = [int(span.version) for span in spans for _ in range(span.start, span.end)]
             version = token_versions[-1]
         else:
@@ -408,7 +497,11 @@ class VLLMInferenceEngine(InferenceEngineBase):
     # ---------------------------------------------------------------- weights
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load `state_dict` (Hugging Face names) in place; tokens sampled afterwards carry `version`. Safe to call
-        from another thread while `generate` runs: in-flight samples continue on the new weights."""
+        from another thread while `generate` runs: in-flight samples continue on the new weights. Under adapter sync
+        `state_dict` is the adapter's tensors (module docstring)."""
+        if self.adapter is not None:
+            self._update_adapter(state_dict, version)
+            return
         if self.weight_transfer == "collective":
             with self._update_lock:
                 if self._weight_group is None or self._weight_group.broken:
@@ -430,6 +523,69 @@ class VLLMInferenceEngine(InferenceEngineBase):
         finally:
             if os.path.exists(path):
                 os.unlink(path)
+
+    def _update_adapter(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Write `tensors` as a peft adapter folder, load it into vLLM as `version`'s adapter and make it the one new
+        requests run with; unload the adapters nothing uses any more."""
+        assert self.adapter is not None and self._adapter_dir is not None  # adapter sync
+        check_adapter_tensors(tensors)
+        check_adapter_modules(adapter_modules(tensors), self._lora_modules)
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        with self._update_lock:
+            lora_id = next(self._lora_ids)
+            folder = os.path.join(self._adapter_dir, f"v{version}-{lora_id}")
+            os.makedirs(folder)
+            with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+                json.dump(self.adapter.adapter_config(), f)
+            save_file(distinct_tensors(tensors), os.path.join(folder, "adapter_model.safetensors"))
+            request = LoRARequest(lora_name=f"asyncflow-v{version}-{lora_id}", lora_int_id=lora_id, lora_path=folder)
+            try:
+                what = f"LoRA adapter load of version {version}"
+                self._loop.run(self._llm.add_lora(request), self.call_timeout_s, what)
+            except Exception as err:
+                shutil.rmtree(folder, ignore_errors=True)
+                if isinstance(err, TimeoutError):
+                    raise
+                raise RuntimeError(f"{ADAPTER_SYNC}: vLLM could not load the adapter of version {version}: {err} "
+                                   "(train.lora.sync=merged sends merged weights instead)") from err
+            with self._adapter_lock:
+                self._newest = self._adapters[version] = _Adapter(version, request, folder)
+                self.weight_version = version
+                unused = [a for a in self._adapters.values() if a is not self._newest and not a.users]
+            for old in unused:
+                self._unload(old)
+
+    def _release_adapter(self, key: str) -> int | None:
+        """A request ended: its adapter has one user fewer (unloaded once unused and not the newest); -> that
+        adapter's version (None: the request ran without one)."""
+        with self._adapter_lock:
+            adapter = self._adapter_of.pop(key, None)
+            if adapter is None:
+                return None
+            adapter.users -= 1
+            stale = not adapter.users and adapter is not self._newest
+        if stale:
+            self._unload(adapter)
+        return adapter.version
+
+    def _unload(self, adapter: _Adapter) -> None:
+        with self._adapter_lock:
+            if self._adapters.get(adapter.version) is not adapter:
+                return  # another thread unloads it
+            del self._adapters[adapter.version]
+        try:
+            self._loop.run(self._llm.remove_lora(adapter.request.lora_int_id), self.call_timeout_s,
+                           f"LoRA adapter unload of version {adapter.version}")
+        finally:
+            shutil.rmtree(adapter.folder, ignore_errors=True)
+
+    def loaded_adapter_versions(self) -> list[int]:
+        """The versions whose adapters vLLM holds now (adapter sync), oldest first."""
+        ids = set(self._loop.run(self._llm.list_loras(), self.call_timeout_s, "LoRA adapter list"))
+        with self._adapter_lock:
+            return sorted(a.version for a in self._adapters.values() if a.request.lora_int_id in ids)
 
     def _join_weight_group(self) -> None:
         """Make the weight group: a store here, every vLLM worker joins through `collective_rpc` while this
@@ -523,6 +679,10 @@ class VLLMInferenceEngine(InferenceEngineBase):
 
             self._loop.run(stop(), SHUTDOWN_TIMEOUT_S, "shutdown")
         self._loop.close()
+        adapter_dir: str | None = getattr(self, "_adapter_dir", None)
+        if adapter_dir is not None:
+            shutil.rmtree(adapter_dir, ignore_errors=True)
+            self._adapter_dir = None
         if self._owned_dir is not None:
             shutil.rmtree(self._owned_dir, ignore_errors=True)
             self._owned_dir = None

@@ -82,6 +82,17 @@ class WeightSyncExtension:
                 pass
         return loaded
 
+    def asyncflow_lora_modules(self) -> list[str] | None:
+        """The module names (last component, as peft names them: `q_proj`, not vLLM's packed `qkv_proj`) that vLLM's
+        LoRA takes on this model, as its adapter loader expects them; None when LoRA is off or the loader is not
+        laid out as expected."""
+        manager = getattr(getattr(getattr(self, "model_runner", None), "lora_manager", None), "_adapter_manager", None)
+        supported = getattr(manager, "supported_lora_modules", None)
+        packed = getattr(manager, "packed_modules_mapping", None)
+        if supported is None or packed is None:
+            return None
+        return sorted({name for module in supported for name in packed.get(module, [module])})
+
     def asyncflow_pretruncation_logprobs(self) -> bool:
         """Make the sampler report log softmax(logits / T) *before* top-k/top-p truncation (the definition of
         `Completion.logprobs`); vLLM's `processed_logprobs` mode takes them after truncation. Returns False when

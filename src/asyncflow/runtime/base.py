@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from asyncflow.engines.base import SamplingParams, make_inference_engine
+from asyncflow.engines.base import LoRASettings, SamplingParams, make_inference_engine
 from asyncflow.models.loading import load_tokenizer
 from asyncflow.observe import Timeline
 from asyncflow.runtime.cores import CoreLending
@@ -52,6 +52,11 @@ class RolloutSpec:
     """With `agent.fn`: the `AgentRolloutWorker` options."""
     make_scorer: Callable[[], RewardWorker] | None = None
     """Builds a reward worker in the replica's process (Ray replicas score their own rows)."""
+    adapter: LoRASettings | None = None
+    """LoRA adapter sync (`train.lora.sync: adapter`): the engine loads the base weights once and takes the
+    adapter's tensors per version (`adapter=` of the torch and vLLM engines)."""
+    adapter_slots: int = 2
+    """Adapters a vLLM engine runs in one batch under adapter sync: `workflow.max_staleness` + 1."""
 
     @property
     def scores_rows(self) -> bool:
@@ -73,9 +78,14 @@ def build_rollout_worker(spec: RolloutSpec, scorer: RewardWorker | None, *, poli
 
         engine = TorchInferenceEngine(policy, max_batch_size=spec.max_batch_size, device=spec.device, seed=spec.seed)
     else:
+        options = dict(spec.engine_options)
+        if spec.adapter is not None:
+            options["adapter"] = spec.adapter
+            if spec.engine == "vllm":
+                options.setdefault("adapter_slots", spec.adapter_slots)
         engine = make_inference_engine(
             spec.engine, model_path=spec.model_path, dtype=spec.dtype, device=spec.device,
-            max_batch_size=spec.max_batch_size, seed=spec.seed, **spec.engine_options,
+            max_batch_size=spec.max_batch_size, seed=spec.seed, **options,
         )
     tokenizer = load_tokenizer(spec.model_path) if spec.scores_rows else None
     if spec.agent is not None:

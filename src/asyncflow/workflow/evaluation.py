@@ -62,8 +62,9 @@ def evaluate(
 
 def evaluation_spec(spec: RolloutSpec, params: SamplingParams) -> RolloutSpec:
     """An evaluation engine built as `spec`'s replicas are: greedy `params`, one sample per prompt, no agent
-    (an agent's episodes are not evaluated; an environment's are, on the engine)."""
-    return replace(spec, params=params, group_size=1, agent=None)
+    (an agent's episodes are not evaluated; an environment's are, on the engine), loading full weights (a
+    checkpoint's, the merged ones under LoRA) rather than adapters."""
+    return replace(spec, params=params, group_size=1, agent=None, adapter=None)
 
 
 def evaluate_model(config, model: str | Path, test: list[Example]) -> dict[str, float]:

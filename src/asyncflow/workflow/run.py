@@ -47,10 +47,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from asyncflow.algos.correction import CORRECTION_COUNTS
 from asyncflow.config import Config
 from asyncflow.engines.base import ShardedCheckpointing, make_train_engine
+from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.models.loading import load_tokenizer, resolve_model_path
 from asyncflow.observe import MetricsLogger, Timeline, TrainProgress, plot_metrics
 from asyncflow.observe.live import LiveMetrics, Watchdog
@@ -161,11 +163,14 @@ class RLRun:
             if config.rollout.on_weight_update == "resume" and self.runtime.local_rollout is not None:
                 check_updates_in_flight(self.runtime.local_rollout.engine)
             self.resume_state = self._resume(plan.checkpoint) if plan.checkpoint is not None else None
+            policy_weights, weights_to_publish = self.train_engine.state_dict, self.train_engine.weight_stream
+            if self.spec.adapter is not None:  # LoRA adapter sync: a version is the adapter alone
+                policy_weights = weights_to_publish = cast(TorchTrainEngine, self.train_engine).adapter_weights
             self.workflow = PipelineWorkflow(
                 config, runtime=self.runtime, trainer=self.trainer, prompts=self.prompts,
-                policy_weights=self.train_engine.state_dict, rewards=self.rewards, timeline=self.timeline,
+                policy_weights=policy_weights, rewards=self.rewards, timeline=self.timeline,
                 scores_rows=self.spec.scores_rows, stages=stage_workers(config),
-                weights_to_publish=self.train_engine.weight_stream,
+                weights_to_publish=weights_to_publish,
             )
         except BaseException:
             self.close()

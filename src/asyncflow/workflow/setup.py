@@ -48,7 +48,7 @@ from asyncflow.workers.stage import StageWorker
 from asyncflow.workflow.kinds import environment_kind, reward_kind
 
 if TYPE_CHECKING:
-    from asyncflow.engines.peft_lora import LoRASettings
+    from asyncflow.engines.base import LoRASettings
 
 
 def seed_everything(seed: int) -> None:
@@ -84,7 +84,18 @@ def rollout_spec(config: Config, model_path, tokenizer) -> RolloutSpec:
         group_size=r.group_size, seed=config.run.seed, on_weight_update=r.on_weight_update,
         multiturn=multiturn_spec(config), agent=agent_options(config, model_path, tokenizer),
         make_scorer=partial(make_reward_worker, config),
+        **adapter_sync(config),
     )
+
+
+def adapter_sync(config: Config) -> dict:
+    """The `RolloutSpec` fields of LoRA adapter sync (`train.lora.sync: adapter`; {} otherwise)."""
+    if config.train.lora.sync != "adapter":
+        return {}
+    lora = lora_settings(config)
+    if lora is None:
+        return {}
+    return {"adapter": lora, "adapter_slots": config.workflow.max_staleness + 1}
 
 
 def row_columns(spec: RolloutSpec) -> list[str]:
@@ -121,11 +132,11 @@ def stage_workers(config: Config) -> list[StageWorker]:
 
 
 def lora_settings(config: Config) -> LoRASettings | None:
-    """The LoRA settings of `config.train.lora`, or None when `rank` is 0 (peft is imported only otherwise)."""
+    """The LoRA settings of `config.train.lora`, or None when `rank` is 0."""
     lora = config.train.lora
     if lora.rank == 0:
         return None
-    from asyncflow.engines.peft_lora import LoRASettings
+    from asyncflow.engines.base import LoRASettings
 
     targets = lora.target_modules if isinstance(lora.target_modules, str) else tuple(lora.target_modules)
     return LoRASettings(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=targets)
