@@ -19,6 +19,10 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
+            item.add_marker(pytest.mark.xdist_group("ray"))  # `-n 2 --dist loadgroup`: one worker holds the cluster
+    # The tests of a Ray that asyncflow itself starts and shuts down (`no_ray_running`) run before the session's
+    # cluster is up: once it is, they cannot start their own.
+    items.sort(key=lambda item: "no_ray_running" not in getattr(item, "fixturenames", ()))
 
 
 @pytest.fixture(scope="session")
