@@ -50,7 +50,7 @@ class Cluster:
         self.tmp = tmp
         self.temp_dir = tempfile.mkdtemp(prefix="af-ray-")  # short: Ray's socket paths live under it
 
-    def start(self, name: str, resources: dict[str, float], head: bool = False, wait: bool = True) -> None:
+    def start(self, name: str, resources: dict[str, float], head: bool = False) -> None:
         where = [f"--address={self.address}"]
         if head:  # its own temp dir: `ray.init()` elsewhere on this machine must not find this cluster
             where = ["--head", f"--port={self.port}", "--include-dashboard=false", f"--temp-dir={self.temp_dir}"]
@@ -59,12 +59,8 @@ class Cluster:
             [RAY, "start", *where, "--num-cpus=1", f"--resources={json.dumps(resources)}", "--disable-usage-stats",
              "--block"], env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
-        if wait:
-            self.wait_until_all_joined(f"node {name}")
-
-    def wait_until_all_joined(self, what: str) -> None:
         running = sum(process.poll() is None for process in self.nodes.values())
-        self.wait_for(lambda nodes: sum(n["Alive"] for n in nodes) == running, what)
+        self.wait_for(lambda nodes: sum(n["Alive"] for n in nodes) == running, f"node {name}")
 
     def query(self, code: str):
         """Run `code` (it prints JSON) in a client process of the cluster; its output."""
@@ -106,9 +102,8 @@ def cluster(tmp_path):
     cluster = Cluster(tmp_path)
     try:
         cluster.start("head", {"trainer_node": 1}, head=True)
-        cluster.start("rollout", {"rollout_node": 1}, wait=False)  # the two join side by side
-        cluster.start("trainer", {"trainer_node": 1}, wait=False)
-        cluster.wait_until_all_joined("the rollout and trainer nodes")
+        cluster.start("rollout", {"rollout_node": 1})
+        cluster.start("trainer", {"trainer_node": 1})
         yield cluster
     finally:
         cluster.stop()
