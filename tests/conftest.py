@@ -1,7 +1,8 @@
 """Shared fixtures: tiny preset models built once per session into a temporary cache, and one local Ray
 cluster for the whole session.
 
-Markers (pyproject): `ray` (needs a Ray cluster; set on every test that uses `ray_cluster`), `slow` (over
+Markers (pyproject): `ray` (needs a Ray cluster; set on every test that uses `ray_cluster`, and by hand on a test
+that starts one of its own: the quick tier, `-m "not slow and not ray"`, starts no Ray), `slow` (over
 ~10 s on a 2-core CPU), `gpu` (needs CUDA; left out of the default run). The tests mirror the package
 layout, so one layer runs alone in seconds: `pytest tests/algos`, `pytest -m "not slow and not ray"`.
 """
@@ -15,10 +16,16 @@ TESTS = Path(__file__).resolve().parent
 SRC = TESTS.parent / "src"
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
+    xdist = config.pluginmanager.hasplugin("xdist")
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
+            if xdist:  # `-n 2 --dist loadgroup`: one worker holds the session's cluster and runs every test on it
+                item.add_marker(pytest.mark.xdist_group("ray"))
+    # The tests of a Ray that asyncflow itself starts and shuts down (`no_ray_running`) run before the session's
+    # cluster is up: once it is, they cannot start their own.
+    items.sort(key=lambda item: "no_ray_running" not in getattr(item, "fixturenames", ()))
 
 
 @pytest.fixture(scope="session")

@@ -69,7 +69,7 @@ def test_python_tool_runs_code_and_wall_clock_timeout_kills_it(toolbox):
     sleepy = ToolBox(timeout_s=0.5, limits=SandboxLimits(timeout_s=0.5, cpu_s=5))
     t0 = time.monotonic()
     result = sleepy.call("python", {"code": "import time\ntime.sleep(30)"})
-    assert result.timeout and result.error and time.monotonic() - t0 < 5
+    assert result.timeout and result.error and time.monotonic() - t0 < 15, "killed, not left to sleep 30 s"
 
 
 def test_hanging_or_raising_in_process_tool_is_cut_off():

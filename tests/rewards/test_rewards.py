@@ -192,7 +192,7 @@ def test_runner_timeout_abandons_hung_thread_without_starving():
     elapsed = time.monotonic() - start
     assert result.rewards == [0.0, 0.0, 1.0, 1.0]
     assert (result.n_errors, result.n_timeouts) == (0, 2)
-    assert 0.2 <= elapsed < 2.0
+    assert 0.2 <= elapsed < 15, "the hung calls are abandoned at 0.2 s, not after their 30 s"
 
 
 def test_runner_with_user_spec_and_math_verify_off_main_thread(user_module):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.ray  # each test starts (or joins) a local Ray cluster
 ray = pytest.importorskip("ray")
 
 from asyncflow.config import build_config  # noqa: E402

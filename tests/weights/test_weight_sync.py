@@ -147,7 +147,7 @@ def test_wait_for_times_out_quickly_and_a_closed_publisher_fails_fast(kind):
     start = time.monotonic()
     with pytest.raises(WeightSyncTimeout, match=rf"{kind}.*0\.2s.*version >= 1"):
         receiver.wait_for(1, timeout=0.2)
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 10, "the wait ends at its timeout (nothing is ever published)"
     publisher.publish(uniform_state_dict(1), 1)
     assert receiver.wait_for(1, timeout=1)[0] == 1
     publisher.close()
@@ -155,7 +155,7 @@ def test_wait_for_times_out_quickly_and_a_closed_publisher_fails_fast(kind):
     start = time.monotonic()
     with pytest.raises(WeightSyncError, match="closed"):
         receiver.wait_for(2, timeout=30)
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 10, "a closed publisher fails the wait, not its 30 s timeout"
     receiver.close()
 
 
@@ -288,7 +288,7 @@ def test_ray_missing_store_times_out_quickly(ray_cluster):
     start = time.monotonic()
     with pytest.raises(WeightSyncTimeout, match="ray.*weight store 'no-such-store'"):
         RaySpec("no-such-store", None, 0.3).open()
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 10, "the lookup ends at its 0.3 s timeout (a missing store never appears)"
 
 
 # --------------------------------------------------------------------------- torch.distributed
@@ -343,8 +343,8 @@ def test_torch_distributed_timeouts_name_what_was_awaited():
     publisher.publish(uniform_state_dict(1), 1)
     start = time.monotonic()
     with pytest.raises(WeightSyncTimeout, match="torch_distributed.*1 receivers to join"):
-        publisher.wait_published(timeout=10)
-    assert time.monotonic() - start < 2.0
+        publisher.wait_published(timeout=60)
+    assert time.monotonic() - start < 20, "the spec's 0.3 s join timeout, not the wait's 60 s"
     with pytest.raises(WeightSyncTimeout):
         publisher.publish(uniform_state_dict(2), 2)  # the failure is sticky
     publisher.close()
@@ -355,4 +355,4 @@ def test_torch_distributed_timeouts_name_what_was_awaited():
     start = time.monotonic()
     with pytest.raises(WeightSyncTimeout, match=f"torch_distributed.*127.0.0.1:{port}"):
         TorchDistributedSpec("127.0.0.1", port, 2, "gloo", "cpu", 0.3, rank=1).open()
-    assert time.monotonic() - start < 5.0
+    assert time.monotonic() - start < 20, "the connect ends at the spec's 0.3 s timeout, not torch's default"

@@ -128,9 +128,10 @@ def test_evaluation_on_ray_builds_no_engine_in_the_driver(tmp_path, ray_cluster,
     assert os.getpid() not in builders(count_file), "evaluation generates with the trainer's own policy module"
 
 
-def test_evaluation_generates_with_the_trainers_policy_not_a_copy(tmp_path, one_torch_thread):
+def test_evaluation_generates_with_the_trainers_policy_not_a_copy(tmp_path, ray_cluster, one_torch_thread):
     """Outside `sync`, evaluation borrows the trainer's module: the greedy tokens of an engine loaded with a copy
-    of its weights, and the module trains on afterwards."""
+    of its weights, and the module trains on afterwards. (`async` runs on Ray: the session's cluster, not one of
+    its own.)"""
     with open_run(wiring_config(tmp_path, "workflow.mode=async")) as run:
         policy = run.train_engine.policy_module()
         with torch.no_grad():

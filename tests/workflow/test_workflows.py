@@ -230,7 +230,7 @@ def test_replica_past_its_restarts_fails_the_run_at_once(tmp_path, ray_cluster):
         _, killed = kill_replica_at_step(ray_cluster, run, 2, restart=False)
         with pytest.raises(RolloutFailedError, match=r"rollout replicas died 1 times \(runtime.max_restarts\)"):
             run.train()
-    assert time.time() - killed["at"] < 15, "the trainer stops waiting for rows as soon as the replica is gone"
+    assert time.time() - killed["at"] < 60, "the trainer stops waiting as soon as the replica is gone, not at its 120 s"
 
 
 @pytest.mark.slow
@@ -258,7 +258,7 @@ def test_torch_distributed_weight_sync_runs_and_refuses_a_restarted_replica(tmp_
         refused = "torch_distributed cannot take a restarted replica.*shared_memory"
         with pytest.raises(RolloutFailedError, match=refused):
             run.train()
-    assert time.time() - killed["at"] < 15
+    assert time.time() - killed["at"] < 60, "stopped at once, not at runtime.call_timeout_s (120 s)"
     # with k=1, partition 2 could only be generated with version >= 1: it came over gloo
     assert run.step >= 3
 
