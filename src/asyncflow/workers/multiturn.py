@@ -42,7 +42,7 @@ from asyncflow.engines.service import EngineService
 from asyncflow.envs import Environment, SandboxLimits, ToolBox, make_environment
 from asyncflow.envs.builtin import COUNTERS
 from asyncflow.rewards import CompositeReward
-from asyncflow.workers.rollout import FinishedRow, Rollout, RolloutWorker, RowWriter
+from asyncflow.workers.rollout import FinishedRow, GeneratingRole, Rollout, RolloutWorker, RowWriter
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +314,7 @@ class MultiTurnRolloutWorker:
 
 
 def make_rollout_worker(engine: InferenceEngine, params: SamplingParams, group_size: int, *,
-                        multiturn: MultiTurnSpec | None = None, tokenizer=None):
+                        multiturn: MultiTurnSpec | None = None, tokenizer=None) -> GeneratingRole:
     """A `RolloutWorker` (single-turn), or a `MultiTurnRolloutWorker` when `multiturn` is given."""
     if multiturn is None:
         return RolloutWorker(engine, params, group_size)

@@ -56,7 +56,7 @@ from asyncflow.observe import MetricsLogger, Timeline, TrainProgress, plot_metri
 from asyncflow.observe.memory import memory_metrics
 from asyncflow.rewards import RewardHealth
 from asyncflow.rewards.health import counter_growth
-from asyncflow.runtime.base import build_rollout_worker
+from asyncflow.runtime.base import build_generating_worker
 from asyncflow.runtime.factory import make_runtime
 from asyncflow.weights.segments import sweep_dead_segments
 from asyncflow.workers.loops import check_updates_in_flight
@@ -240,8 +240,8 @@ class RLRun:
         else:
             borrowed = self.train_engine.policy_module()
             if self.eval_worker is None:
-                self.eval_worker = build_rollout_worker(
-                    evaluation_spec(self.spec, self.eval_params), scorer=None, policy=borrowed)
+                self.eval_worker = build_generating_worker(
+                    evaluation_spec(self.spec, self.eval_params), policy=borrowed)
             engine = self.eval_worker.engine
             if borrowed is None:
                 engine.update_weights(self.train_engine.state_dict(), self.state.version)

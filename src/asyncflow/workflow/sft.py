@@ -51,7 +51,7 @@ from asyncflow.models.loading import load_tokenizer, model_with_weights, render_
 from asyncflow.models.logprobs import TrainSample, response_mask
 from asyncflow.models.tri_model import TriLogProbs
 from asyncflow.observe import MetricsLogger, TrainProgress
-from asyncflow.runtime.base import build_rollout_worker
+from asyncflow.runtime.base import build_generating_worker
 from asyncflow.workers.reward import RewardWorker
 from asyncflow.workflow.checkpoint import (
     SHARDED_DIR,
@@ -113,7 +113,7 @@ class ValidationProbe:
         self.validation, self.version = validation, 0
         self.params = sampling_params(config, tokenizer, greedy=True)
         spec = evaluation_spec(rollout_spec(config, model_path, tokenizer), self.params)
-        self.worker = build_rollout_worker(spec, scorer=None)
+        self.worker = build_generating_worker(spec)
         self.episodes = self.worker if spec.multiturn is not None else None
         self.rewards = RewardWorker(build_reward_runner(config), tokenizer)
         self.encoder = prompt_encoder(config, tokenizer)
