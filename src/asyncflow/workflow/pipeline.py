@@ -195,7 +195,8 @@ class PipelineWorkflow:
     def weight_channel(self) -> WeightPublisher:
         """`stream` / `async`: the channel the replicas receive weight versions through."""
         if self.publisher is None:
-            raise RuntimeError(f"no weight channel: workflow.mode={self.mode} (sync has none) or the workflow is closed")
+            raise RuntimeError(f"no weight channel: workflow.mode={self.mode} (sync has none), or the workflow is "
+                               "closed")
         return self.publisher
 
     # ------------------------------------------------------------------ the verbs every workflow is written in
