@@ -232,12 +232,12 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, mer
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           name: str | None = None, engine: str = "torch", max_batch_size: int = 64, device: str = "cpu",
           dtype: str = "float32", seed: int = 0, chat_template: str | None = None, request_timeout_s: float = 600.0,
-          limits=None, port_file: str | None = None) -> None:
+          limits=None, port_file: str | None = None, replicas: int = 1) -> None:
     """An OpenAI-compatible server over `model` (a Hugging Face folder, `preset:NAME`, a run folder or a checkpoint
     folder), as `asyncflow serve`; blocks until interrupted. Without `api_key` one is generated and printed; a
     host reachable from other machines needs one. `limits`: a `ServingLimits` (defaults otherwise). The port it
     listens on (`port=0`: a free one) is printed, and written to `port_file` when given, once it accepts
-    connections."""
+    connections. `replicas` > 1: that many engines behind a session-affine router (docs/serving.md)."""
     import secrets
 
     from asyncflow.workflow.serve import build_app, load_served
@@ -264,7 +264,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
         weights = load_served(model, dtype=dtype, device=device)
         app, service = build_app(
             weights, api_key=key, name=name, engine=engine, max_batch_size=max_batch_size, device=device, seed=seed,
-            chat_template=chat_template, request_timeout_s=request_timeout_s, limits=limits,
+            chat_template=chat_template, request_timeout_s=request_timeout_s, limits=limits, replicas=replicas,
         )
     except BaseException:
         sock.close()

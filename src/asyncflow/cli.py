@@ -143,6 +143,7 @@ def cmd_serve(args) -> int:
         args.model, host=args.host, port=args.port, api_key=given_key, name=args.name, engine=args.engine,
         max_batch_size=args.max_batch_size, device=args.device, dtype=args.dtype, seed=args.seed,
         chat_template=chat_template, request_timeout_s=args.request_timeout, limits=limits, port_file=args.port_file,
+        replicas=args.replicas,
     )
     return 0
 
@@ -219,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--chat-template", help="a Jinja chat template file, for tokenizers without one")
     serve.add_argument("--engine", default="torch", help="inference engine from the registry (or module:factory)")
     serve.add_argument("--max-batch-size", type=int, default=64, help="concurrent sequences in the engine")
+    serve.add_argument("--replicas", type=int, default=1, help="engines, each with its own copy of the weights, "
+                       "behind a router that keeps a session (an episode, the request's `user`) on one replica")
     serve.add_argument("--device", default="cpu")
     serve.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     serve.add_argument("--seed", type=int, default=0, help="the engine's sampling seed")

@@ -666,6 +666,11 @@ class TrainConfig(Section):
     """Recompute each decoder layer's activations in the backward instead of keeping them from the forward
     (Hugging Face gradient checkpointing, non-reentrant): activation memory of one layer instead of all, for
     about one extra forward of compute. Gradients are unchanged."""
+    router_aux_loss_coef: float | None = Field(None, ge=0)
+    """Mixture-of-experts policies: the weight of the load-balancing loss added to each micro-batch's loss (logged
+    as `moe/load_balancing_loss`: experts per token when balanced, up to the number of experts); `null` = the model
+    config's own `router_aux_loss_coef` (0.001 for Qwen3-MoE and Mixtral), `0` = logged only. Ignored for dense
+    models."""
 
     @model_validator(mode="after")
     def _single_process_engine(self) -> TrainConfig:
@@ -815,6 +820,19 @@ class ObserveConfig(Section):
     """`offline`: the W&B run is written to `RUN_DIR/wandb/` with no account or network (upload it later
     with `wandb sync RUN_DIR/wandb/offline-run-*`); `online`: streamed to the W&B server (needs `wandb
     login`). `WANDB_MODE` in the environment takes precedence; `WANDB_DIR` moves the folder."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Serve the run's live Prometheus metrics at `http://metrics_host:PORT/metrics` while it trains: every scalar
+    of the last logged step (`asyncflow_` + its name with `/` as `_`, e.g. `asyncflow_throughput_tokens_per_s`)
+    and, read at each scrape, the step, the queue's rows by column and state, each worker's idle fraction and each
+    replica's weight version. `0` takes a free port, logged and written to `RUN_DIR/metrics_port`; `null` = off."""
+    metrics_host: str = "127.0.0.1"
+    """The address `/metrics` listens on (`0.0.0.0` to be scraped from other machines)."""
+    stall_s: float | None = Field(600.0, gt=0)
+    """The watchdog: when no step has ended and no queue row was written or consumed for this many seconds, log
+    which stage waits on which and the stack of every driver thread (see `stall_action`); `null` = off."""
+    stall_action: Literal["log", "stop"] = "log"
+    """What a stall does after it is logged: `log` only, or `stop` the run with an error naming the stalled stage
+    (the folder stays resumable from its last checkpoint)."""
 
     @field_validator("wandb")
     @classmethod

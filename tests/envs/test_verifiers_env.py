@@ -49,9 +49,26 @@ class CountingEnv(vf.MultiTurnEnv):
         return [vf.UserMessage(content=f"you said {len(reply)} chars, turn {len(state['trajectory'])}")]
 
 
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+
+
+def correct_answer(completion, answer, parser, **kwargs) -> float:
+    return float((parser.parse_answer(completion) or "").strip() == answer)
+
+
 def load_environment(kind: str = "single"):
     dataset = Dataset.from_list([{"question": q, "answer": a} for q, a in QUESTIONS])
     parser = vf.Parser()
+    if kind == "tool":  # OpenAI function calling: the tools reach the server as the request's `tools`
+        return vf.ToolEnv(dataset=dataset, tools=[add], max_turns=2, parser=parser,
+                          rubric=vf.Rubric(funcs=[correct_answer], parser=parser))
     if kind == "single":
         return vf.SingleTurnEnv(dataset=dataset, system_prompt="add", parser=parser,
                                 rubric=vf.Rubric(funcs=[reply_length], parser=parser))
@@ -182,6 +199,27 @@ def test_asyncflow_train_trains_a_verifiers_environment(tmp_path, template_file,
     for s in trained:
         assert s["agent/calls_mean"] > 1 and s["agent/trained_tokens"] > 0 and s["agent/errors"] == 0
         assert s["agent/scores/model_turns"] >= 1 and torch.isfinite(torch.tensor(s["loss"]))
+
+
+def test_a_tool_env_sends_its_tools_through_the_chat_template_and_trains(tmp_path, monkeypatch, one_torch_thread):
+    """verifiers' `ToolEnv` on a model whose chat template renders `tools` (the Qwen2.5 shape with its ChatML
+    template): the episodes' prompts hold the tool's signature as the template renders it, and 3 steps train."""
+    qwen = ["model.path=preset:qwen2.5-tiny", "agent.chat_template=null", "env.options={kind: tool}"]
+    config = verifiers_config(tmp_path / "one", None, "tool", *qwen)
+    rows, calls, tokenizer = run_one_partition(config, monkeypatch)
+    for row in rows:
+        prompt = tokenizer.decode(row.prompt_ids)
+        assert "<tools>" in prompt and '"name": "add"' in prompt and "The first integer." in prompt
+        assert row.metadata["agent_error"] is None
+    code = main(["train", f"--output={tmp_path / 'train'}", "run.progress=false", *qwen, "train.steps=3",
+                 "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
+                 "train.micro_batch_size=8", "eval.every=0", "checkpoint.every=0", "export.at_end=false",
+                 "env.name=verifiers:test_verifiers_env", "--threads=1"])
+    assert code == 0
+    trained = [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    trained = [s for s in trained if "loss" in s]
+    assert len(trained) == 3 and all(s["agent/errors"] == 0 and s["agent/trained_tokens"] > 0 for s in trained)
+    assert all(s["rollout/retokenize_drift_tokens"] == 0 for s in trained if "rollout/retokenize_drift_tokens" in s)
 
 
 def test_config_and_preflight_errors(tmp_path, template_file, monkeypatch):

@@ -11,10 +11,12 @@ TEMPLATE = ("{% for m in messages %}<s>{{ m.role }}: {{ m.content }}</s>{% endfo
 
 
 @contextmanager
-def running_server(model_path, chat_template: str, *, limits=None, tokenizer_wrapper=None, prepare_weights=None):
+def running_server(model_path, chat_template: str, *, limits=None, tokenizer_wrapper=None, prepare_weights=None,
+                   replicas: int = 1):
     """(server thread, engine service, episode recorder) of `asyncflow serve MODEL` with `KEY` and `NAME`
     (`limits`: its `ServingLimits`; `tokenizer_wrapper(tokenizer)`: what the server tokenizes with;
-    `prepare_weights(weights)`: run on the loaded `ServedWeights` before serving, e.g. a few training steps)."""
+    `prepare_weights(weights)`: run on the loaded `ServedWeights` before serving, e.g. a few training steps;
+    `replicas`: engines behind the router)."""
     from asyncflow.serving.episodes import EpisodeRecorder
     from asyncflow.serving.server import ServerThread
     from asyncflow.workflow.serve import build_app, load_served
@@ -27,7 +29,7 @@ def running_server(model_path, chat_template: str, *, limits=None, tokenizer_wra
         weights.tokenizer = tokenizer_wrapper(weights.tokenizer)
     extra = {} if limits is None else {"limits": limits}
     app, service = build_app(weights, api_key=KEY, name=NAME, chat_template=chat_template, request_timeout_s=60,
-                             recorder=recorder, **extra)
+                             recorder=recorder, replicas=replicas, **extra)
     thread = ServerThread(app, **extra).start()
     try:
         yield thread, service, recorder

@@ -186,3 +186,31 @@ def test_untokenizable_text_and_timeouts_are_4xx_and_504(server):
     finally:
         thread.stop()
     assert response.status_code == 504 and response.json()["error"]["type"] == "timeout_error"
+
+
+def test_metrics_count_requests_by_route_and_status_and_the_tokens_sampled(server, client):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    url = server[0].url
+
+    def series() -> dict[str, float]:
+        response = httpx.get(url + "/metrics", headers=headers, timeout=30)
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in response.text.splitlines()
+                if line and not line.startswith("#")}
+
+    before = series()
+    assert httpx.get(url + "/metrics", timeout=30).status_code == 401  # the key, as every route but /health
+    done = client.completions.create(model=NAME, prompt="12+34=", max_tokens=5, temperature=0)
+    httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "x", "n": 0}, headers=headers, timeout=30)
+    after = series()
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert grew('asyncflow_serve_requests_total{route="/v1/completions",status="200"}') == 1
+    assert grew('asyncflow_serve_requests_total{route="/v1/completions",status="400"}') == 1
+    assert grew('asyncflow_serve_requests_total{route="/metrics",status="401"}') == 1
+    assert grew("asyncflow_serve_completion_tokens_total") == len(done.choices[0].token_ids)
+    assert grew('asyncflow_serve_request_seconds_count{route="/v1/completions"}') == 2
+    assert after["asyncflow_serve_healthy"] == 1 and after["asyncflow_serve_weight_version"] == 0
+    assert after["asyncflow_serve_requests_in_flight"] == 1  # the scrape itself

@@ -58,6 +58,7 @@ from asyncflow.engines.torch_train import (
 )
 from asyncflow.models.loading import load_model
 from asyncflow.models.logprobs import TrainSample
+from asyncflow.models.moe import capture_routers, router_loss
 from asyncflow.models.tri_model import Packing, make_reference, tri_model_logprobs
 from asyncflow.models.value import CriticSpec, attach_critic, critic_of, policy_weights
 from asyncflow.observe.memory import METRIC_PREFIX as MEMORY_METRIC_PREFIX
@@ -132,6 +133,7 @@ class RankSpec:
     activation_checkpointing: bool = False
     teacher_path: str | None = None  # on-policy distillation: the frozen teacher, in the reference's place
     critic: CriticSpec | None = None  # PPO's value model, attached to the policy (`asyncflow.models.value`)
+    router_aux_loss_coef: float | None = None  # MoE: the load-balancing loss's weight (`asyncflow.models.moe`)
 
 
 def shard_model(model: torch.nn.Module, mesh: Any, **options: Any) -> torch.nn.Module:
@@ -187,6 +189,7 @@ class RankTrainer:
         # bf16 parameters in forward/backward, float32 gradient reduction: the shards (AdamW's master weights) stay fp32
         bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         precision: dict[str, Any] = {"mp_policy": bf16} if spec.precision == "bf16" else {}
+        self.router_loss = router_loss(policy, spec.router_aux_loss_coef)  # before sharding: the modules stay
         self.model = shard_model(policy, self.mesh, **precision)
         for module in self.model.modules():  # the ranks' gradient sums add up; the driver normalises them
             if isinstance(module, FSDPModule):
@@ -210,10 +213,11 @@ class RankTrainer:
         """Forward + backward this rank's rows; -> the loss function's stats plus `loss` (sums over these rows).
         `samples` empty: a forward on a dummy row with zero weight, so the collectives stay in step."""
         rows = samples or [TrainSample([0], [0])]
-        out = tri_model_logprobs(
-            self.model, rows, reference=self.reference, packing=self.spec.packing,
-            temperature=temperature, with_entropy=True, critic=self.critic,
-        )
+        with capture_routers(self.router_loss) as routed:
+            out = tri_model_logprobs(
+                self.model, rows, reference=self.reference, packing=self.spec.packing,
+                temperature=temperature, with_entropy=True, critic=self.critic,
+            )
         if not samples:
             dummy = out.policy.logprobs.sum() * 0.0
             ((dummy + out.values.sum() * 0.0) if out.values is not None else dummy).backward()
@@ -221,6 +225,9 @@ class RankTrainer:
         assert loss_fn is not None  # the driver sends a loss with every non-empty share
         loss, stats = loss_fn(out)
         stats = {**stats, "train/packed_fraction": float(out.policy.mask.sum()) if out.packed else 0.0}
+        if self.router_loss is not None:
+            extra, moe_stats = self.router_loss.term(routed, out.policy.mask.sum())
+            loss, stats = loss + extra, {**stats, **moe_stats}
         if not torch.isfinite(loss):
             self.nonfinite = True  # still backpropagated: every rank must run the same reduce-scatters
         loss.backward()
@@ -391,6 +398,7 @@ class FSDP2TrainEngine(TrainEngineBase):
     activation_checkpointing: bool = False
     teacher_path: str | None = None  # a model folder each rank loads as the frozen teacher (`algo.teacher`)
     critic: CriticSpec | None = None
+    router_aux_loss_coef: float | None = None
     ranks: RankGroup = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -66,9 +66,10 @@ class EngineService:
 
     # ------------------------------------------------------------------ callers
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
-               on_tokens: TokenCallback | None = None) -> Future[Completion]:
+               on_tokens: TokenCallback | None = None, session: str | None = None) -> Future[Completion]:
         """Queue one generation; the future resolves to its `Completion` (whose `request_id` is internal).
-        `on_tokens(token_ids, logprobs)` receives its tokens before that (see the module docstring)."""
+        `on_tokens(token_ids, logprobs)` receives its tokens before that (see the module docstring). `session`:
+        which episode or user the request belongs to, for a router over several services; one service ignores it."""
         callback = _guarded(on_tokens) if on_tokens is not None else None
         with self._lock:
             if self._closed or self._error is not None:

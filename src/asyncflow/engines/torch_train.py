@@ -40,6 +40,7 @@ import torch
 from asyncflow.engines.base import LossFn, TrainEngineBase, register_train_engine
 from asyncflow.models.hf import causal_lm
 from asyncflow.models.logprobs import TrainSample
+from asyncflow.models.moe import capture_routers, router_loss
 from asyncflow.models.packing import keep_shared_prompt_attention
 from asyncflow.models.tri_model import Packing, make_reference, tri_model_logprobs
 from asyncflow.models.value import CriticSpec, attach_critic, critic_parameters, is_critic_key, policy_weights
@@ -129,12 +130,15 @@ class TorchTrainEngine(TrainEngineBase):
         activation_checkpointing: bool = False,
         teacher: torch.nn.Module | None = None,
         critic: CriticSpec | None = None,
+        router_aux_loss_coef: float | None = None,
     ):
         """`teacher`: a model that takes the reference's place (on-policy distillation, `algo.teacher`): frozen
-        here, its log-probs are the tri-model forward's `ref`; not with `use_reference`."""
+        here, its log-probs are the tri-model forward's `ref`; not with `use_reference`. `router_aux_loss_coef`: an
+        MoE policy's load-balancing loss weight (None: its config's; `asyncflow.models.moe`)."""
         if teacher is not None and use_reference:
             raise ValueError("a training engine holds a reference model or a teacher, not both")
         self.model = model
+        self.router_loss = router_loss(model, router_aux_loss_coef)
         if packing not in ("auto", "on", "off"):
             raise ValueError(f"packing must be 'auto', 'on' or 'off', got {packing!r}")
         check_precision(precision, model)
@@ -166,7 +170,7 @@ class TorchTrainEngine(TrainEngineBase):
 
         Returns `loss_fn`'s stats plus `loss` and `train/packed_fraction` (the micro-batch's response
         tokens when it ran shared-prompt packed, else 0)."""
-        with compute_precision(self.precision, self.device):
+        with compute_precision(self.precision, self.device), capture_routers(self.router_loss) as routed:
             out = tri_model_logprobs(
                 self.model,
                 samples,
@@ -179,6 +183,9 @@ class TorchTrainEngine(TrainEngineBase):
         loss, stats = loss_fn(out)
         # A token sum like the trainer's other stats: divided by the step's tokens it is the packed fraction.
         stats = {**stats, "train/packed_fraction": float(out.policy.mask.sum()) if out.packed else 0.0}
+        if self.router_loss is not None:
+            extra, moe_stats = self.router_loss.term(routed, out.policy.mask.sum())
+            loss, stats = loss + extra, {**stats, **moe_stats}
         if not torch.isfinite(loss):
             self._nonfinite_in_step = True
             return {**stats, "loss": float("nan")}

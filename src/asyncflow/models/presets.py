@@ -19,7 +19,14 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3MoeConfig,
+)
 
 from asyncflow.models.bpe import bpe_preset_names, build_bpe_preset, is_bpe_preset
 
@@ -37,7 +44,12 @@ PRESETS: dict[str, tuple[str, int, int, int, int, int, int]] = {
     "small-qwen2": ("qwen2", 256, 6, 8, 4, 768, 1024),
     "base-llama": ("llama", 384, 8, 6, 2, 1152, 2048),  # ~14M parameters
     "tiny-llama-tools": ("llama", 128, 4, 4, 2, 384, 512),  # tiny-llama with TOOL_TOKENS in its vocabulary
+    "tiny-moe": ("qwen3_moe", 128, 4, 4, 2, 384, 512),  # Qwen3-MoE's shape: MOE_SHAPES; ~1.5M parameters
 }
+
+#: Mixture-of-experts presets: experts per layer, experts per token, each expert's intermediate size (every layer
+#: sparse, top-k weights renormalised, as Qwen3-MoE does).
+MOE_SHAPES: dict[str, tuple[int, int, int]] = {"tiny-moe": (8, 2, 96)}
 
 #: The fixed pieces of the Hermes/Qwen tool-call format (`<tool_call>{"name":"calculator","arguments":
 #: {"expression":"37*48"}}</tool_call>`) as single tokens, as a subword vocabulary holds them: a character
@@ -87,8 +99,15 @@ def preset_config(name: str, vocab_size: int, pad_id: int, bos_id: int, eos_id: 
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {preset_names()}")
     arch, hidden, layers, heads, kv_heads, inter, max_pos = PRESETS[name]
-    config_class: Callable[..., PretrainedConfig] = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    config_class: Callable[..., PretrainedConfig] = {
+        "llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3_moe": Qwen3MoeConfig}[arch]
+    moe = {}
+    if name in MOE_SHAPES:
+        experts, per_token, expert_size = MOE_SHAPES[name]
+        moe = dict(num_local_experts=experts, num_experts_per_tok=per_token, moe_intermediate_size=expert_size,
+                   norm_topk_prob=True, head_dim=hidden // heads)
     return config_class(
+        **moe,
         vocab_size=vocab_size,
         hidden_size=hidden,
         num_hidden_layers=layers,

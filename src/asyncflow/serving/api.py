@@ -1,4 +1,5 @@
-"""An OpenAI-compatible HTTP API over an `EngineService`: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
+"""An OpenAI-compatible HTTP API over an `EngineService`: `/v1/models`, `/v1/completions`, `/v1/chat/completions`
+(and `/metrics`, `asyncflow.serving.metering`).
 
 Owns: the request models (pydantic), their parsing and checks, prompt rendering (the tokenizer's chat template, given
 a chat request's `tools` too), stop strings, the responses (plain and server-sent events) and the OpenAI error shape.
@@ -83,6 +84,8 @@ from asyncflow.engines.service import EngineService, EngineServiceError
 from asyncflow.engines.torch_inference import MIN_TEMPERATURE
 from asyncflow.serving.episodes import CallRecord, EpisodeRecorder, UnknownEpisodeError
 from asyncflow.serving.limits import ServingLimits
+from asyncflow.serving.metering import ServeMeter
+from asyncflow.serving.router import ReplicaRouter
 from asyncflow.serving.tool_calling import (
     TOOL_CALL_FORMATS,
     Tool,
@@ -102,7 +105,8 @@ class ServedModel:
 
     name: str
     tokenizer: Any
-    service: EngineService | None
+    service: EngineService | ReplicaRouter | None
+    """One engine service, or several replicas behind a router (`asyncflow.serving.router`)."""
     max_model_len: int
     """Prompt plus completion, in tokens (the model's position limit)."""
     vocab_size: int
@@ -247,13 +251,14 @@ def make_app(served: ServedModel, *, api_key: str, recorder: EpisodeRecorder | N
     async def _unexpected(request: Request, err: Exception):  # a bug here: the engine loop is not affected
         return error_response(500, f"internal error: {type(err).__name__}: {err}", type="server_error")
 
+    app.add_api_route("/metrics", api.metrics, methods=["GET"])
     for prefix in ("", "/episodes/{episode_id}"):
         app.add_api_route(prefix + "/v1/models", api.models, methods=["GET"])
         app.add_api_route(prefix + "/v1/completions", api.completions, methods=["POST"])
         app.add_api_route(prefix + "/v1/chat/completions", api.chat, methods=["POST"])
     # The key is checked first: no body of a client without it is read.
     buffered = BufferedBody(app, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
-    return Authorize(buffered, api_key=api_key, health=api.health)
+    return api.meter.layer(Authorize(buffered, api_key=api_key, health=api.health))
 
 
 def parse_request(raw: bytes, model: type[BaseModel], limits: ServingLimits):
@@ -365,6 +370,7 @@ class _API:
         self.timeout_s = timeout_s
         self.limits = limits
         self.told_choice_streaming = False
+        self.meter = ServeMeter(self._health)
 
     def _health(self) -> dict:
         service = self.served.service
@@ -376,6 +382,11 @@ class _API:
         """`GET /health`: 200 while a request would be served, else 503; engine errors survived so far."""
         health = self._health()
         return JSONResponse(health, 200 if health["status"] == "ok" else 503)
+
+    async def metrics(self) -> Response:
+        """`GET /metrics`: Prometheus series of the requests answered and the tokens sampled (`serving.metering`)."""
+        content, content_type = self.meter.exposition()
+        return Response(content, media_type=content_type)
 
     async def models(self, episode_id: str | None = None):
         self._episode(episode_id)
@@ -434,7 +445,7 @@ class _API:
         tool_format = self._tool_format(body)
         if body.stream:
             return self._stream(body, rendered, params, kind, episode_id, logprobs=logprobs, tool_format=tool_format)
-        results = await self._generate([ids for ids, _ in rendered], params, body.n)
+        results = await self._generate([ids for ids, _ in rendered], params, body.n, episode_id or body.user)
 
         def respond():
             choices = []
@@ -615,8 +626,11 @@ class _API:
                               tuple(dict.fromkeys(stop_ids)))
 
     # ------------------------------------------------------------ generation
-    def _submit(self, prompts: list[list[int]], params: SamplingParams, n: int, on_tokens=None) -> list[Future]:
-        """`n` requests per prompt (choice `i` = prompt `i // n`); `on_tokens(choice, ids, logprobs)` if given."""
+    def _submit(self, prompts: list[list[int]], params: SamplingParams, n: int, session: str | None,
+                on_tokens=None) -> list[Future]:
+        """`n` requests per prompt (choice `i` = prompt `i // n`); `on_tokens(choice, ids, logprobs)` if given;
+        `session` (the episode, or the request's `user`) keeps a session's requests on one replica
+        (`asyncflow.serving.router`)."""
         service = self.served.service
         if service is None:
             raise APIError(503, "no engine is serving right now", type="server_error", code="engine_unavailable")
@@ -624,7 +638,7 @@ class _API:
         try:
             for choice, ids in enumerate(ids for ids in prompts for _ in range(n)):
                 callback = None if on_tokens is None else functools.partial(on_tokens, choice)
-                futures.append(service.submit(ids, params, on_tokens=callback))
+                futures.append(service.submit(ids, params, on_tokens=callback, session=session))
         except EngineServiceError as err:
             _cancel(futures)
             raise APIError(503, f"the engine is stopped: {err}", type="server_error",
@@ -635,8 +649,9 @@ class _API:
         return APIError(504, f"generation did not finish within {self.timeout_s:.0f} s", type="timeout_error",
                         code="timeout")
 
-    async def _generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[list[Completion]]:
-        futures = self._submit(prompts, params, n)
+    async def _generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                        session: str | None) -> list[list[Completion]]:
+        futures = self._submit(prompts, params, n, session)
         try:
             done = await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for f in futures)), self.timeout_s)
         except asyncio.TimeoutError:
@@ -676,6 +691,7 @@ class _API:
                     self._recorder(episode_id).record_tool_turn(episode_id, turn.call_ids, text, turn)
                 except UnknownEpisodeError:
                     raise APIError(404, f"episode {episode_id!r} was closed", code="episode_not_found") from None
+        self.meter.choice(len(completion.prompt_ids), len(ids), finish, completion.weight_version)
         return {"text": text, "turn": turn, "finish_reason": finish, "token_ids": list(ids),
                 "token_logprobs": list(logprobs), "prompt_token_ids": list(completion.prompt_ids),
                 "weight_version": completion.weight_version}
@@ -740,7 +756,7 @@ class _API:
             if not abandoned:
                 loop.call_soon_threadsafe(arrivals.put_nowait, (choice, future, None))
 
-        futures = self._submit([ids for ids, _ in rendered], params, body.n, on_tokens)
+        futures = self._submit([ids for ids, _ in rendered], params, body.n, episode_id or body.user, on_tokens)
         for choice, future in enumerate(futures):
             future.add_done_callback(functools.partial(on_done, choice))
         if self._streaming() == "choice" and not self.told_choice_streaming:

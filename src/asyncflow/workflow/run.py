@@ -53,6 +53,7 @@ from asyncflow.config import Config
 from asyncflow.engines.base import ShardedCheckpointing, make_train_engine
 from asyncflow.models.loading import load_tokenizer, resolve_model_path
 from asyncflow.observe import MetricsLogger, Timeline, TrainProgress, plot_metrics
+from asyncflow.observe.live import LiveMetrics, Watchdog
 from asyncflow.observe.memory import memory_metrics
 from asyncflow.rewards import RewardHealth
 from asyncflow.rewards.health import counter_growth
@@ -64,6 +65,7 @@ from asyncflow.workers.multiturn import make_rollout_worker
 from asyncflow.workers.reward import RewardWorker
 from asyncflow.workers.rollout import GeneratingRole
 from asyncflow.workers.trainer import PolicyTrainer
+from asyncflow.workflow import watch
 from asyncflow.workflow.checkpoint import SHARDED_DIR, CheckpointError, load_checkpoint, save_checkpoint
 from asyncflow.workflow.evaluation import evaluate, evaluation_spec
 from asyncflow.workflow.export import EXPORT_DIR, export_run
@@ -87,6 +89,11 @@ from asyncflow.workflow.stopping import StopSignals
 log = logging.getLogger(__name__)
 
 CURVES_FILE = "curves.png"
+METRICS_PORT_FILE = "metrics_port"  # the port `/metrics` listens on (`observe.metrics_port`)
+
+
+class RunStalled(RuntimeError):
+    """The watchdog found no progress for `observe.stall_s` with `stall_action: stop`; the message names the stage."""
 
 
 class NonFiniteLossError(RuntimeError):
@@ -130,6 +137,8 @@ class RLRun:
         self._runtime: Runtime | None = None
         self._workflow: PipelineWorkflow | None = None
         self.eval_worker: GeneratingRole | None = None  # what evaluation generates with: see `evaluate`
+        self.live: LiveMetrics | None = None
+        self.watchdog: Watchdog | None = None
         self.closed = False
         timeline_file = self.run_dir / TIMELINE_FILE
         resuming = plan.checkpoint is not None and timeline_file.is_file()
@@ -298,6 +307,7 @@ class RLRun:
             return history
         self.start_wall = time.perf_counter()
         self.workflow.start(state.step, state.version, self.resume_state)
+        self._watch()
         if state.step == 0:
             history.append(self._log({"samples": 0, **self.evaluate()}))
         with TrainProgress(cfg.train.steps, initial=state.step, description=f"{cfg.workflow.mode} RL",
@@ -348,9 +358,27 @@ class RLRun:
         if self.closed:
             return
         self.closed = True
-        for part in (self._workflow, self.eval_worker, self.train_engine, self._runtime):
+        for part in (self.watchdog, self.live, self._workflow, self.eval_worker, self.train_engine, self._runtime):
             if part is not None:
                 part.close()
+
+    def _watch(self) -> None:
+        """Start `/metrics` (`observe.metrics_port`) and the watchdog (`observe.stall_s`)."""
+        observe, workflow = self.config.observe, self.workflow
+        if observe.metrics_port is not None:
+            def run_series() -> dict:
+                return {"step": {(): self.state.step}, "weight_version": {(): self.state.version},
+                        **watch.live_series(workflow, self.state.step)}
+
+            self.live = LiveMetrics(observe.metrics_port, {"run": run_series}, host=observe.metrics_host)
+            (self.run_dir / METRICS_PORT_FILE).write_text(f"{self.live.port}\n")
+        if observe.stall_s is not None:
+            def stalled(message: str) -> None:
+                self.stop.fail(RunStalled(f"step {self.state.step}: {message}"))
+
+            self.watchdog = Watchdog(observe.stall_s, progress=lambda: watch.progress(workflow, self.state.step),
+                                     explain=lambda: watch.explain_waits(workflow, self.state.step),
+                                     on_stall=stalled if observe.stall_action == "stop" else None)
 
     def _progress_keys(self) -> dict[str, str]:
         cfg = self.config
@@ -416,6 +444,8 @@ class RLRun:
         }
         self.metrics.log(self.state.step, metrics)
         row = {"step": self.state.step, **metrics}
+        if self.live is not None:
+            self.live.record(row)
         if self.on_step is not None:
             self.on_step(row)
         return row

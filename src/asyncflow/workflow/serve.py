@@ -3,7 +3,8 @@
 Owns: resolving MODEL (a Hugging Face folder, `preset:NAME`, a run folder: its newest intact checkpoint,
 or a checkpoint folder `RUN_DIR/checkpoints/step_N`) to the model folder and checkpoint it names
 (`resolve_model_ref`, which `asyncflow eval` shares) and to a loaded model, its tokenizer, a served name and
-the weight version it reports; building the engine, the `EngineService` and the app over them.
+the weight version it reports; building the engine, the `EngineService` and the app over them (with `replicas` > 1,
+one engine and service per replica, each over its own copy of the weights, behind a `ReplicaRouter`).
 
 Invariants: a checkpoint is verified against its manifest before its weights are served (a damaged file
 is named), and its weights go into the architecture and tokenizer of the run's own `model.path`. The checkpoint
@@ -13,6 +14,7 @@ finds its checkpoint gone.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from dataclasses import dataclass
@@ -121,16 +123,24 @@ def _base_path(base: str, run_dir: Path) -> str:
 
 def build_app(weights: ServedWeights, *, api_key: str, name: str | None = None, engine: str = "torch",
               max_batch_size: int = 64, device: str = "cpu", seed: int = 0, chat_template: str | None = None,
-              request_timeout_s: float = 600.0, recorder=None, limits=None):
+              request_timeout_s: float = 600.0, recorder=None, limits=None, replicas: int = 1):
     """-> (app, service): the engine from the registry, one `EngineService` over it (an engine error fails the
     requests it was running, the next ones are served), the API over that (`recorder`: an `EpisodeRecorder` for
-    the `/episodes/{id}/v1` routes; `limits`: `ServingLimits`, pass the same to the uvicorn runner)."""
+    the `/episodes/{id}/v1` routes; `limits`: `ServingLimits`, pass the same to the uvicorn runner). `replicas` > 1:
+    that many engines (replica `r` samples with seed `seed + r`) behind a `ReplicaRouter`, which is `service`."""
     from asyncflow.serving.api import ServedModel, make_app
+    from asyncflow.serving.router import ReplicaRouter
 
+    if replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {replicas}")
     model = weights.model.eval().requires_grad_(False)
-    inference = make_inference_engine(engine, model=model, max_batch_size=max_batch_size, device=device, seed=seed,
-                                      weight_version=weights.weight_version)
-    service = EngineService(inference, SamplingParams(), restart_on_error=True)
+    services = []
+    for r in range(replicas):
+        own = model if r == 0 else copy.deepcopy(model)
+        inference = make_inference_engine(engine, model=own, max_batch_size=max_batch_size, device=device,
+                                          seed=seed + r, weight_version=weights.weight_version)
+        services.append(EngineService(inference, SamplingParams(), name=f"engine-service-{r}", restart_on_error=True))
+    service: EngineService | ReplicaRouter = services[0] if replicas == 1 else ReplicaRouter(services)
     config = model.config
     served = ServedModel(
         name=name or weights.name, tokenizer=weights.tokenizer, service=service,

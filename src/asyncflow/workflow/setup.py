@@ -158,6 +158,7 @@ def train_engine_options(config: Config, model_path, policy: torch.nn.Module | N
         lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=t.steps,
         use_reference=config.algo.kl_coef > 0, packing=t.packing, precision=t.precision,
         activation_checkpointing=t.activation_checkpointing, critic=critic_spec(config, model_path),
+        router_aux_loss_coef=t.router_aux_loss_coef,
     )
 
     def loaded_policy() -> torch.nn.Module:

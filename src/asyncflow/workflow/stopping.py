@@ -13,10 +13,14 @@ Invariants:
 - Handlers are installed only from the main thread (the only one Python delivers signals to) and the
   previous ones are put back on exit.
 - A stopped command exits with 128 + the signal's number: 130 for SIGINT, 143 for SIGTERM.
+- `fail(error)` from any thread raises `error` in the main thread at once (the watchdog's `stall_action: stop`): a
+  real SIGTERM sent to the main thread interrupts whatever it waits on, and the handler raises `error` instead of
+  recording a stop. Without the handlers installed it only interrupts the main thread (`KeyboardInterrupt`).
 """
 
 from __future__ import annotations
 
+import _thread
 import logging
 import signal
 import threading
@@ -53,6 +57,7 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self._failure: BaseException | None = None
         self._previous: dict[int, Any] = {}  # signal -> its handler before ours (a callable, SIG_DFL, SIG_IGN, None)
 
     @property
@@ -86,7 +91,20 @@ class StopSignals:
             signal.signal(signum, handler)
         self._previous.clear()
 
+    def fail(self, error: BaseException) -> None:
+        """End the command with `error`, raised in the main thread (see the module invariants)."""
+        main = threading.main_thread()
+        if signal.getsignal(signal.SIGTERM) != self._handle or main.ident is None:
+            log.error("%s", error)
+            _thread.interrupt_main()
+            return
+        self._failure = error
+        signal.pthread_kill(main.ident, signal.SIGTERM)
+
     def _handle(self, signum: int, frame: object) -> None:
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
         if self.signum is None:
             self.signum = signum
             log.warning("%s: stopping at the next safe point with a checkpoint (send it again to stop at once)",
