@@ -60,7 +60,7 @@ class ConfigTracer:
         if any(_is_config(frame.f_locals.get(name)) for name in arguments):
             with self._lock:
                 self.entries[module] += 1
-                self.functions[f"{module}.{code.co_qualname}"] += 1
+                self.functions[f"{module}.{getattr(code, 'co_qualname', code.co_name)}"] += 1  # 3.11+: with class
 
     def __enter__(self) -> ConfigTracer:
         threading.setprofile(self)
@@ -69,7 +69,7 @@ class ConfigTracer:
 
     def __exit__(self, *exc: object) -> None:
         sys.setprofile(None)
-        threading.setprofile(None)  # type: ignore[arg-type]  # typeshed: None is what clears it
+        threading.setprofile(None)
 
 
 def main(argv: list[str] | None = None) -> int:
