@@ -2,8 +2,9 @@
 
 Owns: `RolloutSpec` (the typed, picklable description of a rollout replica: model, engine and its device
 settings, sampling, multi-turn or agent settings), `build_rollout_worker` (a replica's engine and worker,
-built where the runtime places it), and the `Runtime` protocol both runtimes implement: where the rollout
-replicas run, and where a multi-rank trainer's ranks run (`Runtime.rank_launcher`).
+built where the runtime places it), `build_generating_worker` (one that also samples given prompts, for
+evaluation), and the `Runtime` protocol both runtimes implement: where the rollout replicas run, and where a
+multi-rank trainer's ranks run (`Runtime.rank_launcher`).
 
 Invariants:
 - A rollout engine is built only inside the runtime that places it: by `InlineRuntime` in this process, by
@@ -16,15 +17,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from asyncflow.engines.base import LoRASettings, SamplingParams, make_inference_engine
+from asyncflow.engines.base import InferenceEngine, LoRASettings, SamplingParams, make_inference_engine
 from asyncflow.models.loading import load_tokenizer
 from asyncflow.observe import Timeline
 from asyncflow.runtime.cores import CoreLending
+from asyncflow.weights import TransportKind
 from asyncflow.workers.multiturn import MultiTurnSpec, make_rollout_worker
 from asyncflow.workers.reward import RewardWorker
-from asyncflow.workers.rollout import RolloutRole
+from asyncflow.workers.rollout import GeneratingRole, RolloutRole
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,45 +74,71 @@ class RolloutSpec:
         return self.agent is not None
 
 
-def build_rollout_worker(spec: RolloutSpec, scorer: RewardWorker | None, *, policy=None) -> RolloutRole:
-    """The replica's inference engine and rollout worker (single-turn, multi-turn or agent). With `policy` (a
-    live `torch.nn.Module`), a torch engine that generates with that module itself: no copy of its weights,
-    always current (held-out evaluation borrows the trainer's policy so)."""
+def build_rollout_worker(spec: RolloutSpec, scorer: RewardWorker | None) -> RolloutRole:
+    """The replica's inference engine and rollout worker (single-turn, multi-turn or agent)."""
+    if spec.agent is None:
+        return build_generating_worker(spec)
+    from asyncflow.workers.agent import AgentRolloutWorker
+
+    return AgentRolloutWorker(_engine(spec), spec.params, spec.group_size, tokenizer=load_tokenizer(spec.model_path),
+                              scorer=scorer, **spec.agent)
+
+
+def build_generating_worker(spec: RolloutSpec, *, policy: torch.nn.Module | None = None) -> GeneratingRole:
+    """A single-turn or multi-turn worker of `spec` (which has no `agent`). With `policy` (a live module), its
+    engine generates with that module itself: no copy of its weights, always current (held-out evaluation
+    borrows the trainer's policy so)."""
+    if spec.agent is not None:
+        raise ValueError("an agent's worker runs episodes from the queue only: build it with build_rollout_worker")
+    tokenizer = load_tokenizer(spec.model_path) if spec.scores_rows else None
+    return make_rollout_worker(_engine(spec, policy), spec.params, spec.group_size, multiturn=spec.multiturn,
+                               tokenizer=tokenizer)
+
+
+def _engine(spec: RolloutSpec, policy: torch.nn.Module | None = None) -> InferenceEngine:
     if policy is not None:
         from asyncflow.engines.torch_inference import TorchInferenceEngine
 
-        engine = TorchInferenceEngine(policy, max_batch_size=spec.max_batch_size, device=spec.device, seed=spec.seed)
-    else:
-        options = dict(spec.engine_options)
-        if spec.adapter is not None:
-            options["adapter"] = spec.adapter
-            if spec.engine == "vllm":
-                options.setdefault("adapter_slots", spec.adapter_slots)
-        engine = make_inference_engine(
-            spec.engine, model_path=spec.model_path, dtype=spec.dtype, device=spec.device,
-            max_batch_size=spec.max_batch_size, seed=spec.seed, **options,
-        )
-    tokenizer = load_tokenizer(spec.model_path) if spec.scores_rows else None
-    if spec.agent is not None:
-        from asyncflow.workers.agent import AgentRolloutWorker
-
-        return AgentRolloutWorker(engine, spec.params, spec.group_size, tokenizer=tokenizer, scorer=scorer,
-                                  **spec.agent)
-    return make_rollout_worker(engine, spec.params, spec.group_size, multiturn=spec.multiturn, tokenizer=tokenizer)
+        return TorchInferenceEngine(policy, max_batch_size=spec.max_batch_size, device=spec.device, seed=spec.seed)
+    options = dict(spec.engine_options)
+    if spec.adapter is not None:  # LoRA adapter sync: the base weights once, the adapter per version
+        options["adapter"] = spec.adapter
+        if spec.engine == "vllm":
+            options.setdefault("adapter_slots", spec.adapter_slots)
+    return make_inference_engine(
+        spec.engine, model_path=spec.model_path, dtype=spec.dtype, device=spec.device,
+        max_batch_size=spec.max_batch_size, seed=spec.seed, **options,
+    )
 
 
 class Runtime(Protocol):
     """Places the rollout replicas (and, with `stream` / `async`, runs their loops) for a workflow."""
 
-    scores_in_rollout: bool
-    """Replicas write each row's reward with its response (no separate reward task)."""
-    weight_sync: str
-    """The weight transport (`asyncflow.weights.make_weight_sync`) replicas receive versions through."""
-    weight_sync_options: dict
-    trainer_cores: CoreLending | None
-    """Cores the trainer may borrow from replicas waiting for weights (a local CPU cluster)."""
-    local_rollout: RolloutRole | None
-    """The rollout worker in this process (inline), or None: replicas live elsewhere."""
+    # read-only members (properties): a runtime may narrow them (an inline runtime's `local_rollout` is never None)
+    @property
+    def scores_in_rollout(self) -> bool:
+        """Replicas write each row's reward with its response (no separate reward task)."""
+        ...
+
+    @property
+    def weight_sync(self) -> TransportKind:
+        """The weight transport (`asyncflow.weights.make_weight_sync`) replicas receive versions through."""
+        ...
+
+    @property
+    def weight_sync_options(self) -> dict:
+        """The transport's keyword arguments."""
+        ...
+
+    @property
+    def trainer_cores(self) -> CoreLending | None:
+        """Cores the trainer may borrow from replicas waiting for weights (a local CPU cluster)."""
+        ...
+
+    @property
+    def local_rollout(self) -> RolloutRole | None:
+        """The rollout worker in this process (inline), or None: replicas live elsewhere."""
+        ...
 
     def __init__(self, config, spec: RolloutSpec, scorer: RewardWorker) -> None:
         """Place the replicas of `spec`; `scorer` is the driver's reward worker (used where the driver scores)."""

@@ -24,6 +24,7 @@ from typing import Any
 from asyncflow.engines.fsdp2_train import RankFailedError, RankSpec, RankTrainer, free_port
 from asyncflow.runtime.base import RolloutSpec, build_rollout_worker
 from asyncflow.transfer import TransferQueue
+from asyncflow.weights import TransportKind
 from asyncflow.workers.loops import BackgroundThread, SamplerHistory, restore_sampler, rollout_loop, sampler_state
 from asyncflow.workers.reward import RewardWorker
 
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 
 
 class InlineRuntime:
-    weight_sync = "inprocess"
+    weight_sync: TransportKind = "inprocess"
     scores_in_rollout = False  # the reward loop runs on a thread of its own
     weight_sync_options: dict = {}
     trainer_cores = None  # one process: no core lending between workers
@@ -159,7 +160,7 @@ class ProcessRanks:
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
+        return [p.pid for p in self.processes if p.pid is not None]  # all started: each has one
 
     def call(self, method: str, args: Sequence[tuple], timeout: float) -> list[Any]:
         for conn, rank_args in zip(self.conns, args, strict=True):

@@ -38,9 +38,11 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from typing import TypeVar, cast
 
 import ray
 import torch
+from ray.actor import ActorClass, ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from asyncflow.observe import Timeline
@@ -49,12 +51,14 @@ from asyncflow.observe.memory import peak_rss_mb
 from asyncflow.runtime.base import RolloutSpec, build_rollout_worker
 from asyncflow.runtime.cores import CoreLending, create_core_lending
 from asyncflow.transfer.ray_queue import RayTransferQueue
+from asyncflow.weights import TransportKind
 from asyncflow.workers.loops import SamplerHistory, restore_sampler, rollout_loop
 from asyncflow.workers.rollout import RESPONSE_COLUMNS
 
 log = logging.getLogger(__name__)
 
 ROLLOUT_TASK = "rollout"
+A = TypeVar("A")
 
 
 class RayStartError(ConnectionError):
@@ -63,6 +67,12 @@ class RayStartError(ConnectionError):
 
 START_ATTEMPTS = 2
 START_RETRY_PAUSE_S = 2.0
+
+
+def _spawn(actor_cls: ActorClass[A], *args: object) -> ActorHandle[A]:
+    """A new actor of `actor_cls`. Ray types `remote()` as a handle or the class itself (`ActorProxy`, for its
+    `@ray.method` typing); it returns a handle."""
+    return cast(ActorHandle[A], actor_cls.remote(*args))
 
 
 def _first_line(err: BaseException) -> str:
@@ -182,6 +192,8 @@ class RolloutActor:
 
     def __init__(self, spec: RolloutSpec, name: str):
         torch.set_num_threads(spec.threads)
+        if spec.make_scorer is None:
+            raise ValueError("a Ray rollout replica scores its own rows: its RolloutSpec needs make_scorer")
         self.scorer = spec.make_scorer()
         self.worker = build_rollout_worker(spec, self.scorer)
         self.name = name
@@ -263,6 +275,7 @@ class RayRuntime:
     # per batch of rows instead of three more (request, read, write) for a separate reward stage.
     scores_in_rollout = True
     local_rollout = None  # every engine lives in a replica
+    weight_sync: TransportKind
 
     def __init__(self, config, spec: RolloutSpec, scorer=None):  # each replica builds its own (`spec.make_scorer`)
         rt = config.runtime
@@ -288,17 +301,16 @@ class RayRuntime:
                 torch.set_num_threads(self._threads_before)
                 self._release_ray()
                 raise
-        self.actors: dict[str, object] = {}
-        self.calls: dict[str, object] = {}  # replica name -> ObjectRef of its running loop
+        self.actors: dict[str, ActorHandle[RolloutActor]] = {}
+        self.calls: dict[str, ray.ObjectRef] = {}  # replica name -> its running loop
         self.restarts = 0
         self.generated = 0
         self.error: BaseException | None = None
         self.queue: RayTransferQueue | None = None
-        self.timeline: Timeline | None = None
         self._loop_args: dict[str, tuple] = {}
         # replica -> last polled (incarnation, errors, timeouts)
         self._reward_counts: dict[str, tuple[str, int, int]] = {}
-        self._retired_reward_counts = (0, 0)  # summed over the replicas' dead incarnations
+        self._retired_reward_counts: tuple[int, int] = (0, 0)  # summed over the replicas' dead incarnations
         self._stop = threading.Event()
         self._supervisor: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -350,11 +362,10 @@ class RayRuntime:
             num_cpus=rt.rollout_cpus, num_gpus=rt.rollout_gpus, resources=rt.rollout_resources or None,
             max_restarts=rt.max_restarts, max_concurrency=2,
         )
-        self.timeline = timeline
         for r in range(cfg.rollout.replicas):  # built in parallel; then placed and checked, then started
             spec = replace(self.spec, seed=self.spec.seed + 1000 * r, threads=max(1, int(rt.rollout_cpus)),
                            device="cuda" if rt.rollout_gpus > 0 else "cpu")
-            self.actors[f"rollout_{r}"] = actor_cls.remote(spec, f"rollout_{r}")
+            self.actors[f"rollout_{r}"] = _spawn(actor_cls, spec, f"rollout_{r}")
         self._place()
         for r, name in enumerate(self.actors):
             spec_r = receiver_spec.for_rank(r + 1) if self.weight_sync == "torch_distributed" else receiver_spec
@@ -364,7 +375,8 @@ class RayRuntime:
             if state is not None:  # set before the loop runs: a threaded actor may run two calls at once
                 ray.get(self.actors[name].restore_sampler.remote(state), timeout=self.timeout)
             self.calls[name] = self.actors[name].run.remote(*self._loop_args[name])
-        self._supervisor = threading.Thread(target=self._supervise, name="rollout-supervisor", daemon=True)
+        self._supervisor = threading.Thread(target=self._supervise, args=(queue, timeline), name="rollout-supervisor",
+                                            daemon=True)
         self._supervisor.start()
 
     def _place(self) -> None:
@@ -390,7 +402,7 @@ class RayRuntime:
                     "torch_distributed on a cluster of several nodes"
                 )
 
-    def _supervise(self) -> None:
+    def _supervise(self, queue: RayTransferQueue, timeline: Timeline) -> None:
         """Collect finished loops; release and restart the loop of a replica that died."""
         while not self._stop.is_set():
             with self._lock:
@@ -403,14 +415,14 @@ class RayRuntime:
                 try:
                     generated, events = ray.get(ref, timeout=self.timeout)
                     self.generated += generated
-                    self.timeline.merge(events)
+                    timeline.merge(events)
                     with self._lock:
                         del self.calls[name]
                 except RayActorError as err:
                     if self._stop.is_set():  # killed by `close`
                         return
                     try:
-                        self._recover(name, err)
+                        self._recover(name, err, queue, timeline)
                     except Exception as recovery_error:  # noqa: BLE001 - no restart, or e.g. the queue's node is gone
                         self.error = recovery_error
                         return
@@ -421,7 +433,7 @@ class RayRuntime:
     def _node(self, name: str) -> Node | str:
         return self.nodes.get(name, "an unknown node")
 
-    def _recover(self, name: str, err: BaseException) -> None:
+    def _recover(self, name: str, err: BaseException, queue: RayTransferQueue, timeline: Timeline) -> None:
         """`name` died: release the rows it held, wait until Ray has restarted it, and run its loop again. Raises
         (the run's error, see `_supervise`) when it cannot be restarted."""
         self.restarts += 1
@@ -434,11 +446,11 @@ class RayRuntime:
         if self.restarts > self.config.runtime.max_restarts:
             raise RuntimeError(f"rollout replicas died {self.restarts} times (runtime.max_restarts); last: "
                                f"{name} on {self._node(name)}: {_first_line(err)}")
-        released = self.queue.release(ROLLOUT_TASK, name, RESPONSE_COLUMNS)
+        released = queue.release(ROLLOUT_TASK, name, RESPONSE_COLUMNS)
         count = sum(len(rows) for rows in released.values())
         log.warning("rollout replica %s on %s died (%s); %d rows it held are released; restarting it", name,
                     self._node(name), type(err).__name__, count)
-        self.timeline.instant(name, "restart", released=count)
+        timeline.instant(name, "restart", released=count)
         deadline = time.monotonic() + self.start_timeout
         while True:  # calls fail fast with ActorUnavailableError while Ray restarts the process
             try:
@@ -478,7 +490,8 @@ class RayRuntime:
                 continue  # dead or restarting: keep its last counts
             last = self._reward_counts.get(name)
             if last is not None and last[0] != incarnation:  # restarted since the last poll
-                self._retired_reward_counts = tuple(a + b for a, b in zip(self._retired_reward_counts, last[1:]))
+                errors_before, timeouts_before = self._retired_reward_counts
+                self._retired_reward_counts = (errors_before + last[1], timeouts_before + last[2])
             self._reward_counts[name] = (incarnation, errors, timeouts)
         counts = [c[1:] for c in self._reward_counts.values()] + [self._retired_reward_counts]
         return {"reward/errors": float(sum(e for e, _ in counts)), "reward/timeouts": float(sum(t for _, t in counts))}
@@ -554,7 +567,7 @@ class RayRanks:
         self._release_ray = release_ray  # the launcher's hold on Ray (`hold_ray`), released by `close`
         actor_cls = ray.remote(TrainRankActor).options(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources,
                                                        max_restarts=0)
-        self.actors = [actor_cls.remote() for _ in range(world)]
+        self.actors: list[ActorHandle[TrainRankActor]] = [_spawn(actor_cls) for _ in range(world)]
         self.nodes: list[Node | None] = [None] * world
         try:
             host, port = self._wait([self.actors[0].node_address.remote(local)], "start", timeout)[0]

@@ -161,7 +161,7 @@ class _Sampling(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)  # -1 or 0: off
     n: int = Field(1, ge=1, le=64)
-    stop: str | Items[str] | None = Field(None, validate_default=True)
+    stop: Items[str] = Field(default_factory=list)  # a string or null as written: a list of 1 or 0 (`_stop_list`)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     seed: int | None = None  # accepted and ignored: the engine's one generator is shared by every caller
@@ -183,10 +183,14 @@ class _Sampling(BaseModel):
             raise ValueError("penalties are not supported by this server (leave them 0)")
         return value
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else [] if value is None else value
+
     @field_validator("stop")
     @classmethod
-    def _stop_list(cls, value):
-        stops = [value] if isinstance(value, str) else list(value or [])
+    def _no_empty_stop(cls, stops: list[str]) -> list[str]:
         if any(not s for s in stops):
             raise ValueError("stop strings may not be empty")
         return stops  # count and length: `ServingLimits`, checked by the API (`parse_request`, `_check_size`)
@@ -508,10 +512,16 @@ class _API:
     def _episode(self, episode_id: str | None, n: int = 1) -> None:
         if episode_id is None:
             return
-        if self.recorder is None or not self.recorder.is_open(episode_id):
+        if not self._recorder(episode_id).is_open(episode_id):
             raise APIError(404, f"episode {episode_id!r} is not open", code="episode_not_found")
         if n != 1:
             raise APIError(400, "n must be 1 within an episode (one sample per call)", param="n")
+
+    def _recorder(self, episode_id: str) -> EpisodeRecorder:
+        """The recorder of episodes' calls: 404 for `episode_id` on a server without one (it opens no episode)."""
+        if self.recorder is None:
+            raise APIError(404, f"episode {episode_id!r} is not open", code="episode_not_found")
+        return self.recorder
 
     def _encode(self, text: str) -> list[int]:
         try:
@@ -534,12 +544,12 @@ class _API:
             ids = list(prompt)
             self._check_ids(ids, "prompt")  # before decoding: a tokenizer may raise on ids outside its vocabulary
             return ids, tokenizer.decode(ids, skip_special_tokens=True)
-        ids = self._continued(episode_id, "completion", prompt)
-        if ids is None:
+        continued = self._continued(episode_id, "completion", prompt)
+        if continued is None:
             bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-            ids = bos + self._encode(prompt)
-        self._check_ids(ids, "prompt")
-        return ids, prompt
+            continued = bos + self._encode(prompt)
+        self._check_ids(continued, "prompt")
+        return continued, prompt
 
     def _chat_prompt(self, messages: list[ChatMessage], episode_id: str | None,
                      tools: list[dict] | None = None) -> tuple[list[int], str]:
@@ -670,7 +680,7 @@ class _API:
             call = CallRecord(list(completion.prompt_ids), list(ids), list(logprobs), completion.weight_version, finish)
             context = prompt_text + tokenizer.decode(ids, skip_special_tokens=kind == "completion")
             try:
-                self.recorder.record(episode_id, call, kind=kind, text=context)
+                self._recorder(episode_id).record(episode_id, call, kind=kind, text=context)
             except UnknownEpisodeError:
                 raise APIError(404, f"episode {episode_id!r} was closed", code="episode_not_found") from None
         turn = ToolTurn(text) if tool_format is None else parse_turn(text, tool_format)
@@ -678,7 +688,7 @@ class _API:
             finish = "tool_calls" if finish == "stop" else finish
             if episode_id is not None:
                 try:
-                    self.recorder.record_tool_turn(episode_id, turn.call_ids, text, turn)
+                    self._recorder(episode_id).record_tool_turn(episode_id, turn.call_ids, text, turn)
                 except UnknownEpisodeError:
                     raise APIError(404, f"episode {episode_id!r} was closed", code="episode_not_found") from None
         self.meter.choice(len(completion.prompt_ids), len(ids), finish, completion.weight_version)
@@ -742,11 +752,14 @@ class _API:
             if not abandoned:
                 loop.call_soon_threadsafe(arrivals.put_nowait, (choice, ids, lps))
 
+        def on_done(choice: int, future: Future) -> None:  # on the engine's thread
+            if not abandoned:
+                loop.call_soon_threadsafe(arrivals.put_nowait, (choice, future, None))
+
         futures = self._submit([ids for ids, _ in rendered], params, body.n, episode_id or body.user, on_tokens)
         for choice, future in enumerate(futures):
-            future.add_done_callback(lambda f, c=choice: abandoned or loop.call_soon_threadsafe(
-                arrivals.put_nowait, (c, f, None)))
-        if not self.served.service.streams_tokens and not self.told_choice_streaming:
+            future.add_done_callback(functools.partial(on_done, choice))
+        if self._streaming() == "choice" and not self.told_choice_streaming:
             self.told_choice_streaming = True
             log.warning("this engine cannot stream tokens: a streamed choice is sent once it has finished")
         envelope = self._envelope(kind, "chat.completion.chunk" if kind == "chat" else "text_completion")
@@ -756,8 +769,9 @@ class _API:
 
         def piece(index: int, text: str, ids: list[int], lps: list[float], finish: str | None = None,
                   tool_calls: list[dict] | None = None, **extra) -> str:
+            body_part: dict[str, Any]
             if kind == "chat":
-                delta = {"content": text} if text else {}
+                delta: dict[str, Any] = {"content": text} if text else {}
                 if tool_calls:  # each call whole, in one delta (OpenAI's shape allows its arguments in pieces)
                     delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
                 body_part = {"delta": delta}

@@ -25,6 +25,7 @@ import threading
 from dataclasses import dataclass
 
 from asyncflow.engines.base import Transcript
+from asyncflow.serving.tool_calling import ToolTurn
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class EpisodeRecorder:
     def __init__(self):
         self._calls: dict[str, list[CallRecord]] = {}
         self._contexts: dict[str, tuple[str, list[int], str]] = {}  # (kind, ids, text) of the latest call
-        self._tool_turns: dict[str, dict[tuple[str, ...], tuple[str, object]]] = {}  # by episode, by call ids
+        self._tool_turns: dict[str, dict[tuple[str, ...], tuple[str, ToolTurn]]] = {}  # by episode, by call ids
         self._lock = threading.Lock()
 
     def open(self, episode_id: str) -> None:
@@ -104,14 +105,14 @@ class EpisodeRecorder:
             self._calls[episode_id].append(call)
             self._contexts[episode_id] = (kind, call.prompt_ids + call.response_ids, text)
 
-    def record_tool_turn(self, episode_id: str, call_ids: tuple[str, ...], text: str, turn: object) -> None:
+    def record_tool_turn(self, episode_id: str, call_ids: tuple[str, ...], text: str, turn: ToolTurn) -> None:
         """Remember an assistant turn with tool calls: the text the model sampled and the `turn` returned for it."""
         with self._lock:
             if episode_id not in self._calls:
                 raise UnknownEpisodeError(episode_id)
             self._tool_turns.setdefault(episode_id, {})[call_ids] = (text, turn)
 
-    def tool_turn(self, episode_id: str, call_ids: tuple[str, ...]) -> tuple[str, object] | None:
+    def tool_turn(self, episode_id: str, call_ids: tuple[str, ...]) -> tuple[str, ToolTurn] | None:
         """(sampled text, turn returned) of the episode's tool-calling turn with these call ids, if it returned one."""
         with self._lock:
             return self._tool_turns.get(episode_id, {}).get(call_ids)

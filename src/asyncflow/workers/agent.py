@@ -190,8 +190,9 @@ class AgentRolloutWorker:
         # request never reached the server, so nothing is recorded twice).
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=5)
         http = httpx.Client(timeout=self.episode_timeout_s, transport=httpx.HTTPTransport(retries=1, limits=limits))
+        # openai 3 annotates `http_client` as httpx2's client only; it takes an httpx one too (openai>=1.0 here)
         return openai.OpenAI(base_url=f"{self.server.url}/v1", api_key=self.api_key, max_retries=0,
-                             timeout=self.episode_timeout_s, http_client=http)
+                             timeout=self.episode_timeout_s, http_client=http)  # type: ignore[arg-type]
 
     def _run(self, episode: _Episode) -> None:
         episode.started = time.monotonic()

@@ -42,7 +42,8 @@ from asyncflow.engines.service import EngineService
 from asyncflow.envs import Environment, SandboxLimits, ToolBox, make_environment
 from asyncflow.envs.builtin import COUNTERS
 from asyncflow.rewards import CompositeReward
-from asyncflow.workers.rollout import FinishedRow, Rollout, RolloutWorker, RowWriter
+from asyncflow.rewards.contract import RewardFn
+from asyncflow.workers.rollout import FinishedRow, GeneratingRole, Rollout, RolloutWorker, RowWriter
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ class MultiTurnSpec:
     """Plain settings of a multi-turn rollout (travels to a Ray actor); `build` makes the `EpisodeRunner`."""
 
     env: str
-    reward_specs: tuple[tuple[str, float], ...]
+    reward_specs: tuple[tuple[str | RewardFn, float], ...]
     max_turns: int
     max_context_tokens: int
     concurrency: int
@@ -314,7 +315,7 @@ class MultiTurnRolloutWorker:
 
 
 def make_rollout_worker(engine: InferenceEngine, params: SamplingParams, group_size: int, *,
-                        multiturn: MultiTurnSpec | None = None, tokenizer=None):
+                        multiturn: MultiTurnSpec | None = None, tokenizer=None) -> GeneratingRole:
     """A `RolloutWorker` (single-turn), or a `MultiTurnRolloutWorker` when `multiturn` is given."""
     if multiturn is None:
         return RolloutWorker(engine, params, group_size)

@@ -1,9 +1,10 @@
 """Rollout worker: turns prompts into sampled responses with an inference engine.
 
 Owns: the `Rollout` record (one sampled response and everything later stages add to it), the `RolloutRole`
-protocol every rollout worker implements (single-turn here; multi-turn and agent workers elsewhere), the
-`RowWriter` they all write finished rows through, and `RolloutWorker`, which expands each prompt into
-`group_size` requests and yields rollouts in completion order.
+protocol every rollout worker implements (single-turn here; multi-turn and agent workers elsewhere) and
+`GeneratingRole`, those that also sample prompts given outside the queue, the `RowWriter` they all write
+finished rows through, and `RolloutWorker`, which expands each prompt into `group_size` requests and yields
+rollouts in completion order.
 
 Invariants:
 - Every rollout carries the weight version of the engine that generated it. A partial rollout (its
@@ -85,7 +86,7 @@ WRITE_ROWS = 32  # finished responses per queue write
 
 
 class RolloutRole(Protocol):
-    """What a runtime and a workflow need of a rollout worker."""
+    """What a runtime and a workflow need of a rollout worker (single-turn, multi-turn or an agent's)."""
 
     engine: InferenceEngine
     scores_rows: bool
@@ -96,11 +97,16 @@ class RolloutRole(Protocol):
         """Generate every row of `partition` not yet taken by another rollout worker; returns rows written."""
         ...
 
-    def generate(self, prompts: Iterable[Prompt]) -> Iterator[Rollout]:
-        """One rollout per (prompt, sample) as it finishes (evaluation, benchmarks)."""
-        ...
-
     def close(self) -> None: ...
+
+
+class GeneratingRole(RolloutRole, Protocol):
+    """A rollout worker that also samples prompts given to it outside the queue (evaluation, benchmarks):
+    single-turn and multi-turn workers; an agent's worker runs episodes only from the queue."""
+
+    def generate(self, prompts: Iterable[Prompt]) -> Iterator[Rollout]:
+        """One rollout per (prompt, sample) as it finishes."""
+        ...
 
 
 @dataclass

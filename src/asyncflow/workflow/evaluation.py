@@ -24,7 +24,7 @@ from asyncflow.data import Example
 from asyncflow.data.prompts import PromptEncoder
 from asyncflow.engines.base import InferenceEngine, SamplingParams
 from asyncflow.workers.reward import RewardWorker
-from asyncflow.workers.rollout import RolloutRole, RolloutWorker
+from asyncflow.workers.rollout import GeneratingRole, RolloutWorker
 
 if TYPE_CHECKING:
     from asyncflow.runtime.base import RolloutSpec
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 def evaluate(
     engine: InferenceEngine, rewards: RewardWorker, encoder: PromptEncoder, test: list[Example], params: SamplingParams,
-    *, episodes: RolloutRole | None = None,
+    *, episodes: GeneratingRole | None = None,
 ) -> dict[str, float]:
     """Held-out accuracy: fraction of prompts whose single sample scores a reward >= 1. With `episodes` (a
     multi-turn worker over `engine`, group size 1) each sample is an episode scored by its environment."""
@@ -73,7 +73,7 @@ def evaluate_model(config, model: str | Path, test: list[Example]) -> dict[str, 
     `asyncflow.workflow.serve`), on a rollout engine built as the run's replicas are, with `config`'s task,
     prompts and rewards."""
     from asyncflow.models.loading import load_tokenizer
-    from asyncflow.runtime.base import build_rollout_worker
+    from asyncflow.runtime.base import build_generating_worker
     from asyncflow.workflow.checkpoint import load_weights, pinned
     from asyncflow.workflow.serve import resolve_model_ref
     from asyncflow.workflow.setup import build_reward_runner, prompt_encoder, rollout_spec, sampling_params
@@ -83,7 +83,7 @@ def evaluate_model(config, model: str | Path, test: list[Example]) -> dict[str, 
     tokenizer = load_tokenizer(ref.model_path)
     params = sampling_params(config, tokenizer, greedy=True, model_path=ref.model_path)
     spec = evaluation_spec(rollout_spec(config, ref.model_path, tokenizer), params)
-    worker = build_rollout_worker(spec, scorer=None)
+    worker = build_generating_worker(spec)
     try:
         if weights is not None:
             worker.engine.update_weights(weights, 1)

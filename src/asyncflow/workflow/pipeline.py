@@ -44,6 +44,8 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,10 +55,10 @@ from asyncflow.data.prompts import Prompt, PromptSource
 from asyncflow.observe import Timeline
 from asyncflow.runtime.base import Runtime
 from asyncflow.transfer import GroupSampler, TransferQueue
-from asyncflow.weights import Weights, make_weight_sync
+from asyncflow.weights import WeightPublisher, Weights, make_weight_sync
 from asyncflow.workers.loops import BackgroundThread, partition_name, restore_sampler, reward_loop
 from asyncflow.workers.reward import RewardWorker
-from asyncflow.workers.rollout import Rollout
+from asyncflow.workers.rollout import Rollout, RolloutRole
 from asyncflow.workers.stage import StageWorker, stage_loop
 from asyncflow.workers.trainer import TRAIN_COLUMNS, PolicyTrainer
 from asyncflow.workflow.ahead import decode_tensor, encode_tensor, read_rows, replay_rows
@@ -172,7 +174,7 @@ class PipelineWorkflow:
         # the per-token columns a checkpoint keeps of rows generated ahead (stages compute theirs again)
         self.row_columns = [c for c in trainer.columns if c not in TRAIN_COLUMNS and c not in stage_outputs] \
             if trainer is not None else []
-        self.publisher = None
+        self.publisher: WeightPublisher | None = None
         if self.mode != "sync":
             self.publisher = make_weight_sync(runtime.weight_sync, **runtime.weight_sync_options)
         self.sampler = GroupSampler()
@@ -181,6 +183,21 @@ class PipelineWorkflow:
         self.reward_thread: BackgroundThread | None = None
         self.stage_threads: list[BackgroundThread] = []
         self.cursors: dict[int, dict] = {}  # partition step -> the prompt source's cursor before it was fed
+
+    @property
+    def local_rollout(self) -> RolloutRole:
+        """`sync`'s rollout worker, in this process."""
+        if self.runtime.local_rollout is None:
+            raise RuntimeError("workflow.mode=sync generates in this process: it needs runtime.kind=inline")
+        return self.runtime.local_rollout
+
+    @property
+    def weight_channel(self) -> WeightPublisher:
+        """`stream` / `async`: the channel the replicas receive weight versions through."""
+        if self.publisher is None:
+            raise RuntimeError(f"no weight channel: workflow.mode={self.mode} (sync has none), or the workflow is "
+                               "closed")
+        return self.publisher
 
     # ------------------------------------------------------------------ the verbs every workflow is written in
     def put_prompts(self, step: int) -> None:
@@ -195,8 +212,8 @@ class PipelineWorkflow:
         cfg = self.config
         partition = partition_name(step)
         t0 = time.time()
-        self.runtime.local_rollout.run_partition(self.queue, partition, batch_size=cfg.rollout.max_batch_size,
-                                                 timeout=self.timeout)
+        self.local_rollout.run_partition(self.queue, partition, batch_size=cfg.rollout.max_batch_size,
+                                         timeout=self.timeout)
         t1 = time.time()
         if not self.scored_in_rollout:
             self.rewards.run_partition(self.queue, partition, batch_size=cfg.rollout.max_batch_size,
@@ -230,9 +247,9 @@ class PipelineWorkflow:
         through the weight channel, which swap them in between partitions."""
         t0 = time.time()
         if self.mode == "sync":
-            self.runtime.local_rollout.engine.update_weights(self.policy_weights(), version)
+            self.local_rollout.engine.update_weights(self.policy_weights(), version)
         else:
-            self.publisher.publish(self.weights_to_publish(), version)
+            self.weight_channel.publish(self.weights_to_publish(), version)
         self.timeline.add_span("trainer", "publish_weights", t0, time.time(), version=version)
 
     def start(self, step: int, version: int, resume: dict | None = None) -> None:
@@ -242,7 +259,7 @@ class PipelineWorkflow:
         resume = resume or {}
         samplers = {name: decode_tensor(state) for name, state in resume.get("samplers", {}).items()}
         if self.mode == "sync":
-            engine = self.runtime.local_rollout.engine
+            engine = self.local_rollout.engine
             restore_sampler(engine, samplers.get("rollout"))
             if version > 0:  # resumed: the engine loaded the initial weights
                 engine.update_weights(self.policy_weights(), version)
@@ -264,8 +281,8 @@ class PipelineWorkflow:
         # so how fast the replicas start cannot change which weights generate it.
         last = max(replayed, default=-1)
         self.hold_before = last if self.k > 0 and 0 <= last < cfg.train.steps - 1 else None
-        self.publisher.publish(self.weights_to_publish(), version)
-        self.runtime.start_rollout(self.queue, self.publisher.receiver_spec, steps, max_staleness=self.k,
+        self.weight_channel.publish(self.weights_to_publish(), version)
+        self.runtime.start_rollout(self.queue, self.weight_channel.receiver_spec, steps, max_staleness=self.k,
                                    timeline=self.timeline, sampler_states=samplers)
         if not self.scored_in_rollout:
             self.reward_thread = BackgroundThread(
@@ -352,7 +369,7 @@ class PipelineWorkflow:
         partitions from `step` on)."""
         for s in [s for s in self.cursors if s < step]:
             del self.cursors[s]
-        state = {"cursor": self.cursors.get(step, self.prompts.cursor())}
+        state: dict[str, Any] = {"cursor": self.cursors.get(step, self.prompts.cursor())}
         if self.mode == "sync":
             state["samplers"] = self._encoded(self.runtime.sampler_states(step - 1, self.timeout))
             return state
@@ -361,7 +378,7 @@ class PipelineWorkflow:
         deadline = time.monotonic() + self.rows_timeout
         fed = max(self.cursors, default=step - 1)
         for s in range(step, min(step + self.k, fed + 1)):  # maybe started with older weights
-            self._wait_until(lambda s=s: self._finished(s), deadline, f"checkpoint: partition {s} was not generated")
+            self._wait_until(partial(self._finished, s), deadline, f"checkpoint: partition {s} was not generated")
         ahead = []
         rows_per_partition = self.config.rollout.prompts_per_step * self.config.rollout.group_size
         for s in range(step, fed + 1):

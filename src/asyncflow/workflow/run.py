@@ -59,12 +59,13 @@ from asyncflow.observe.live import LiveMetrics, Watchdog
 from asyncflow.observe.memory import memory_metrics
 from asyncflow.rewards import RewardHealth
 from asyncflow.rewards.health import counter_growth
-from asyncflow.runtime.base import build_rollout_worker
+from asyncflow.runtime.base import Runtime, build_generating_worker
 from asyncflow.runtime.factory import make_runtime
 from asyncflow.weights.segments import sweep_dead_segments
 from asyncflow.workers.loops import check_updates_in_flight
 from asyncflow.workers.multiturn import make_rollout_worker
 from asyncflow.workers.reward import RewardWorker
+from asyncflow.workers.rollout import GeneratingRole
 from asyncflow.workers.trainer import PolicyTrainer
 from asyncflow.workflow import watch
 from asyncflow.workflow.checkpoint import SHARDED_DIR, CheckpointError, load_checkpoint, save_checkpoint
@@ -85,7 +86,7 @@ from asyncflow.workflow.setup import (
     teacher_engine_options,
     train_engine_options,
 )
-from asyncflow.workflow.stopping import RunStopped, StopSignals
+from asyncflow.workflow.stopping import StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,10 @@ class RLRun:
         self.tokenizer = load_tokenizer(model_path)
         self.train_engine = make_train_engine(config.train.engine, **train_engine_options(config, model_path),
                                               **teacher_engine_options(config, self.tokenizer))
-        self.runtime = self.workflow = self.eval_worker = None  # what evaluation generates with: see `evaluate`
+        # built below; `close` stops what was built when the constructor fails part way
+        self._runtime: Runtime | None = None
+        self._workflow: PipelineWorkflow | None = None
+        self.eval_worker: GeneratingRole | None = None  # what evaluation generates with: see `evaluate`
         self.live: LiveMetrics | None = None
         self.watchdog: Watchdog | None = None
         self.closed = False
@@ -159,14 +163,14 @@ class RLRun:
             self.eval_encoder = prompt_encoder(config, self.tokenizer)
             self.eval_params = sampling_params(config, self.tokenizer, greedy=True)
             sweep_dead_segments()  # shared-memory segments that killed runs left behind (`asyncflow.weights.segments`)
-            self.runtime = make_runtime(config, self.spec, self.rewards)
+            self._runtime = make_runtime(config, self.spec, self.rewards)
             if config.rollout.on_weight_update == "resume" and self.runtime.local_rollout is not None:
                 check_updates_in_flight(self.runtime.local_rollout.engine)
             self.resume_state = self._resume(plan.checkpoint) if plan.checkpoint is not None else None
             policy_weights, weights_to_publish = self.train_engine.state_dict, self.train_engine.weight_stream
             if self.spec.adapter is not None:  # LoRA adapter sync: a version is the adapter alone
                 policy_weights = weights_to_publish = cast(TorchTrainEngine, self.train_engine).adapter_weights
-            self.workflow = PipelineWorkflow(
+            self._workflow = PipelineWorkflow(
                 config, runtime=self.runtime, trainer=self.trainer, prompts=self.prompts,
                 policy_weights=policy_weights, rewards=self.rewards, timeline=self.timeline,
                 scores_rows=self.spec.scores_rows, stages=stage_workers(config),
@@ -180,6 +184,19 @@ class RLRun:
             self.run_dir, resume_from_step=self.state.step if self.resume_state is not None else None,
             tensorboard=config.observe.tensorboard, wandb=config.observe.wandb_run(config),
         )
+
+    @property
+    def runtime(self) -> Runtime:
+        """Where the rollout replicas run."""
+        if self._runtime is None:
+            raise RuntimeError("the run's runtime is not built: its constructor failed")
+        return self._runtime
+
+    @property
+    def workflow(self) -> PipelineWorkflow:
+        if self._workflow is None:
+            raise RuntimeError("the run's workflow is not built: its constructor failed")
+        return self._workflow
 
     @property
     def step(self) -> int:
@@ -215,11 +232,12 @@ class RLRun:
     def _resume(self, checkpoint: Path) -> dict:
         """Restore weights, optimizer, RNGs, the prompt cursor and `RunState`; returns the workflow's part."""
         sharded = checkpoint / SHARDED_DIR
-        from_shards = isinstance(self.train_engine, ShardedCheckpointing) and sharded.is_dir()
+        engine = self.train_engine
+        shards = engine if isinstance(engine, ShardedCheckpointing) and sharded.is_dir() else None
         # the ranks read their shards: the driver reads no copy of the full weights
-        weights, training_state, state, _ = load_checkpoint(checkpoint, with_weights=not from_shards)
-        if from_shards:
-            self.train_engine.load_sharded(sharded)  # weights and optimizer state, resharded to this world size
+        weights, training_state, state, _ = load_checkpoint(checkpoint, with_weights=shards is None)
+        if shards is not None:
+            shards.load_sharded(sharded)  # weights and optimizer state, resharded to this world size
             self.train_engine.load_training_state(training_state)
         elif sharded.is_dir():
             raise CheckpointError(f"{checkpoint}: written by a multi-rank engine (its optimizer state is sharded in "
@@ -254,8 +272,8 @@ class RLRun:
         else:
             borrowed = self.train_engine.policy_module()
             if self.eval_worker is None:
-                self.eval_worker = build_rollout_worker(
-                    evaluation_spec(self.spec, self.eval_params), scorer=None, policy=borrowed)
+                self.eval_worker = build_generating_worker(
+                    evaluation_spec(self.spec, self.eval_params), policy=borrowed)
             engine = self.eval_worker.engine
             if borrowed is None:
                 engine.update_weights(self.train_engine.state_dict(), self.state.version)
@@ -286,7 +304,7 @@ class RLRun:
     def _train(self) -> list[dict]:
         cfg = self.config
         state = self.state
-        history = []
+        history: list[dict] = []
         if state.step >= cfg.train.steps:
             log.info("the run in %s is finished (step %d, train.steps=%d): nothing to train", self.run_dir,
                      state.step, cfg.train.steps)
@@ -328,8 +346,8 @@ class RLRun:
                 if self.stop.requested and not last:
                     self.metrics.close()
                     write_reports(self.run_dir, self.timeline, cfg.workflow.mode)
-                    raise RunStopped(self.stop.signum, f"stopped by {self.stop.name} after step {state.step}: "
-                                     f"checkpoint {checkpoint} written; continue with --resume")
+                    raise self.stop.stopped(f"after step {state.step}: checkpoint {checkpoint} written; continue with "
+                                            "--resume")
         self.workflow.finish()
         self.train_engine.close()  # the last checkpoint holds its state: freed before the reports' plots
         self.metrics.close()
@@ -345,7 +363,7 @@ class RLRun:
         if self.closed:
             return
         self.closed = True
-        for part in (self.watchdog, self.live, self.workflow, self.eval_worker, self.train_engine, self.runtime):
+        for part in (self.watchdog, self.live, self._workflow, self.eval_worker, self.train_engine, self._runtime):
             if part is not None:
                 part.close()
 

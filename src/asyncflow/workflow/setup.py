@@ -196,6 +196,7 @@ def teacher_engine_options(config: Config, tokenizer) -> dict:
         return {}
     from asyncflow.workflow.serve import load_served, resolve_model_ref
 
+    options: dict[str, Any]
     if config.train.engine == "torch":
         served = load_served(ref, dtype=config.model.dtype, device=config.model.device)
         options, teacher_tokenizer = {"teacher": served.model}, served.tokenizer

@@ -46,12 +46,12 @@ from asyncflow.config import Config, ConfigError
 from asyncflow.data import Example
 from asyncflow.data.prompts import open_task
 from asyncflow.data.tasks import carve_validation
-from asyncflow.engines.base import ShardedCheckpointing, make_train_engine
+from asyncflow.engines.base import ShardedCheckpointing, TrainEngine, make_train_engine
 from asyncflow.models.loading import load_tokenizer, model_with_weights, render_prompt, resolve_model_path
 from asyncflow.models.logprobs import TrainSample, response_mask
 from asyncflow.models.tri_model import TriLogProbs
 from asyncflow.observe import MetricsLogger, TrainProgress
-from asyncflow.runtime.base import build_rollout_worker
+from asyncflow.runtime.base import build_generating_worker
 from asyncflow.workers.reward import RewardWorker
 from asyncflow.workflow.checkpoint import (
     SHARDED_DIR,
@@ -77,7 +77,7 @@ from asyncflow.workflow.setup import (
     seed_everything,
     train_engine_options,
 )
-from asyncflow.workflow.stopping import RunStopped, StopSignals
+from asyncflow.workflow.stopping import StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class ValidationProbe:
         self.validation, self.version = validation, 0
         self.params = sampling_params(config, tokenizer, greedy=True)
         spec = evaluation_spec(rollout_spec(config, model_path, tokenizer), self.params)
-        self.worker = build_rollout_worker(spec, scorer=None)
+        self.worker = build_generating_worker(spec)
         self.episodes = self.worker if spec.multiturn is not None else None
         self.rewards = RewardWorker(build_reward_runner(config), tokenizer)
         self.encoder = prompt_encoder(config, tokenizer)
@@ -196,7 +196,8 @@ def run_sft(config: Config, output: str | Path, stop: StopSignals | None = None)
         "warmup_steps": cfg.warmup_steps, "use_reference": False, "packing": "off", "critic": None})  # no critic in SFT
     rng, to_sample = random.Random(config.run.seed), sft_samples(config, tokenizer)
     sharded = engine.save_sharded if isinstance(engine, ShardedCheckpointing) else None
-    checks, reached, step, wall_offset = [], False, 0, 0.0  # checks: (step, validation accuracy)
+    checks: list[tuple[int, float]] = []  # (step, validation accuracy)
+    reached, step, wall_offset = False, 0, 0.0
     if resume_from is not None:
         step, checks, reached, wall_offset = _resume(engine, rng, resume_from)
         if probe is not None:
@@ -223,16 +224,16 @@ def run_sft(config: Config, output: str | Path, stop: StopSignals | None = None)
                 if probe is not None and (step % cfg.check_every == 0 or step == cfg.steps):
                     checks.append((step, probe.accuracy(engine.state_dict())))
                     row["sft/val_accuracy"] = checks[-1][1]
-                    reached = checks[-1][1] >= cfg.stop_accuracy
+                    reached = cfg.stop_accuracy is not None and checks[-1][1] >= cfg.stop_accuracy
                 metrics.log(step, row)
                 bar.update(step, {k: v for k, v in row.items() if k in ("sft/loss", "sft/val_accuracy")})
                 stopping = stop is not None and stop.requested
                 if (step == cfg.steps or reached or stopping
                         or config.checkpoint.every and step % config.checkpoint.every == 0):
                     save()
-                if stopping:
-                    raise RunStopped(stop.signum, f"stopped by {stop.name} during SFT (step {step}): the SFT model is "
-                                     f"not written; SFT continues from this step's checkpoint when run again")
+                if stopping and stop is not None:
+                    raise stop.stopped(f"during SFT (step {step}): the SFT model is not written; SFT continues from "
+                                       "this step's checkpoint when run again")
         # under LoRA the merged weights: a plain model folder; the engine's tensors, not a second copy of them
         model = model_with_weights(model_path, engine.state_dict(), dtype=config.model.dtype)
     finally:
@@ -314,7 +315,8 @@ def _resumable(output: Path, settings: dict) -> Path | None:
     return None
 
 
-def _resume(engine, rng: random.Random, checkpoint: Path) -> tuple[int, list, bool, float]:
+def _resume(engine: TrainEngine, rng: random.Random,
+            checkpoint: Path) -> tuple[int, list[tuple[int, float]], bool, float]:
     """Restore the engine (weights, optimizer, schedule), the global RNGs and the example sampler from an SFT
     checkpoint; -> (step, checks, reached, wall seconds so far)."""
     weights, training_state, state, _ = load_checkpoint(checkpoint)

@@ -68,6 +68,13 @@ class StopSignals:
     def name(self) -> str:
         return signal.Signals(self.signum).name if self.signum is not None else ""
 
+    def stopped(self, when: str) -> RunStopped:
+        """The `RunStopped` to raise once the signal received (`requested`) has been honoured: "stopped by
+        SIGNAL `when`"."""
+        if self.signum is None:
+            raise RuntimeError("no stop signal was received")
+        return RunStopped(self.signum, f"stopped by {self.name} {when}")
+
     def __enter__(self) -> StopSignals:
         self.install()
         return self
