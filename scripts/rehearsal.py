@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,51 @@ from test_multinode import Cluster  # noqa: E402  (the multi-node test's `ray st
 
 EXAMPLE = ROOT / "examples" / "rehearsal_0.5b.yaml"
 RUN_TIMEOUT_S = 3600.0
+
+
+class ProcessPeaks:
+    """Samples, every `period_s` from a thread of its own, the peak resident size (`VmHWM`) of every process
+    descended from `roots` (the nodes' `ray start` processes: their actors, vLLM's engine core and workers), by
+    process title: where a replica's weights and KV cache live (vLLM's worker process), which its actor's own
+    `memory/peak_rss_mb/rollout_R` does not see."""
+
+    def __init__(self, roots: list[int], period_s: float = 0.5):
+        self.roots, self.period_s = set(roots), period_s
+        self.peaks_kib: dict[tuple[int, str], int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        processes = {}  # pid -> (parent pid, peak KiB, title)
+        for status in Path("/proc").glob("[0-9]*/status"):
+            try:
+                fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+                title = (status.parent / "cmdline").read_bytes().split(b"\0")[0].decode()[:40]
+                peak = int(fields["VmHWM"].split()[0]) if "VmHWM" in fields else 0
+                processes[int(status.parent.name)] = (int(fields["PPid"]), peak, title)
+            except (OSError, ValueError, KeyError):
+                continue  # a process that ended meanwhile
+        children: dict[int, list[int]] = {}
+        for pid, (parent, _, _) in processes.items():
+            children.setdefault(parent, []).append(pid)
+        todo = [pid for pid in self.roots if pid in processes]
+        while todo:
+            pid = todo.pop()
+            _, peak, title = processes[pid]
+            self.peaks_kib[pid, title] = max(self.peaks_kib.get((pid, title), 0), peak)
+            todo.extend(children.get(pid, []))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._sample()
+
+    def stop(self) -> dict[str, int]:
+        """Stop sampling; `title (pid)` -> peak MiB, for the processes that reached 100 MiB."""
+        self._stop.set()
+        self._thread.join()
+        return {f"{title} ({pid})": kib // 1024 for (pid, title), kib in sorted(self.peaks_kib.items())
+                if kib >= 100 * 1024}
 
 
 def start_cluster(logs: Path) -> Cluster:
@@ -115,9 +161,26 @@ def check_export(export: Path, checkpoint: Path) -> None:
                                            add_generation_prompt=True)
     assert prompt.endswith("<|im_start|>user\n2+3=<|im_end|>\n<|im_start|>assistant\n"), prompt
     ids = tokenizer(prompt, return_tensors="pt").input_ids
-    assert tokenizer.convert_ids_to_tokens(ids[0, -3:].tolist())[0] == "<|im_start|>", "a special token was split"
+    tokens = tokenizer.convert_ids_to_tokens(ids[0].tolist())
+    assert tokens.count("<|im_start|>") == prompt.count("<|im_start|>") == 3, f"a special token was split: {tokens}"
     out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     assert out.shape[1] > ids.shape[1]
+
+
+def phase_seconds(run_dir: Path) -> dict[str, float]:
+    """Seconds per step of the last run (its `timeline.json`): each kind of span's total over the run divided by
+    the optimizer steps it took, and the median `time/step_s`."""
+    import statistics
+    from collections import Counter
+
+    events = [e for e in json.loads((run_dir / "timeline.json").read_text())["traceEvents"] if e.get("ph") == "X"]
+    totals: Counter[str] = Counter()
+    for event in events:
+        totals[event["name"]] += event["dur"] / 1e6
+    steps = sum(1 for e in events if e["name"] == "optimizer_step")
+    seconds = {name: total / max(steps, 1) for name, total in totals.items()}
+    seconds["step_median"] = statistics.median(r["time/step_s"] for r in rows(run_dir) if "time/step_s" in r)
+    return {name: round(value, 3) for name, value in sorted(seconds.items())}
 
 
 def folder_bytes(folder: Path) -> int:
@@ -134,6 +197,7 @@ def rehearse(config: Path, overrides: list[str], run_dir: Path, kill_after: int)
     assert 0 <= kill_after < steps, f"--kill-after must be below train.steps ({steps})"
     run_dir.mkdir(parents=True, exist_ok=True)
     cluster = start_cluster(run_dir)
+    sampler = ProcessPeaks([p.pid for p in cluster.nodes.values()])
     t0 = time.monotonic()
     try:
         env = cluster.env
@@ -146,6 +210,7 @@ def rehearse(config: Path, overrides: list[str], run_dir: Path, kill_after: int)
         walls["run_s"] = run_to_end(train_command(config, run_dir / "run", cluster.address, overrides,
                                                   bool(kill_after)), env, run_dir / "run.log")
     finally:
+        processes = sampler.stop()
         cluster.stop()
     steps_logged = rows(run_dir / "run")
     check_exactly_once(steps_logged, settings.rollout.prompts_per_step, settings.workflow.max_staleness)
@@ -160,6 +225,10 @@ def rehearse(config: Path, overrides: list[str], run_dir: Path, kill_after: int)
                 peaks[role] = max(peaks.get(role, 0.0), value)
     return {"steps": steps, "killed_after_checkpoint": kill_after, **{k: round(v, 1) for k, v in walls.items()},
             "wall_s": round(time.monotonic() - t0, 1), "peak_rss_mb": {k: round(v) for k, v in peaks.items()},
+            "process_peak_mb": processes,
+            "seconds_per_step": phase_seconds(run_dir / "run"),
+            "weights_gather_peak_mb": round(max(r.get("weights/gather_peak_bytes", 0) for r in steps_logged) / 2**20,
+                                            1),
             "checkpoint_mb": round(folder_bytes(last) / 2**20, 1),
             "export_mb": round(folder_bytes(run_dir / "run" / "export") / 2**20, 1)}
 
@@ -168,7 +237,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="CONFIG overrides (section.key=value)")
     parser.add_argument("--config", type=Path, default=EXAMPLE)
-    parser.add_argument("--kill-after", type=int, default=2, help="SIGKILL after this checkpoint (0: no kill)")
+    parser.add_argument("--kill-after", type=int, default=1, help="SIGKILL after this checkpoint (0: no kill)")
     parser.add_argument("--output", type=Path, help="folder of the run and its logs (default: a temporary one)")
     args = parser.parse_args()
     output = args.output or Path(tempfile.mkdtemp(prefix="rehearsal-"))
