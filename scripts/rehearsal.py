@@ -82,17 +82,24 @@ class ProcessPeaks:
                 if kib >= 100 * 1024}
 
 
-def start_cluster(logs: Path) -> Cluster:
-    """A head and a trainer node (`trainer_node`: one FSDP2 rank each) and a rollout node (`rollout_node`)."""
-    cluster = Cluster(logs)
-    try:
-        cluster.start("head", {"trainer_node": 1}, head=True)
-        cluster.start("rollout", {"rollout_node": 1})
-        cluster.start("trainer", {"trainer_node": 1})
-    except BaseException:
-        cluster.stop()
-        raise
-    return cluster
+def start_cluster(logs: Path, tries: int = 3) -> Cluster:
+    """A head and a trainer node (`trainer_node`: one FSDP2 rank each) and a rollout node (`rollout_node`). On a
+    loaded machine a node can miss Ray's own 30 s start limit: the whole cluster is then started again."""
+    for attempt in range(1, tries + 1):
+        cluster = Cluster(logs)
+        try:
+            cluster.start("head", {"trainer_node": 1}, head=True)
+            cluster.start("rollout", {"rollout_node": 1})
+            cluster.start("trainer", {"trainer_node": 1})
+            return cluster
+        except AssertionError:
+            cluster.stop()
+            if attempt == tries:
+                raise
+        except BaseException:
+            cluster.stop()
+            raise
+    raise AssertionError("unreachable")
 
 
 def train_command(config: Path, run_dir: Path, address: str, overrides: list[str], resume: bool) -> list[str]:
