@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-# Two runs, each starting two FSDP2 rank actors and a vLLM engine (~30 CPU-s), on three Ray nodes
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(900)]
+# Two runs, each starting two FSDP2 rank actors and a vLLM engine, on three Ray nodes: about 4 min on an idle
+# 2-core machine, 735 s measured at load 15-32 (docs/rehearsal.md); not the 2 minutes issue 42 asked for
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(1800)]
 pytest.importorskip("vllm", reason="needs vLLM: bash scripts/test_vllm.sh")
 
 ROOT = Path(__file__).resolve().parents[2]
