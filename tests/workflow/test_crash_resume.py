@@ -212,6 +212,18 @@ def test_async_ray_driver_killed(tmp_path, data_file, ray_cluster):
     assert [r["staleness/max"] for r in resumed[2:]] == [1.0] * (STEPS - 1), f"killed after {after}, seed {seed}"
 
 
+@pytest.mark.slow
+def test_async_ray_collective_weights_resume(tmp_path, data_file, ray_cluster):
+    """kill -9 and `--resume` of `async` on Ray with weights by `torch_distributed`, whose receiver's poll consumes
+    the version it returns: the resumed replica takes the checkpoint's version from its first poll and must count
+    it for the staleness bound (it used to wait for a newer one the trainer never published)."""
+    args = argv(tmp_path / "crashed", data_file, "async", "runtime.kind=ray", "runtime.weight_sync=torch_distributed",
+                "runtime.lend_idle_cores=false")
+    after = kill_at_random_step(tmp_path / "crashed", args, seed=0)  # after checkpoint 4: resumes at step >= 4
+    assert after == 4 and main([*args, "--resume"]) == 0
+    check_exactly_once(metrics(tmp_path / "crashed"))
+
+
 PPO = {  # PPO with a critic (issue 27): a value head in sync and async, a separate value model in stream
     "sync": ["algo.advantage=gae"],
     "stream": ["algo.advantage=gae", "algo.critic.kind=separate", "algo.critic.lr=3e-3"],

@@ -147,7 +147,8 @@ def rollout_loop(worker, queue, receiver, steps: range, *, max_staleness: int, b
             t0 = time.time()
             newest = receiver.poll(engine.weight_version)
             needed = oldest_admissible_version(step, max_staleness)
-            if engine.weight_version < needed:
+            # by what was just received too: a collective receiver's poll consumes the version it returns
+            if (newest[0] if newest is not None else engine.weight_version) < needed:
                 if cores is not None:
                     cores.idle()
                 newest = receiver.wait_for(needed, timeout)
