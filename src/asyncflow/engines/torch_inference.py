@@ -80,6 +80,7 @@ class SlotKVCache(Cache):
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self._start = 0
+        self._rows: torch.Tensor | None = None  # prefill: the fresh row each written row copies (None: row i is i)
         self._positions: torch.Tensor | None = None
         self._index: torch.Tensor | None = None  # positions expanded to a key update's shape, shared by layers
         self._kv_len = 0
@@ -95,8 +96,10 @@ class SlotKVCache(Cache):
                 tensors[i][:, :, : self.capacity] = old
         self.capacity = capacity
 
-    def prefill_rows(self, start: int) -> None:
-        self._start, self._positions = start, None
+    def prefill_rows(self, start: int, rows: torch.Tensor | None = None) -> None:
+        """The next forward prefills fresh sequences into rows `start ..`; with `rows [m]`, row `start + i` gets the
+        keys/values of the forward's row `rows[i]` (identical sequences run once)."""
+        self._start, self._rows, self._positions = start, rows, None
 
     def decode_at(self, positions: torch.Tensor, kv_len: int) -> None:
         self._positions, self._kv_len, self._index = positions, kv_len, None
@@ -115,9 +118,12 @@ class SlotKVCache(Cache):
                 tensors.append(states.new_zeros(self.rows, states.shape[1], self.capacity, states.shape[3]))
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         if self._positions is None:  # fresh prompts have no past: they attend to their own keys only
-            end, q = self._start + key_states.shape[0], key_states.shape[2]
-            keys[self._start : end, :, :q] = key_states
-            values[self._start : end, :, :q] = value_states
+            new_keys, new_values = key_states, value_states
+            if self._rows is not None:
+                new_keys, new_values = key_states[self._rows], value_states[self._rows]
+            end, q = self._start + new_keys.shape[0], key_states.shape[2]
+            keys[self._start : end, :, :q] = new_keys
+            values[self._start : end, :, :q] = new_values
             return key_states, value_states
         # Decode: scatter_ writes rows 0..n-1 of the full tensors (the index covers only those rows) and one
         # as_strided makes each [n, heads, kv_len, dim] window. A small model's decode step on CPU costs
@@ -401,12 +407,24 @@ class TorchInferenceEngine(InferenceEngineBase):
         self, cache: SlotKVCache, start: int, sequences: list[list[int]], logits_to_keep: int | torch.Tensor
     ) -> torch.Tensor:
         """Run `sequences` (right-padded to q, causal: a real token never sees the padding after it) into cache rows
-        `start ..` from position 0; -> the logits `logits_to_keep` selects."""
+        `start ..` from position 0; -> the logits `logits_to_keep` (an int, or per-row positions `[m, 1]`) selects,
+        one row per sequence. Identical sequences (the samples of a group share their prompt) run once and their
+        keys/values are copied: a row's result does not depend on the other rows of the batch."""
+        first: dict[tuple[int, ...], int] = {}
+        inverse = [first.setdefault(tuple(ids), row) for row, ids in enumerate(sequences)]
+        unique = list(first.values())  # the row of each distinct sequence's first occurrence
+        rows = None
+        if len(unique) < len(sequences):
+            position = {row: i for i, row in enumerate(unique)}
+            rows = torch.tensor([position[row] for row in inverse], device=self.device)
+            sequences = [sequences[row] for row in unique]
+            if isinstance(logits_to_keep, torch.Tensor):
+                logits_to_keep = logits_to_keep[unique]
         q = max(map(len, sequences))
         input_ids = torch.zeros(len(sequences), q, dtype=torch.long)
         for row, ids in enumerate(sequences):
             input_ids[row, : len(ids)] = torch.tensor(ids)
-        cache.prefill_rows(start)
+        cache.prefill_rows(start, rows)
         causal = torch.ones(q, q, dtype=torch.bool, device=self.device).tril()
         logits: torch.Tensor = self.model(
             input_ids=input_ids.to(self.device),
@@ -416,7 +434,7 @@ class TorchInferenceEngine(InferenceEngineBase):
             use_cache=True,
             logits_to_keep=logits_to_keep,
         ).logits
-        return logits
+        return logits if rows is None else logits[rows]
 
     @torch.inference_mode()
     def _decode(self, cache: SlotKVCache, slots: list[_Slot]) -> None:
