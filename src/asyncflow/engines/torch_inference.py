@@ -13,7 +13,8 @@ positions beyond its own length (no mask at all when every row has the same leng
 sample is handed back at once; the survivors are compacted into the leading rows, and waiting
 prompts, pulled lazily from the request iterator,
 are prefilled together (right-padded, causal: a real token never sees the padding after it) into
-the rows behind them. The cache plugs into the model only through `Cache.update`, so no
+the rows behind them; identical prompts (a group's samples) run once and their keys/values are copied into
+each of their rows. The engine relies on a row's forward not depending on the other rows of its batch. The cache plugs into the model only through `Cache.update`, so no
 modelling code is forked.
 
 Invariants:
@@ -107,8 +108,11 @@ class SlotKVCache(Cache):
     @torch.inference_mode()  # the cache tensors are inference tensors: written in inference mode only
     def move_rows(self, src: list[int], dst: list[int], length: int) -> None:
         """Copy rows `src` to rows `dst` (positions `< length`): compaction after samples finish."""
+        device = self.keys[0].device
+        src_rows, dst_rows = torch.tensor(src, device=device), torch.tensor(dst, device=device)  # disjoint rows
         for tensor in (*self.keys, *self.values):
-            tensor[dst, :, :length] = tensor[src, :, :length]
+            window = tensor[:, :, :length]
+            window.index_copy_(0, dst_rows, window.index_select(0, src_rows))
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
