@@ -14,8 +14,8 @@ sample is handed back at once; the survivors are compacted into the leading rows
 prompts, pulled lazily from the request iterator,
 are prefilled together (right-padded, causal: a real token never sees the padding after it) into
 the rows behind them; identical prompts (a group's samples) run once and their keys/values are copied into
-each of their rows. The engine relies on a row's forward not depending on the other rows of its batch. The cache plugs into the model only through `Cache.update`, so no
-modelling code is forked.
+each of their rows (a row's forward does not depend on the other rows of its batch). The cache plugs into the
+model only through `Cache.update`, so no modelling code is forked.
 
 Invariants:
 - `Completion.logprobs[i] = log softmax(logits / T)[response_ids[i]]` from the logits *before*
