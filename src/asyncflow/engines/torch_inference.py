@@ -14,8 +14,8 @@ sample is handed back at once; the survivors are compacted into the leading rows
 prompts, pulled lazily from the request iterator,
 are prefilled together (right-padded, causal: a real token never sees the padding after it) into
 the rows behind them; identical prompts (a group's samples) run once and their keys/values are copied into
-each of their rows (a row's forward does not depend on the other rows of its batch). The cache plugs into the
-model only through `Cache.update`, so no modelling code is forked.
+each of their rows (the same numbers up to float rounding: a batched forward may round a row differently with
+the batch's size). The cache plugs into the model only through `Cache.update`, so no modelling code is forked.
 
 Invariants:
 - `Completion.logprobs[i] = log softmax(logits / T)[response_ids[i]]` from the logits *before*
@@ -413,7 +413,7 @@ class TorchInferenceEngine(InferenceEngineBase):
         """Run `sequences` (right-padded to q, causal: a real token never sees the padding after it) into cache rows
         `start ..` from position 0; -> the logits `logits_to_keep` (an int, or per-row positions `[m, 1]`) selects,
         one row per sequence. Identical sequences (the samples of a group share their prompt) run once and their
-        keys/values are copied: a row's result does not depend on the other rows of the batch."""
+        keys/values are copied."""
         first: dict[tuple[int, ...], int] = {}
         inverse = [first.setdefault(tuple(ids), row) for row, ids in enumerate(sequences)]
         unique = list(first.values())  # the row of each distinct sequence's first occurrence
