@@ -29,6 +29,7 @@ import functools
 import importlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -154,7 +155,10 @@ def child(args) -> None:
         profile = cProfile.Profile()
         profile.enable()
     t0 = time.perf_counter()
-    result = asyncflow.train(config, overwrite=True)
+    try:
+        result = asyncflow.train(config, overwrite=True)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
     wall = time.perf_counter() - t0
     top = []
     if profile is not None:
