@@ -147,6 +147,24 @@ def test_continuous_batching_refills_slots_lazily(llama):
         torch.testing.assert_close(c.logprobs, alone[c.request_id].logprobs, rtol=0, atol=1e-5)
 
 
+def test_a_groups_shared_prompt_is_prefilled_once(llama):
+    prompts = make_requests(3, seed=7)
+    group = [GenerationRequest((p.request_id, k), p.prompt_ids) for p in prompts for k in range(4)]
+    rows = []
+    hook = llama.register_forward_pre_hook(lambda _m, _a, kwargs: rows.append(len(kwargs["input_ids"])),
+                                           with_kwargs=True)
+    try:
+        completions = run(TorchInferenceEngine(llama, seed=3), group, temperature=1.0, max_new_tokens=6,
+                          stop_token_ids=STOP_MANY)
+    finally:
+        hook.remove()
+    assert rows[0] == 3  # the prefill runs one row per distinct prompt
+    assert len(completions) == 12
+    assert len({tuple(c.response_ids) for c in completions}) > 3  # the copies sample on their own
+    # every copy continues from its prompt's keys/values: its log-probs are the training side's
+    assert_logprobs_match_training_side(llama, completions, 1.0)
+
+
 def test_same_seed_same_completions(llama):
     requests = make_requests(8)
     params = dict(temperature=1.0, top_p=0.95, max_new_tokens=10, stop_token_ids=STOP_MANY)

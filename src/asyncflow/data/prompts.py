@@ -103,9 +103,12 @@ class PromptEncoder:
         self.on_long = on_long
         self.keep_text = keep_text
         self.skipped = 0
+        self._rendered: dict[str, list[int]] = {}  # text -> ids: evaluation and later epochs see a prompt again
 
     def encode(self, example: Example, group_id: int) -> Prompt | None:
-        ids = self.render(example.prompt)
+        if example.prompt not in self._rendered:
+            self._rendered[example.prompt] = self.render(example.prompt)
+        ids = list(self._rendered[example.prompt])
         if len(ids) > self.max_tokens:
             if self.on_long == "error":
                 raise ValueError(

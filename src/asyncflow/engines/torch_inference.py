@@ -13,8 +13,9 @@ positions beyond its own length (no mask at all when every row has the same leng
 sample is handed back at once; the survivors are compacted into the leading rows, and waiting
 prompts, pulled lazily from the request iterator,
 are prefilled together (right-padded, causal: a real token never sees the padding after it) into
-the rows behind them. The cache plugs into the model only through `Cache.update`, so no
-modelling code is forked.
+the rows behind them; identical prompts (a group's samples) run once and their keys/values are copied into
+each of their rows (the same numbers up to float rounding: a batched forward may round a row differently with
+the batch's size). The cache plugs into the model only through `Cache.update`, so no modelling code is forked.
 
 Invariants:
 - `Completion.logprobs[i] = log softmax(logits / T)[response_ids[i]]` from the logits *before*
@@ -87,6 +88,7 @@ class SlotKVCache(Cache):
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self._start = 0
+        self._rows: torch.Tensor | None = None  # prefill: the fresh row each written row copies (None: row i is i)
         self._positions: torch.Tensor | None = None
         self._index: torch.Tensor | None = None  # positions expanded to a key update's shape, shared by layers
         self._kv_len = 0
@@ -102,8 +104,10 @@ class SlotKVCache(Cache):
                 tensors[i][:, :, : self.capacity] = old
         self.capacity = capacity
 
-    def prefill_rows(self, start: int) -> None:
-        self._start, self._positions = start, None
+    def prefill_rows(self, start: int, rows: torch.Tensor | None = None) -> None:
+        """The next forward prefills fresh sequences into rows `start ..`; with `rows [m]`, row `start + i` gets the
+        keys/values of the forward's row `rows[i]` (identical sequences run once)."""
+        self._start, self._rows, self._positions = start, rows, None
 
     def decode_at(self, positions: torch.Tensor, kv_len: int) -> None:
         self._positions, self._kv_len, self._index = positions, kv_len, None
@@ -111,8 +115,11 @@ class SlotKVCache(Cache):
     @torch.inference_mode()  # the cache tensors are inference tensors: written in inference mode only
     def move_rows(self, src: list[int], dst: list[int], length: int) -> None:
         """Copy rows `src` to rows `dst` (positions `< length`): compaction after samples finish."""
+        device = self.keys[0].device
+        src_rows, dst_rows = torch.tensor(src, device=device), torch.tensor(dst, device=device)  # disjoint rows
         for tensor in (*self.keys, *self.values):
-            tensor[dst, :, :length] = tensor[src, :, :length]
+            window = tensor[:, :, :length]
+            window.index_copy_(0, dst_rows, window.index_select(0, src_rows))
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -122,9 +129,12 @@ class SlotKVCache(Cache):
                 tensors.append(states.new_zeros(self.rows, states.shape[1], self.capacity, states.shape[3]))
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         if self._positions is None:  # fresh prompts have no past: they attend to their own keys only
-            end, q = self._start + key_states.shape[0], key_states.shape[2]
-            keys[self._start : end, :, :q] = key_states
-            values[self._start : end, :, :q] = value_states
+            new_keys, new_values = key_states, value_states
+            if self._rows is not None:
+                new_keys, new_values = key_states[self._rows], value_states[self._rows]
+            end, q = self._start + new_keys.shape[0], key_states.shape[2]
+            keys[self._start : end, :, :q] = new_keys
+            values[self._start : end, :, :q] = new_values
             return key_states, value_states
         # Decode: scatter_ writes rows 0..n-1 of the full tensors (the index covers only those rows) and one
         # as_strided makes each [n, heads, kv_len, dim] window. A small model's decode step on CPU costs
@@ -428,12 +438,24 @@ class TorchInferenceEngine(InferenceEngineBase):
         self, cache: SlotKVCache, start: int, sequences: list[list[int]], logits_to_keep: int | torch.Tensor
     ) -> torch.Tensor:
         """Run `sequences` (right-padded to q, causal: a real token never sees the padding after it) into cache rows
-        `start ..` from position 0; -> the logits `logits_to_keep` selects."""
+        `start ..` from position 0; -> the logits `logits_to_keep` (an int, or per-row positions `[m, 1]`) selects,
+        one row per sequence. Identical sequences (the samples of a group share their prompt) run once and their
+        keys/values are copied."""
+        first: dict[tuple[int, ...], int] = {}
+        inverse = [first.setdefault(tuple(ids), row) for row, ids in enumerate(sequences)]
+        unique = list(first.values())  # the row of each distinct sequence's first occurrence
+        rows = None
+        if len(unique) < len(sequences):
+            position = {row: i for i, row in enumerate(unique)}
+            rows = torch.tensor([position[row] for row in inverse], device=self.device)
+            sequences = [sequences[row] for row in unique]
+            if isinstance(logits_to_keep, torch.Tensor):
+                logits_to_keep = logits_to_keep[unique]
         q = max(map(len, sequences))
         input_ids = torch.zeros(len(sequences), q, dtype=torch.long)
         for row, ids in enumerate(sequences):
             input_ids[row, : len(ids)] = torch.tensor(ids)
-        cache.prefill_rows(start)
+        cache.prefill_rows(start, rows)
         causal = torch.ones(q, q, dtype=torch.bool, device=self.device).tril()
         logits: torch.Tensor = self.model(
             input_ids=input_ids.to(self.device),
@@ -443,7 +465,7 @@ class TorchInferenceEngine(InferenceEngineBase):
             use_cache=True,
             logits_to_keep=logits_to_keep,
         ).logits
-        return logits
+        return logits if rows is None else logits[rows]
 
     @torch.inference_mode()
     def _decode(self, cache: SlotKVCache, slots: list[_Slot]) -> None:

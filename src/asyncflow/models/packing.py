@@ -120,47 +120,50 @@ def plan_shared_prompt(samples: list[TrainSample], device: torch.device | str = 
     response_lens = [len(s.response_ids) for s in samples]
     p_max, r_max, n = max(prompt_lens), max(response_lens), len(samples)
 
+    # Built as Python lists and converted once: a few tensor ops per sample would cost more than the forward saves.
     tokens: list[int] = []
     positions: list[int] = []
-    prompt_index = torch.zeros(len(runs), p_max, dtype=torch.long)
-    response_query_index = torch.zeros(n, r_max, dtype=torch.long)
-    response_key_index = torch.zeros(n, p_max + r_max, dtype=torch.long)
-    output_parts, varlen_keys, q_lens, k_lens = [], [], [], []
-    predictor_index = torch.zeros(n, r_max, dtype=torch.long)
-    targets = torch.zeros(n, r_max, dtype=torch.long)
+    prompt_index = [[0] * p_max for _ in runs]
+    response_query_index = [[0] * r_max for _ in range(n)]
+    response_key_index = [[0] * (p_max + r_max) for _ in range(n)]
+    output_index: list[int] = []
+    varlen_keys: list[int] = []
+    q_lens: list[int] = []
+    k_lens: list[int] = []
+    predictor_index = [[0] * r_max for _ in range(n)]
+    targets = [[0] * r_max for _ in range(n)]
     response_base = len(runs) * p_max  # first response row in the flattened attention outputs
     for g, (start, end) in enumerate(runs):
         prompt = samples[start].prompt_ids
         p = len(prompt)
         prompt_start = len(tokens)
-        prompt_slots = torch.arange(prompt_start, prompt_start + p)
-        prompt_index[g, :p] = prompt_slots
+        prompt_slots = list(range(prompt_start, prompt_start + p))
+        prompt_index[g][:p] = prompt_slots
         tokens += prompt
         positions += range(p)
-        output_parts.append(g * p_max + torch.arange(p))
-        varlen_keys.append(prompt_slots)
+        output_index += range(g * p_max, g * p_max + p)
+        varlen_keys += prompt_slots
         q_lens.append(p)
         k_lens.append(p)
         for i in range(start, end):
             response = samples[i].response_ids
             r = len(response)
-            response_slots = torch.arange(len(tokens), len(tokens) + r)
-            response_query_index[i, :r] = response_slots
-            response_key_index[i, :p] = prompt_slots
-            response_key_index[i, p_max : p_max + r] = response_slots
-            predictor_index[i, 0] = prompt_start + p - 1
-            predictor_index[i, 1:r] = response_slots[:-1]
-            targets[i, :r] = torch.tensor(response)
+            response_slots = list(range(len(tokens), len(tokens) + r))
+            response_query_index[i][:r] = response_slots
+            response_key_index[i][:p] = prompt_slots
+            response_key_index[i][p_max : p_max + r] = response_slots
+            predictor_index[i][0] = prompt_start + p - 1
+            predictor_index[i][1:r] = response_slots[:-1]
+            targets[i][:r] = response
             tokens += response
             positions += range(p, p + r)
-            output_parts.append(response_base + i * r_max + torch.arange(r))
-            varlen_keys += [prompt_slots, response_slots]
+            output_index += range(response_base + i * r_max, response_base + i * r_max + r)
+            varlen_keys += prompt_slots + response_slots
             q_lens.append(r)
             k_lens.append(p + r)
-    output_index = torch.cat(output_parts)
 
     prompt_len_t = torch.tensor(prompt_lens)
-    group_of_sample = torch.cat([torch.full((end - start,), g) for g, (start, end) in enumerate(runs)])
+    group_of_sample = torch.tensor([g for g, (start, end) in enumerate(runs) for _ in range(start, end)])
     key_pos = torch.arange(p_max + r_max)
     r_pos = torch.arange(r_max)
     sees_prompt = key_pos[None, None, :] < prompt_len_t[group_of_sample][:, None, None]  # [N, 1, K]
@@ -174,15 +177,15 @@ def plan_shared_prompt(samples: list[TrainSample], device: torch.device | str = 
     return SharedPromptLayout(
         input_ids=torch.tensor(tokens, device=device)[None],
         position_ids=torch.tensor(positions, device=device)[None],
-        prompt_index=prompt_index.to(device=device),
-        response_query_index=response_query_index.to(device=device),
-        response_key_index=response_key_index.to(device=device),
+        prompt_index=torch.tensor(prompt_index, device=device),
+        response_query_index=torch.tensor(response_query_index, device=device),
+        response_key_index=torch.tensor(response_key_index, device=device),
         response_mask=response_mask.to(device=device),
-        output_index=output_index.to(device=device),
-        predictor_index=predictor_index.to(device=device),
-        targets=targets.to(device=device),
+        output_index=torch.tensor(output_index, device=device),
+        predictor_index=torch.tensor(predictor_index, device=device),
+        targets=torch.tensor(targets, device=device),
         mask=mask.to(device=device),
-        varlen_key_index=torch.cat(varlen_keys).to(device=device),
+        varlen_key_index=torch.tensor(varlen_keys, dtype=torch.long, device=device),
         cu_seqlens_q=cu(q_lens).to(device=device),
         cu_seqlens_k=cu(k_lens).to(device=device),
         max_seqlen_q=max(q_lens),

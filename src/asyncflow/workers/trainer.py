@@ -53,11 +53,11 @@ class StalenessError(RuntimeError):
 
 def padded(values: list[list[float]] | list[torch.Tensor], length: int) -> torch.Tensor:
     """Right-pad ragged 1-D sequences with zeros to `[N, length]` float32."""
-    out = torch.zeros(len(values), length)
-    for i, v in enumerate(values):
-        v = torch.as_tensor(v, dtype=torch.float32)
-        out[i, : len(v)] = v
-    return out
+    rows = [v.tolist() if isinstance(v, torch.Tensor) else list(v) for v in values]
+    if any(len(row) > length for row in rows):
+        raise ValueError(f"padded: a sequence is longer than {length}")
+    # one conversion for the batch (a tensor op per row costs more than the copy)
+    return torch.tensor([row + [0.0] * (length - len(row)) for row in rows], dtype=torch.float32).reshape(-1, length)
 
 
 def _computed(advantages: torch.Tensor | None) -> torch.Tensor:

@@ -132,10 +132,18 @@ def sft_samples(config: Config, tokenizer) -> Callable[[Example], TrainSample]:
     loss mask are those a rollout would produce: only the model's turns are trained)."""
     spec = multiturn_spec(config)
     if spec is None:
-        return lambda example: TrainSample(
-            render_prompt(tokenizer, example.prompt, config.model.use_chat_template),
-            tokenizer(example.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id],
-        )
+        encoded: dict[tuple[str, str], TrainSample] = {}  # each row is drawn many times: tokenized once
+
+        def plain(example: Example) -> TrainSample:
+            key = (example.prompt, example.answer)
+            if key not in encoded:
+                encoded[key] = TrainSample(
+                    render_prompt(tokenizer, example.prompt, config.model.use_chat_template),
+                    tokenizer(example.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id],
+                )
+            return encoded[key]
+
+        return plain
     runner = spec.build(tokenizer, sampling_params(config, tokenizer))
     cache: dict[str, TrainSample] = {}
 
