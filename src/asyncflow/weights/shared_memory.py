@@ -196,6 +196,7 @@ class SharedMemoryReceiver(PollingReceiver):
             payload.copy_(self._bytes[start + _SLOT_HEADER : start + _SLOT_HEADER + manifest.payload_bytes])
             seq_after, _ = _SLOT.unpack_from(self._mm, start)
             if seq_after == seq_before:
+                self.received_bytes = manifest.payload_bytes
                 return version, unpack(manifest, bucket_views(manifest, payload))
         return None  # the writer kept overwriting what we read; wait_for retries until its deadline
 
