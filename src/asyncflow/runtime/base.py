@@ -124,6 +124,11 @@ class Runtime(Protocol):
         """`reward/errors`, `reward/timeouts` of the replicas' scorers (totals); {} when the driver scores."""
         ...
 
+    def weight_updates(self) -> dict[str, list]:
+        """Replica -> the versions its engine took since the last call (`asyncflow.workers.loops.WeightUpdate`);
+        a dead or restarting replica is left out."""
+        ...
+
     def memory_metrics(self) -> dict[str, float]:
         """Peak resident memory of each replica in a process of its own (`memory/peak_rss_mb/rollout_R`,
         `asyncflow.observe.memory`); {} when the replicas run in the driver (its own peak covers them)."""
