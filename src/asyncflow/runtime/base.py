@@ -22,6 +22,7 @@ from asyncflow.engines.base import SamplingParams, make_inference_engine
 from asyncflow.models.loading import load_tokenizer
 from asyncflow.observe import Timeline
 from asyncflow.runtime.cores import CoreLending
+from asyncflow.weights.deadlines import PHASES, WeightDeadlines
 from asyncflow.workers.multiturn import MultiTurnSpec, make_rollout_worker
 from asyncflow.workers.reward import RewardWorker
 from asyncflow.workers.rollout import RolloutRole
@@ -84,6 +85,11 @@ def build_rollout_worker(spec: RolloutSpec, scorer: RewardWorker | None, *, poli
         return AgentRolloutWorker(engine, spec.params, spec.group_size, tokenizer=tokenizer, scorer=scorer,
                                   **spec.agent)
     return make_rollout_worker(engine, spec.params, spec.group_size, multiturn=spec.multiturn, tokenizer=tokenizer)
+
+
+def weight_deadlines(config) -> WeightDeadlines:
+    """Each phase's deadline on the weight path (`weights.*_timeout_s`, default `runtime.call_timeout_s`)."""
+    return WeightDeadlines(**{p: config.weights.deadline(p, config.runtime.call_timeout_s) for p in PHASES})
 
 
 class Runtime(Protocol):

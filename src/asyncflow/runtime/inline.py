@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncflow.engines.fsdp2_train import RankFailedError, RankSpec, RankTrainer, free_port
-from asyncflow.runtime.base import RolloutSpec, build_rollout_worker
+from asyncflow.runtime.base import RolloutSpec, build_rollout_worker, weight_deadlines
 from asyncflow.transfer import TransferQueue
 from asyncflow.workers.loops import (
     BackgroundThread,
@@ -74,7 +74,7 @@ class InlineRuntime:
             REPLICA, rollout_loop, self.local_rollout, queue, self.receiver, steps, max_staleness=max_staleness,
             batch_size=self.spec.max_batch_size, timeout=self.config.runtime.call_timeout_s,
             timeline=timeline, history=self.history, on_weight_update=self.spec.on_weight_update,
-            updates=self.updates,
+            updates=self.updates, deadlines=weight_deadlines(self.config),
         )
 
     def sampler_states(self, step: int, timeout: float) -> dict:

@@ -46,9 +46,10 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from asyncflow.observe import Timeline
 from asyncflow.observe.memory import METRIC_PREFIX as MEMORY_METRIC_PREFIX
 from asyncflow.observe.memory import peak_rss_mb
-from asyncflow.runtime.base import RolloutSpec, build_rollout_worker
+from asyncflow.runtime.base import RolloutSpec, build_rollout_worker, weight_deadlines
 from asyncflow.runtime.cores import CoreLending, create_core_lending
 from asyncflow.transfer.ray_queue import RayTransferQueue
+from asyncflow.weights.deadlines import WeightDeadlines
 from asyncflow.workers.loops import SamplerHistory, WeightUpdate, WeightUpdateLog, restore_sampler, rollout_loop
 from asyncflow.workers.rollout import RESPONSE_COLUMNS
 
@@ -190,7 +191,7 @@ class RolloutActor:
         self.updates = WeightUpdateLog()
 
     def run(self, queue, receiver_spec, steps: range, max_staleness: int, batch_size: int, timeout: float, cores_spec,
-            on_weight_update: str):
+            on_weight_update: str, deadlines: WeightDeadlines | None = None):
         """Generate partitions `steps`; returns (rows generated, timeline events of this replica)."""
         timeline = Timeline()
         receiver = receiver_spec.open()
@@ -201,6 +202,7 @@ class RolloutActor:
                 self.worker, queue, receiver, steps, max_staleness=max_staleness, batch_size=batch_size,
                 timeout=timeout, timeline=timeline, name=self.name, consumer=self.name, scorer=self.scorer,
                 cores=cores, history=self.history, on_weight_update=on_weight_update, updates=self.updates,
+                deadlines=deadlines,
             )
         finally:
             if cores is not None:
@@ -364,7 +366,7 @@ class RayRuntime:
         for r, name in enumerate(self.actors):
             spec_r = receiver_spec.for_rank(r + 1) if self.weight_sync == "torch_distributed" else receiver_spec
             self._loop_args[name] = (queue, spec_r, steps, max_staleness, self.spec.max_batch_size, self.timeout,
-                                     self._cores_spec, self.spec.on_weight_update)
+                                     self._cores_spec, self.spec.on_weight_update, weight_deadlines(self.config))
             state = (sampler_states or {}).get(name)
             if state is not None:  # set before the loop runs: a threaded actor may run two calls at once
                 ray.get(self.actors[name].restore_sampler.remote(state), timeout=self.timeout)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from asyncflow.weights.base import PollingReceiver, Received, ReceiverSpec, WeightPublisher, WeightSyncError
+from asyncflow.weights.base import PollingReceiver, Received, WeightPublisher, WeightSyncError
 from asyncflow.weights.buckets import (
     DEFAULT_BUCKET_BYTES,
     BucketStream,

@@ -22,6 +22,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from asyncflow.weights.deadlines import WeightDeadlines, within_deadline
+
 
 def partition_name(step: int) -> str:
     return f"step_{step}"
@@ -132,9 +134,10 @@ class InFlightUpdates:
     POLL_S = 0.05
 
     def __init__(self, engine, receiver, *, timeout: float, timeline, name: str,
-                 updates: WeightUpdateLog | None = None):
+                 updates: WeightUpdateLog | None = None, apply_timeout: float | None = None):
         check_updates_in_flight(engine)
         self.engine, self.receiver, self.timeout, self.updates = engine, receiver, timeout, updates
+        self.apply_timeout = timeout if apply_timeout is None else apply_timeout
         self.timeline, self.name = timeline, name
         self._stop = threading.Event()
         self._thread: BackgroundThread | None = None
@@ -145,7 +148,9 @@ class InFlightUpdates:
             newest = self.receiver.poll(handed)
             if newest is not None:
                 handed = newest[0]
-                self.engine.update_weights(newest[1], handed)
+                within_deadline(lambda: self.engine.update_weights(newest[1], handed),  # noqa: B023 - called here
+                                side=f"rollout replica {self.name}", version=handed, phase="apply",
+                                timeout_s=self.apply_timeout)
                 if self.updates is not None:
                     self.updates.record(handed, self.receiver)
                 if self.timeline is not None:
@@ -165,34 +170,45 @@ class InFlightUpdates:
 def rollout_loop(worker, queue, receiver, steps: range, *, max_staleness: int, batch_size: int, timeout: float,
                  timeline=None, name: str = "rollout", consumer: str | None = None, scorer=None, cores=None,
                  history: SamplerHistory | None = None, on_weight_update: str = "finish",
-                 updates: WeightUpdateLog | None = None) -> int:
+                 updates: WeightUpdateLog | None = None, deadlines: WeightDeadlines | None = None) -> int:
     """Generate partitions `steps` in order, respecting the staleness bound (the rollout side of every
     workflow but `sync`). Weights change between partitions, and with `on_weight_update="resume"` also
     while one generates (`InFlightUpdates`). Returns rows generated. `consumer`
     names this replica to the queue, so its rows can be released if it dies; `scorer` scores the
     responses in place (see `RolloutWorker.run_partition`); `cores` (a `CoreLending`) is told when
     this replica waits for weights, so another role may use its cores meanwhile; `history` records the
-    engine's generator state after each partition; `updates` logs each version the engine takes."""
+    engine's generator state after each partition; `updates` logs each version the engine takes. Taking a
+    version (`receive`) and loading it into the engine (`apply`) each run under their `deadlines` (default:
+    `timeout`), `WeightDeadlineError` naming this replica otherwise."""
     engine = worker.engine
+    limits = deadlines or WeightDeadlines(timeout, timeout, timeout)
+    side = f"rollout replica {name}"
     generated = 0
     try:
         in_flight: contextlib.AbstractContextManager = contextlib.nullcontext()
         if on_weight_update == "resume":
             in_flight = InFlightUpdates(engine, receiver, timeout=timeout, timeline=timeline, name=name,
-                                        updates=updates)
+                                        updates=updates, apply_timeout=limits.apply)
         for step in steps:
             t0 = time.time()
-            newest = receiver.poll(engine.weight_version)
             needed = oldest_admissible_version(step, max_staleness)
-            if engine.weight_version < needed:
-                if cores is not None:
-                    cores.idle()
-                newest = receiver.wait_for(needed, timeout)
+
+            def take(needed=needed):
+                newest = receiver.poll(engine.weight_version)
+                if engine.weight_version < needed:
+                    if cores is not None:
+                        cores.idle()
+                    newest = receiver.wait_for(needed, limits.receive)
+                return newest
+
+            newest = within_deadline(take, side=side, version=needed, phase="receive", timeout_s=limits.receive)
             if cores is not None:
                 cores.busy()
             t1 = time.time()
             if newest is not None:
-                engine.update_weights(newest[1], newest[0])
+                version, weights = newest
+                within_deadline(lambda: engine.update_weights(weights, version), side=side,  # noqa: B023 - called here
+                                version=version, phase="apply", timeout_s=limits.apply)
                 if updates is not None:
                     updates.record(newest[0], receiver)
             t2 = time.time()

@@ -54,6 +54,7 @@ from asyncflow.observe import Timeline
 from asyncflow.runtime.base import Runtime
 from asyncflow.transfer import GroupSampler, TransferQueue
 from asyncflow.weights import Weights, make_weight_sync
+from asyncflow.weights.deadlines import within_deadline
 from asyncflow.weights.delta import state_dict_bytes
 from asyncflow.workers.loops import BackgroundThread, partition_name, restore_sampler, reward_loop
 from asyncflow.workers.reward import RewardWorker
@@ -239,7 +240,9 @@ class PipelineWorkflow:
         t0 = time.time()
         if self.mode == "sync":
             weights = self.policy_weights()
-            self.runtime.local_rollout.engine.update_weights(weights, version)
+            engine = self.runtime.local_rollout.engine
+            within_deadline(lambda: engine.update_weights(weights, version), side="the rollout engine (sync)",
+                            version=version, phase="apply", timeout_s=self._deadline("apply"))
             self.update_metrics = {"weights/update_version": float(version), "weights/update_delta": 0.0,
                                    "weights/update_bytes": float(state_dict_bytes(weights)),
                                    "weights/update_s": time.time() - t0}
@@ -249,7 +252,11 @@ class PipelineWorkflow:
 
     def _publish(self, version: int) -> None:
         self.published_at[version] = time.time()
-        self.publisher.publish(self.weights_to_publish(), version)
+        within_deadline(lambda: self.publisher.publish(self.weights_to_publish(), version), side="the trainer",
+                        version=version, phase="publish", timeout_s=self._deadline("publish"))
+
+    def _deadline(self, phase: str) -> float:
+        return self.config.weights.deadline(phase, self.config.runtime.call_timeout_s)
 
     def weight_metrics(self) -> dict[str, float]:
         """`weights/update_bytes` (bytes that reached one replica for the newest version a replica took: the
