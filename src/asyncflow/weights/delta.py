@@ -170,9 +170,9 @@ class DeltaPublisher:
     """Publishes each version on `full` and, when small enough, its delta against the previous one on `delta`
     (first: a receiver that sees the full version of v has the delta of v already, or never will).
     `fixed_capacity`: the delta channel keeps one layout (`shared_memory`): every blob is padded to
-    `max_fraction` of the full bytes."""
+    `max_fraction` of the full bytes, and published with `used_bytes`, so receivers copy only the blob."""
 
-    def __init__(self, full: WeightPublisher, delta: WeightPublisher, *, dtype: torch.dtype | None,
+    def __init__(self, full: WeightPublisher, delta: Any, *, dtype: torch.dtype | None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, max_fraction: float = 0.5, fixed_capacity: bool = False):
         if not 0 < max_fraction <= 1:
             raise ValueError(f"delta: max_fraction must be in (0, 1], got {max_fraction}")
@@ -190,9 +190,12 @@ class DeltaPublisher:
         capacity = align(int(self.max_fraction * new.nbytes))
         blob = None if self._base is None else encode_delta(self._base, new, capacity)
         if blob is not None:
-            if self.fixed_capacity:
-                blob = torch.cat([blob, blob.new_zeros(capacity - blob.numel())])
-            self.delta.publish({DELTA_KEY: blob}, version)
+            if self.fixed_capacity:  # one layout: padded, and only the blob's own bytes are read
+                used = blob.numel()
+                self.delta.publish({DELTA_KEY: torch.cat([blob, blob.new_zeros(capacity - used)])}, version,
+                                   used_bytes=used)
+            else:
+                self.delta.publish({DELTA_KEY: blob}, version)
         self.last_kind, self.last_delta_bytes = ("delta", blob.numel()) if blob is not None else ("full", 0)
         self.full.publish(unpack(new.manifest, new.buckets), version)
         self._base = new
