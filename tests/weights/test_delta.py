@@ -4,6 +4,8 @@ engine, never applied to the wrong base, full where a delta does not pay or cann
 Real optimizer steps on a real tiny model, real transports (in-process, shared memory, Ray); no mocks.
 """
 
+import time
+
 import pytest
 import torch
 
@@ -73,8 +75,9 @@ def test_a_receiver_that_skipped_a_version_or_joined_late_takes_the_full_one(tin
     versions = trained_versions(tiny_llama_path, 4, lr=1e-5)
     publisher.publish(next(versions), 1)
     assert early.poll(0)[0] == 1 and early.received_kind == "full"
-    publisher.publish(next(versions), 2)
-    publisher.publish(next(versions), 3)  # `early` never took 2: the delta 2 -> 3 is not for it
+    with early._lock:  # `early` cannot follow the delta channel meanwhile: it never took 2
+        publisher.publish(next(versions), 2)
+        publisher.publish(next(versions), 3)  # the delta 2 -> 3 is not for a replica holding 1
     assert early.poll(1)[0] == 3 and early.received_kind == "full"
     late = publisher.receiver_spec.open()  # a replica that joins (or restarts) holds no base
     assert late.poll(-1)[0] == 3 and late.received_kind == "full"
@@ -83,6 +86,23 @@ def test_a_receiver_that_skipped_a_version_or_joined_late_takes_the_full_one(tin
         got = receiver.poll(3)
         assert got[0] == 4 and receiver.received_kind == "delta"
         assert receiver.received_bytes < 0.5 * sum(t.nbytes for t in got[1].values())
+    publisher.close()
+
+
+def test_a_replica_that_takes_versions_now_and_then_still_gets_deltas(tiny_llama_path):
+    publisher = make_weight_sync("shared_memory", delta=True, dtype=torch.bfloat16)
+    receiver = publisher.receiver_spec.open()
+    versions = trained_versions(tiny_llama_path, 4, lr=1e-6)
+    publisher.publish(next(versions), 1)
+    receiver.poll(0)
+    for version in (2, 3, 4):  # the engine takes none of them: the receiver follows the deltas on its own
+        publisher.publish(next(versions), version)
+        time.sleep(5 * receiver.FOLLOW_S)
+    got = receiver.poll(1)
+    assert got[0] == 4 and receiver.received_kind == "delta"
+    full_bytes = sum(t.nbytes for t in got[1].values())
+    assert 0 < receiver.received_bytes < 0.5 * full_bytes  # the three deltas together
+    receiver.close()
     publisher.close()
 
 

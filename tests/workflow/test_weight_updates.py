@@ -68,4 +68,5 @@ def test_every_step_reports_its_weight_update_on_ray(tmp_path, ray_cluster, tran
     assert all(0 < h["weights/update_bytes"] <= model_bytes(4) and 0 <= h["weights/update_s"] < 60
                for h in taken)
     if delta == "true":
-        assert any(h["weights/update_delta"] == 1.0 for h in taken)
+        assert any(h["weights/update_delta"] == 1.0 for h in taken), [
+            (h["weights/update_version"], h["weights/update_delta"], h["weights/update_bytes"]) for h in history]

@@ -38,6 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from asyncflow.weights.base import PollingReceiver, Received, WeightPublisher, WeightSyncError
@@ -102,7 +103,8 @@ def encode_delta(base: Packed, new: Packed, max_bytes: int) -> torch.Tensor | No
     sections: list[tuple[torch.Tensor, torch.Tensor]] = []
     total = align(8 * (_HEADER + len(new.buckets)))
     for old, fresh in zip(base.buckets, new.buckets, strict=True):
-        index = (_bits(old) != _bits(fresh)).nonzero().view(-1)
+        # numpy's flatnonzero: about twice as fast as torch's nonzero on a CPU
+        index = torch.from_numpy(np.flatnonzero(_bits(old).numpy() != _bits(fresh).numpy()))
         if fresh.numel() < 2**31:
             index = index.to(torch.int32)
         values = fresh[index]
@@ -212,34 +214,60 @@ class DeltaPublisher:
 
 
 class DeltaReceiver(PollingReceiver):
-    """Takes a delta when its base is the version held, the full version otherwise; `received_bytes` and
-    `received_kind` describe the last version taken."""
+    """Follows the delta channel on a thread (every `FOLLOW_S`), applying each delta whose base is the version it
+    holds, so a replica that takes versions only now and then (between partitions) still has the base of the
+    next delta; `poll` returns the newest version held, or takes the full one when the deltas do not reach it.
+    `received_bytes` counts every byte taken since the previous version `poll` returned; `received_kind` is
+    "delta" when no full version was among them."""
 
     collective = False
+    FOLLOW_S = 0.05
 
     def __init__(self, full: Any, delta: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.full, self.delta, self.bucket_bytes = full, delta, bucket_bytes
         self.transport = full.transport
         self._held: Packed | None = None
-        self._lock = threading.Lock()  # the rollout thread and an in-flight watcher may poll
+        self._taken_bytes, self._took_full = 0, False  # since the last version `poll` returned
+        self._lock = threading.Lock()  # the follower, the rollout thread and an in-flight watcher
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._follower = threading.Thread(target=self._follow, name="weights-delta-follower", daemon=True)
+        self._follower.start()
+
+    def _follow(self) -> None:
+        while not self._stop.wait(self.FOLLOW_S):
+            try:
+                with self._lock:
+                    self._take_delta()
+            except BaseException as err:  # noqa: BLE001 - raised by the next poll
+                self._error = err
+                return
+
+    def _take_delta(self) -> None:
+        held = self._held
+        if held is None:
+            return
+        delta = self.delta.poll(held.version)
+        if delta is not None and delta_versions(delta[1][DELTA_KEY])[0] == held.version:
+            self._held = apply_delta(delta[1][DELTA_KEY], held)
+            self._taken_bytes += self.delta.received_bytes
 
     def poll(self, have_version: int) -> Received | None:
         with self._lock:
+            if self._error is not None:
+                raise WeightSyncError(f"delta: following the delta channel failed: {self._error!r}") from self._error
+            self._take_delta()
             held = self._held
-            taken = None
-            if held is not None and held.version >= have_version:
-                delta = self.delta.poll(held.version)
-                if delta is not None and delta_versions(delta[1][DELTA_KEY])[0] == held.version:
-                    taken = held = apply_delta(delta[1][DELTA_KEY], held)
-                    self.received_bytes, self.received_kind = delta[1][DELTA_KEY].numel(), "delta"
             newest = self.full.poll(have_version if held is None else max(have_version, held.version))
             if newest is not None:
-                held = self._pack(newest)
-                taken, self.received_bytes, self.received_kind = held, self.full.received_bytes, "full"
-            self._held = held
-            if taken is None or taken.version <= have_version:
+                held = self._held = self._pack(newest)
+                self._taken_bytes += self.full.received_bytes
+                self._took_full = True
+            if held is None or held.version <= have_version:
                 return None
-            return taken.version, unpack(taken.manifest, taken.buckets)
+            self.received_bytes, self.received_kind = self._taken_bytes, "full" if self._took_full else "delta"
+            self._taken_bytes, self._took_full = 0, False
+            return held.version, unpack(held.manifest, held.buckets)
 
     def _pack(self, received: Received) -> Packed:
         version, state_dict = received
@@ -249,10 +277,13 @@ class DeltaReceiver(PollingReceiver):
         return Packed(version, manifest, buckets)
 
     def close(self) -> None:
-        try:
-            self.delta.close()
-        finally:
-            self.full.close()
+        self._stop.set()
+        self._follower.join(10 * self.FOLLOW_S)
+        with self._lock:
+            try:
+                self.delta.close()
+            finally:
+                self.full.close()
 
 
 def state_dict_bytes(state_dict: Mapping[str, torch.Tensor] | StateDict) -> int:
