@@ -66,7 +66,8 @@ def test_every_step_reports_its_weight_update_on_ray(tmp_path, ray_cluster, tran
     taken = [h for h in history if not math.isnan(h["weights/update_bytes"])]
     assert len(taken) >= 2
     assert all(0 < h["weights/update_bytes"] <= model_bytes(4) and 0 <= h["weights/update_s"] < 60
-               for h in taken)
+               for h in taken), [(h["weights/update_version"], h["weights/update_bytes"], h["weights/update_s"])
+                                 for h in history]
     if delta == "true":
         assert any(h["weights/update_delta"] == 1.0 for h in taken), [
             (h["weights/update_version"], h["weights/update_delta"], h["weights/update_bytes"]) for h in history]

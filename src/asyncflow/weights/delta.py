@@ -258,7 +258,8 @@ class DeltaReceiver(PollingReceiver):
                 raise WeightSyncError(f"delta: following the delta channel failed: {self._error!r}") from self._error
             self._take_delta()
             held = self._held
-            newest = self.full.poll(have_version if held is None else max(have_version, held.version))
+            # with no base yet, take the version there even if the engine has it (it started from those weights)
+            newest = self.full.poll(-1 if held is None else max(have_version, held.version))
             if newest is not None:
                 held = self._held = self._pack(newest)
                 self._taken_bytes += self.full.received_bytes
