@@ -83,11 +83,16 @@ def engine_weights(weights: Weights, version: int, dtype: torch.dtype | None,
     if isinstance(weights, BucketStream):  # a multi-rank trainer's stream: taken in full first
         payload = allocate_payload(weights.manifest)
         weights = unpack(weights.manifest, bucket_views(weights.manifest, payload))
-    cast = {name: t.detach().to(dtype) if dtype is not None and t.is_floating_point() else t.detach()
-            for name, t in weights.items()}
-    manifest = plan_buckets(cast, bucket_bytes)
+    def target(t: torch.Tensor) -> torch.dtype:
+        return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
+    # planned on meta tensors, then each tensor cast straight into its place: one pass over the weights
+    manifest = plan_buckets({name: torch.empty(t.shape, dtype=target(t), device="meta")
+                             for name, t in weights.items()}, bucket_bytes)
     buckets = bucket_views(manifest, allocate_payload(manifest))
-    write_weights(cast, manifest, buckets)
+    for entry in manifest.tensors:
+        place = buckets[entry.bucket][entry.offset : entry.offset + entry.numel]
+        place.view(entry.shape).copy_(weights[entry.name].detach())
     return Packed(version, manifest, buckets)
 
 
