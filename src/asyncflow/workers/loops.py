@@ -195,7 +195,7 @@ def rollout_loop(worker, queue, receiver, steps: range, *, max_staleness: int, b
 
             def take(needed=needed):
                 newest = receiver.poll(engine.weight_version)
-                if engine.weight_version < needed:
+                if (engine.weight_version if newest is None else newest[0]) < needed:  # not taken twice
                     if cores is not None:
                         cores.idle()
                     newest = receiver.wait_for(needed, limits.receive)
