@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 from asyncflow.weights.base import WeightSyncTimeout
 
@@ -56,7 +56,7 @@ class WeightDeadlineError(WeightSyncTimeout):
 def within_deadline(fn: Callable[[], T], *, side: str, version: int, phase: Phase, timeout_s: float) -> T:
     """`fn()` (after the phase's hooks) on a helper thread; its result, its exception, or `WeightDeadlineError`
     once `timeout_s` has passed. A `WeightSyncTimeout` raised by `fn` itself is re-raised named the same way."""
-    outcome: list = []
+    outcome: list[tuple[bool, Any]] = []
 
     def run() -> None:
         try:
@@ -73,7 +73,7 @@ def within_deadline(fn: Callable[[], T], *, side: str, version: int, phase: Phas
         raise WeightDeadlineError(side, version, phase, timeout_s)
     ok, value = outcome[0]
     if ok:
-        return value
+        return cast(T, value)
     if isinstance(value, WeightSyncTimeout) and not isinstance(value, WeightDeadlineError):
         raise WeightDeadlineError(side, version, phase, timeout_s, f": {value}") from value
     raise value

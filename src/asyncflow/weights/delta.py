@@ -141,7 +141,7 @@ def apply_delta(blob: torch.Tensor, base: Packed) -> Packed:
     """A fresh `Packed` of the version `blob` encodes, from `base` (left unchanged). `WeightSyncError` when
     `base` is not the version (or layout) the delta was taken against."""
     base_version, version = delta_versions(blob)
-    buckets = blob[8 * 3 : 8 * 4].view(torch.int64).item()
+    buckets = int(blob[8 * 3 : 8 * 4].view(torch.int64).item())
     if base_version != base.version or buckets != len(base.buckets):
         raise WeightSyncError(
             f"delta: version {version} was taken against version {base_version} ({buckets} buckets), but this "
