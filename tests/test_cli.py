@@ -40,7 +40,7 @@ REQUIRED_TRAIN_KEYS = {
     "step", "reward/mean", "kl", "entropy", "loss", "time/step_s",
     "throughput/samples_per_s", "throughput/tokens_per_s",
 }
-TIMING_KEYS = ("time/", "throughput/", "wall_s", "memory/")
+TIMING_KEYS = ("time/", "throughput/", "wall_s", "memory/", "weights/update_")
 
 
 @pytest.fixture(autouse=True)

@@ -813,6 +813,32 @@ class RuntimeConfig(Section):
     """`ray`: times a dead rollout replica is restarted (its unfinished rows are generated again)."""
 
 
+class WeightsConfig(Section):
+    """How weight versions travel from the trainer to the rollout replicas (docs/weight-updates.md)."""
+
+    delta: bool = False
+    """Lossless delta updates: a replica holding the previous version receives only the elements whose bits
+    changed in the rollout engine's dtype (`rollout.dtype`), bit-exact with a full update; a full version when the
+    delta is larger than `delta_max_fraction` of it, at a replica's first version, after it skipped one, after a
+    restart and after a resume. `runtime.weight_sync` inprocess, shared_memory or ray (not torch_distributed)."""
+    delta_max_fraction: float = Field(0.5, gt=0, le=1)
+    """A delta larger than this fraction of the full version's bytes is not sent: the full version is."""
+    publish_timeout_s: float | None = Field(None, gt=0)
+    """Deadline of the trainer's side of a version: its publish and the wait for it to reach the replicas;
+    `null`: `runtime.call_timeout_s`."""
+    receive_timeout_s: float | None = Field(None, gt=0)
+    """Deadline of a replica's wait for a version it needs (the staleness bound) and of each transfer;
+    `null`: `runtime.call_timeout_s`."""
+    apply_timeout_s: float | None = Field(None, gt=0)
+    """Deadline of an engine taking a version (pause, reload, resume); a missed one ends the run (a Ray replica
+    is restarted as after a crash, up to `runtime.max_restarts`); `null`: `runtime.call_timeout_s`."""
+
+    def deadline(self, phase: str, call_timeout_s: float) -> float:
+        """The deadline in seconds of `phase` ("publish", "receive" or "apply")."""
+        value = getattr(self, f"{phase}_timeout_s")
+        return call_timeout_s if value is None else value
+
+
 class ObserveConfig(Section):
     tensorboard: bool = True
     """Write TensorBoard event files to `RUN_DIR/tensorboard/`."""
@@ -937,6 +963,7 @@ class Config(Section):
     export: ExportConfig = Field(default_factory=ExportConfig)
     workflow: WorkflowConfig = Field(default_factory=WorkflowConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
     observe: ObserveConfig = Field(default_factory=ObserveConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
     stages: list[StageConfig] = Field(default_factory=list)
@@ -950,6 +977,13 @@ class Config(Section):
             if isinstance(data, dict) and isinstance(data.get(section), dict) and key in data[section]:
                 raise ValueError(f"{old} has moved: write {new}")
         return data
+
+    @model_validator(mode="after")
+    def _check_weights(self) -> Config:
+        if self.weights.delta and self.runtime.weight_sync == "torch_distributed" and self.runtime.kind != "inline":
+            raise ValueError("weights.delta: true needs runtime.weight_sync inprocess, shared_memory or ray: "
+                             "torch_distributed broadcasts every version to every receiver (docs/weight-updates.md)")
+        return self
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> Config:

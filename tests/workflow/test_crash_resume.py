@@ -41,7 +41,7 @@ MODES = {
     "stream": ["workflow.mode=stream"],
     "async": ["workflow.mode=async", "workflow.max_staleness=1"],
 }
-TIMING_KEYS = ("time/", "throughput/", "wall_s", "memory/")
+TIMING_KEYS = ("time/", "throughput/", "wall_s", "memory/", "weights/update_")  # when a replica took a version
 
 
 def parity_reward(completion: str, ground_truth: str, **metadata) -> float:

@@ -24,6 +24,7 @@ from asyncflow.models.loading import load_tokenizer
 from asyncflow.observe import Timeline
 from asyncflow.runtime.cores import CoreLending
 from asyncflow.weights import TransportKind
+from asyncflow.weights.deadlines import PHASES, WeightDeadlines
 from asyncflow.workers.multiturn import MultiTurnSpec, make_rollout_worker
 from asyncflow.workers.reward import RewardWorker
 from asyncflow.workers.rollout import GeneratingRole, RolloutRole
@@ -111,6 +112,11 @@ def _engine(spec: RolloutSpec, policy: torch.nn.Module | None = None) -> Inferen
     )
 
 
+def weight_deadlines(config) -> WeightDeadlines:
+    """Each phase's deadline on the weight path (`weights.*_timeout_s`, default `runtime.call_timeout_s`)."""
+    return WeightDeadlines(**{p: config.weights.deadline(p, config.runtime.call_timeout_s) for p in PHASES})
+
+
 class Runtime(Protocol):
     """Places the rollout replicas (and, with `stream` / `async`, runs their loops) for a workflow."""
 
@@ -163,6 +169,11 @@ class Runtime(Protocol):
 
     def reward_failures(self) -> dict[str, float]:
         """`reward/errors`, `reward/timeouts` of the replicas' scorers (totals); {} when the driver scores."""
+        ...
+
+    def weight_updates(self) -> dict[str, list]:
+        """Replica -> the versions its engine took since the last call (`asyncflow.workers.loops.WeightUpdate`);
+        a dead or restarting replica is left out."""
         ...
 
     def memory_metrics(self) -> dict[str, float]:

@@ -22,10 +22,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncflow.engines.fsdp2_train import RankFailedError, RankSpec, RankTrainer, free_port
-from asyncflow.runtime.base import RolloutSpec, build_rollout_worker
+from asyncflow.runtime.base import RolloutSpec, build_rollout_worker, weight_deadlines
 from asyncflow.transfer import TransferQueue
 from asyncflow.weights import TransportKind
-from asyncflow.workers.loops import BackgroundThread, SamplerHistory, restore_sampler, rollout_loop, sampler_state
+from asyncflow.workers.loops import (
+    BackgroundThread,
+    SamplerHistory,
+    WeightUpdate,
+    WeightUpdateLog,
+    restore_sampler,
+    rollout_loop,
+    sampler_state,
+)
 from asyncflow.workers.reward import RewardWorker
 
 REPLICA = "rollout"
@@ -47,6 +55,7 @@ class InlineRuntime:
         self.thread: BackgroundThread | None = None
         self.receiver = None
         self.history: SamplerHistory | None = None
+        self.updates = WeightUpdateLog()
 
     @staticmethod
     def rank_launcher(config) -> type[ProcessRanks]:
@@ -66,6 +75,7 @@ class InlineRuntime:
             REPLICA, rollout_loop, self.local_rollout, queue, self.receiver, steps, max_staleness=max_staleness,
             batch_size=self.spec.max_batch_size, timeout=self.config.runtime.call_timeout_s,
             timeline=timeline, history=self.history, on_weight_update=self.spec.on_weight_update,
+            updates=self.updates, deadlines=weight_deadlines(self.config),
         )
 
     def sampler_states(self, step: int, timeout: float) -> dict:
@@ -77,6 +87,9 @@ class InlineRuntime:
 
     def reward_failures(self) -> dict[str, float]:
         return {}  # the driver's reward worker counts them
+
+    def weight_updates(self) -> dict[str, list[WeightUpdate]]:
+        return {REPLICA: self.updates.drain()}
 
     def memory_metrics(self) -> dict[str, float]:
         return {}  # the replica runs in the driver: the driver's peak is its

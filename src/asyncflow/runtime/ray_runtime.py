@@ -48,11 +48,12 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from asyncflow.observe import Timeline
 from asyncflow.observe.memory import METRIC_PREFIX as MEMORY_METRIC_PREFIX
 from asyncflow.observe.memory import peak_rss_mb
-from asyncflow.runtime.base import RolloutSpec, build_rollout_worker
+from asyncflow.runtime.base import RolloutSpec, build_rollout_worker, weight_deadlines
 from asyncflow.runtime.cores import CoreLending, create_core_lending
 from asyncflow.transfer.ray_queue import RayTransferQueue
 from asyncflow.weights import TransportKind
-from asyncflow.workers.loops import SamplerHistory, restore_sampler, rollout_loop
+from asyncflow.weights.deadlines import WeightDeadlines
+from asyncflow.workers.loops import SamplerHistory, WeightUpdate, WeightUpdateLog, restore_sampler, rollout_loop
 from asyncflow.workers.rollout import RESPONSE_COLUMNS
 
 log = logging.getLogger(__name__)
@@ -199,9 +200,10 @@ class RolloutActor:
         self.name = name
         self.incarnation = uuid.uuid4().hex  # new after every restart
         self.history = SamplerHistory()
+        self.updates = WeightUpdateLog()
 
     def run(self, queue, receiver_spec, steps: range, max_staleness: int, batch_size: int, timeout: float, cores_spec,
-            on_weight_update: str):
+            on_weight_update: str, deadlines: WeightDeadlines | None = None):
         """Generate partitions `steps`; returns (rows generated, timeline events of this replica)."""
         timeline = Timeline()
         receiver = receiver_spec.open()
@@ -211,7 +213,8 @@ class RolloutActor:
             generated = rollout_loop(
                 self.worker, queue, receiver, steps, max_staleness=max_staleness, batch_size=batch_size,
                 timeout=timeout, timeline=timeline, name=self.name, consumer=self.name, scorer=self.scorer,
-                cores=cores, history=self.history, on_weight_update=on_weight_update,
+                cores=cores, history=self.history, on_weight_update=on_weight_update, updates=self.updates,
+                deadlines=deadlines,
             )
         finally:
             if cores is not None:
@@ -238,6 +241,10 @@ class RolloutActor:
 
     def peak_rss_mb(self) -> float:
         return peak_rss_mb()
+
+    def weight_updates(self) -> list[WeightUpdate]:
+        """The versions the engine took since the last call."""
+        return self.updates.drain()
 
     def reward_failures(self) -> tuple[str, int, int]:
         """(incarnation, errors, timeouts): the reward functions' failures in this incarnation of the replica."""
@@ -370,7 +377,7 @@ class RayRuntime:
         for r, name in enumerate(self.actors):
             spec_r = receiver_spec.for_rank(r + 1) if self.weight_sync == "torch_distributed" else receiver_spec
             self._loop_args[name] = (queue, spec_r, steps, max_staleness, self.spec.max_batch_size, self.timeout,
-                                     self._cores_spec, self.spec.on_weight_update)
+                                     self._cores_spec, self.spec.on_weight_update, weight_deadlines(self.config))
             state = (sampler_states or {}).get(name)
             if state is not None:  # set before the loop runs: a threaded actor may run two calls at once
                 ray.get(self.actors[name].restore_sampler.remote(state), timeout=self.timeout)
@@ -495,6 +502,17 @@ class RayRuntime:
             self._reward_counts[name] = (incarnation, errors, timeouts)
         counts = [c[1:] for c in self._reward_counts.values()] + [self._retired_reward_counts]
         return {"reward/errors": float(sum(e for e, _ in counts)), "reward/timeouts": float(sum(t for _, t in counts))}
+
+    def weight_updates(self) -> dict[str, list[WeightUpdate]]:
+        """Replica -> the versions its engine took since the last call; a dead or restarting one is left out."""
+        refs = {name: actor.weight_updates.remote() for name, actor in self.actors.items()}
+        out = {}
+        for name, ref in refs.items():
+            try:
+                out[name] = ray.get(ref, timeout=self.timeout)
+            except (RayActorError, RayTaskError, GetTimeoutError):
+                continue
+        return out
 
     def memory_metrics(self) -> dict[str, float]:
         """Each live replica's peak resident memory (`memory/peak_rss_mb/rollout_R`); a dead or restarting one is

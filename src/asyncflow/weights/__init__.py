@@ -4,7 +4,8 @@ This package sits below the engines and workers and imports nothing else of asyn
 engine adapter can use a transport without importing workflow code. One module per concern:
 `buckets` (bucketing), `base` (protocols, errors), `background` (the remote transports' sender
 thread), `segments` (naming /dev/shm files after their owner, sweeping those of dead owners), one
-module per transport, and `factory` (`make_weight_sync`):
+module per transport, `delta` (lossless delta updates over two channels of a transport), `deadlines`
+(the deadline of each phase of a version's way) and `factory` (`make_weight_sync`):
 
 | kind                | reaches               | publish                                  |
 |---------------------|-----------------------|------------------------------------------|

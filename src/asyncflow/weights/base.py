@@ -74,6 +74,10 @@ class PollingReceiver(ABC):
     transport = ""
     collective = False
     """True where a publish is a collective every receiver must take part in (until the publisher closes)."""
+    received_bytes = 0
+    """Bytes of the last version `poll` returned that reached this receiver (its payload, or a delta's blob)."""
+    received_kind = "full"
+    """How the last version came: "full" or "delta" (`asyncflow.weights.delta`)."""
 
     @abstractmethod
     def poll(self, have_version: int) -> Received | None: ...

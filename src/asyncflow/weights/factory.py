@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import torch
+
 from asyncflow.weights.base import WeightPublisher
 from asyncflow.weights.buckets import DEFAULT_BUCKET_BYTES
 
@@ -12,14 +14,34 @@ TransportKind = Literal["inprocess", "shared_memory", "ray", "torch_distributed"
 
 
 def make_weight_sync(
-    kind: TransportKind, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **options: Any
+    kind: TransportKind, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, delta: bool = False,
+    dtype: torch.dtype | None = None, **options: Any
 ) -> WeightPublisher:
     """A publisher of the given transport; receivers: `publisher.receiver_spec.open()` (for
     `torch_distributed`, `receiver_spec.for_rank(r).open()` with r in 1..num_receivers).
 
+    `delta`: lossless delta updates (`asyncflow.weights.delta`), versions cast to `dtype` (the engine's) first:
+    a `DeltaPublisher` over two publishers of `kind` (a full channel and a delta channel). Not for
+    `torch_distributed`, whose every publish is a broadcast every receiver takes (docs/weight-updates.md).
+
     options: inprocess: `device`; shared_memory: `path`; ray: `store_name`, `namespace`, `timeout_s`;
     torch_distributed: `num_receivers` (required), `host`, `port`, `backend`, `device`, `timeout_s`.
     """
+    if delta:
+        from asyncflow.weights.delta import DeltaPublisher
+
+        if kind == "torch_distributed":
+            raise ValueError("weights.delta needs runtime.weight_sync inprocess, shared_memory or ray: "
+                             "torch_distributed broadcasts every version to every receiver")
+        channels = []
+        for channel in ("full", "delta"):
+            named = dict(options)
+            for key in ("path", "store_name"):  # two channels, two names
+                if named.get(key) is not None and channel == "delta":
+                    named[key] = f"{named[key]}-delta"
+            channels.append(make_weight_sync(kind, bucket_bytes=bucket_bytes, **named))
+        return DeltaPublisher(channels[0], channels[1], dtype=dtype, bucket_bytes=bucket_bytes,
+                              fixed_capacity=kind == "shared_memory")
     if kind == "inprocess":
         from asyncflow.weights.inprocess import InProcessPublisher
 

@@ -72,6 +72,7 @@ class InProcessReceiver(PollingReceiver):
         with self._slot.lock:
             latest, closed = self._slot.latest, self._slot.closed
         if latest is not None and latest[0] > have_version:
+            self.received_bytes = latest[1].payload_bytes
             return latest[0], unpack(latest[1], latest[2])
         if closed:
             raise WeightSyncError("inprocess: publisher closed")

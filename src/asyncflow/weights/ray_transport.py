@@ -144,6 +144,7 @@ class RayWeightReceiver(PollingReceiver):
         buckets = bucket_views(manifest, payload)
         for bucket, array in zip(buckets, arrays, strict=True):
             bucket.view(torch.uint8).numpy()[:] = array  # out of the read-only object-store mapping
+        self.received_bytes = manifest.payload_bytes
         return version, unpack(manifest, buckets)
 
     def close(self) -> None:

@@ -38,7 +38,8 @@ from asyncflow.weights.segments import segment_path
 # File layout (all integers little-endian int64):
 #   [0, 64)               control: magic, active slot, closed, manifest bytes, slot stride
 #   [64, 64 + m)          pickled Manifest, written once before the file becomes visible
-#   slot i at data_start + i * stride: [seq, version] (64-byte header) then the payload
+#   slot i at data_start + i * stride: [seq, version, used] (64-byte header) then the payload, of which the
+#   first `used` bytes are meaningful (all of it, but for a delta blob: `publish(..., used_bytes=)`)
 # Seqlock: the writer makes the idle slot's seq odd, writes payload and version, makes seq even,
 # then points `active` at it. A reader copies the active slot and keeps the copy only if seq was
 # even and unchanged across the copy (else it re-reads `active` and retries). Store/load order
@@ -46,7 +47,7 @@ from asyncflow.weights.segments import segment_path
 # hand-off around each torch copy.
 _MAGIC = 0x57534E43_41464C57
 _CONTROL = struct.Struct("<5q")
-_SLOT = struct.Struct("<2q")
+_SLOT = struct.Struct("<3q")
 _SLOT_HEADER = 64
 _TORN_READ_RETRIES = 100
 
@@ -105,7 +106,9 @@ class SharedMemoryPublisher:
         self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._manifest = manifest
 
-    def publish(self, state_dict: Weights, version: int) -> None:
+    def publish(self, state_dict: Weights, version: int, *, used_bytes: int | None = None) -> None:
+        """`used_bytes`: only this prefix of the payload matters (a delta blob padded to the fixed layout):
+        receivers copy only it."""
         check_increasing(self.transport, self._last_version, version)
         manifest = manifest_of(state_dict, self.bucket_bytes)
         first = self._mm is None
@@ -122,13 +125,14 @@ class SharedMemoryPublisher:
             raise WeightSyncError("shared_memory: publish after close")
         slot = 1 - self._active
         start = self._data_start + slot * self._stride
-        seq, _ = _SLOT.unpack_from(mm, start)
+        seq, _, _ = _SLOT.unpack_from(mm, start)
         seq |= 1  # odd: being written (already odd if an earlier publish into this slot raised)
-        _SLOT.pack_into(mm, start, seq, version)
+        used = manifest.payload_bytes if used_bytes is None else min(used_bytes, manifest.payload_bytes)
+        _SLOT.pack_into(mm, start, seq, version, used)
         payload = data[start + _SLOT_HEADER : start + _SLOT_HEADER + manifest.payload_bytes]
         write_weights(state_dict, manifest, bucket_views(manifest, payload))
         del payload
-        _SLOT.pack_into(mm, start, seq + 1, version)
+        _SLOT.pack_into(mm, start, seq + 1, version, used)
         magic, _, closed, manifest_len, stride = _CONTROL.unpack_from(mm, 0)
         _CONTROL.pack_into(mm, 0, magic, slot, closed, manifest_len, stride)
         self._active, self._last_version = slot, version
@@ -185,7 +189,7 @@ class SharedMemoryReceiver(PollingReceiver):
         for _ in range(_TORN_READ_RETRIES):
             _, slot, closed, _, _ = _CONTROL.unpack_from(self._mm, 0)
             start = self._data_start + slot * self._stride
-            seq_before, version = _SLOT.unpack_from(self._mm, start)
+            seq_before, version, used = _SLOT.unpack_from(self._mm, start)
             if seq_before % 2:
                 continue
             if version <= have_version:
@@ -193,9 +197,10 @@ class SharedMemoryReceiver(PollingReceiver):
                     raise WeightSyncError(f"shared_memory: publisher of {self.path} closed")
                 return None
             payload = allocate_payload(manifest)
-            payload.copy_(self._bytes[start + _SLOT_HEADER : start + _SLOT_HEADER + manifest.payload_bytes])
-            seq_after, _ = _SLOT.unpack_from(self._mm, start)
+            payload[:used].copy_(self._bytes[start + _SLOT_HEADER : start + _SLOT_HEADER + used])
+            seq_after, _, _ = _SLOT.unpack_from(self._mm, start)
             if seq_after == seq_before:
+                self.received_bytes = used
                 return version, unpack(manifest, bucket_views(manifest, payload))
         return None  # the writer kept overwriting what we read; wait_for retries until its deadline
 

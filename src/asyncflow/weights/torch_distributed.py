@@ -199,6 +199,7 @@ class TorchDistributedReceiver(PollingReceiver):
                 f"torch_distributed: store at {self._spec.host}:{self._spec.port} failed: {err}"
             ) from err
         if newest is not None and newest[0] > have_version:
+            self.received_bytes = newest[1].payload_bytes
             return newest[0], unpack(newest[1], newest[2])
         if closed:
             raise WeightSyncError("torch_distributed: publisher closed")

@@ -3,8 +3,9 @@
 Owns: `rollout_loop` (admission control by weight version, weight swaps between partitions),
 `InFlightUpdates` (partial rollouts: new versions handed to the engine while a partition generates),
 `reward_loop`, `SamplerHistory` (the engine's sampling-generator state after each partition, which a
-checkpoint takes so a resumed replica samples as the uninterrupted one would), and `BackgroundThread`
-(a thread whose failure is re-raised in the driver).
+checkpoint takes so a resumed replica samples as the uninterrupted one would), `WeightUpdateLog` (each
+version the engine took: its bytes and when, which the step metrics `weights/update_*` read), and
+`BackgroundThread` (a thread whose failure is re-raised in the driver).
 
 Invariants: the rollout loop starts partition `step` only with weights of version >= step - k, and
 changes weights only between partitions, except with `on_weight_update="resume"`, where a version
@@ -19,6 +20,9 @@ import contextlib
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
+
+from asyncflow.weights.deadlines import WeightDeadlines, within_deadline
 
 
 def partition_name(step: int) -> str:
@@ -71,6 +75,36 @@ class SamplerHistory:
             return self._states[step]
 
 
+@dataclass(frozen=True)
+class WeightUpdate:
+    """A version an engine took: `nbytes` that reached the replica for it (`WeightReceiver.received_bytes`),
+    `kind` ("full" / "delta") and `held_at` (wall-clock `time.time()` once the engine has it: compared with the
+    trainer's publish start, so replicas on other hosts need synchronized clocks)."""
+
+    version: int
+    nbytes: int
+    kind: str
+    held_at: float
+
+
+class WeightUpdateLog:
+    """The versions a replica's engine took since the driver last asked (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._updates: list[WeightUpdate] = []
+
+    def record(self, version: int, receiver) -> None:
+        update = WeightUpdate(version, receiver.received_bytes, receiver.received_kind, time.time())
+        with self._lock:
+            self._updates.append(update)
+
+    def drain(self) -> list[WeightUpdate]:
+        with self._lock:
+            updates, self._updates = self._updates, []
+        return updates
+
+
 def sampler_state(engine):
     """The state of the engine's sampling generator now (None: it has none)."""
     return engine.generator.get_state() if engine.generator is not None else None
@@ -99,9 +133,11 @@ class InFlightUpdates:
 
     POLL_S = 0.05
 
-    def __init__(self, engine, receiver, *, timeout: float, timeline, name: str):
+    def __init__(self, engine, receiver, *, timeout: float, timeline, name: str,
+                 updates: WeightUpdateLog | None = None, apply_timeout: float | None = None):
         check_updates_in_flight(engine)
-        self.engine, self.receiver, self.timeout = engine, receiver, timeout
+        self.engine, self.receiver, self.timeout, self.updates = engine, receiver, timeout, updates
+        self.apply_timeout = timeout if apply_timeout is None else apply_timeout
         self.timeline, self.name = timeline, name
         self._stop = threading.Event()
         self._thread: BackgroundThread | None = None
@@ -112,7 +148,11 @@ class InFlightUpdates:
             newest = self.receiver.poll(handed)
             if newest is not None:
                 handed = newest[0]
-                self.engine.update_weights(newest[1], handed)
+                within_deadline(lambda: self.engine.update_weights(newest[1], handed),  # noqa: B023 - called here
+                                side=f"rollout replica {self.name}", version=handed, phase="apply",
+                                timeout_s=self.apply_timeout)
+                if self.updates is not None:
+                    self.updates.record(handed, self.receiver)
                 if self.timeline is not None:
                     self.timeline.instant(self.name, "weights_in_flight", version=handed)
 
@@ -129,34 +169,48 @@ class InFlightUpdates:
 
 def rollout_loop(worker, queue, receiver, steps: range, *, max_staleness: int, batch_size: int, timeout: float,
                  timeline=None, name: str = "rollout", consumer: str | None = None, scorer=None, cores=None,
-                 history: SamplerHistory | None = None, on_weight_update: str = "finish") -> int:
+                 history: SamplerHistory | None = None, on_weight_update: str = "finish",
+                 updates: WeightUpdateLog | None = None, deadlines: WeightDeadlines | None = None) -> int:
     """Generate partitions `steps` in order, respecting the staleness bound (the rollout side of every
     workflow but `sync`). Weights change between partitions, and with `on_weight_update="resume"` also
     while one generates (`InFlightUpdates`). Returns rows generated. `consumer`
     names this replica to the queue, so its rows can be released if it dies; `scorer` scores the
     responses in place (see `RolloutWorker.run_partition`); `cores` (a `CoreLending`) is told when
     this replica waits for weights, so another role may use its cores meanwhile; `history` records the
-    engine's generator state after each partition."""
+    engine's generator state after each partition; `updates` logs each version the engine takes. Taking a
+    version (`receive`) and loading it into the engine (`apply`) each run under their `deadlines` (default:
+    `timeout`), `WeightDeadlineError` naming this replica otherwise."""
     engine = worker.engine
+    limits = deadlines or WeightDeadlines(timeout, timeout, timeout)
+    side = f"rollout replica {name}"
     generated = 0
     try:
         in_flight: contextlib.AbstractContextManager = contextlib.nullcontext()
         if on_weight_update == "resume":
-            in_flight = InFlightUpdates(engine, receiver, timeout=timeout, timeline=timeline, name=name)
+            in_flight = InFlightUpdates(engine, receiver, timeout=timeout, timeline=timeline, name=name,
+                                        updates=updates, apply_timeout=limits.apply)
         for step in steps:
             t0 = time.time()
-            newest = receiver.poll(engine.weight_version)
             needed = oldest_admissible_version(step, max_staleness)
-            # by what was just received too: a collective receiver's poll consumes the version it returns
-            if (newest[0] if newest is not None else engine.weight_version) < needed:
-                if cores is not None:
-                    cores.idle()
-                newest = receiver.wait_for(needed, timeout)
+
+            def take(needed=needed):
+                newest = receiver.poll(engine.weight_version)
+                if (engine.weight_version if newest is None else newest[0]) < needed:  # not taken twice
+                    if cores is not None:
+                        cores.idle()
+                    newest = receiver.wait_for(needed, limits.receive)
+                return newest
+
+            newest = within_deadline(take, side=side, version=needed, phase="receive", timeout_s=limits.receive)
             if cores is not None:
                 cores.busy()
             t1 = time.time()
             if newest is not None:
-                engine.update_weights(newest[1], newest[0])
+                version, weights = newest
+                within_deadline(lambda: engine.update_weights(weights, version), side=side,  # noqa: B023 - called here
+                                version=version, phase="apply", timeout_s=limits.apply)
+                if updates is not None:
+                    updates.record(newest[0], receiver)
             t2 = time.time()
             with in_flight:
                 generated += worker.run_partition(queue, partition_name(step), batch_size=batch_size,

@@ -56,6 +56,8 @@ from asyncflow.observe import Timeline
 from asyncflow.runtime.base import Runtime
 from asyncflow.transfer import GroupSampler, TransferQueue
 from asyncflow.weights import WeightPublisher, Weights, make_weight_sync
+from asyncflow.weights.deadlines import within_deadline
+from asyncflow.weights.delta import state_dict_bytes
 from asyncflow.workers.loops import BackgroundThread, partition_name, restore_sampler, reward_loop
 from asyncflow.workers.reward import RewardWorker
 from asyncflow.workers.rollout import Rollout, RolloutRole
@@ -64,6 +66,7 @@ from asyncflow.workers.trainer import TRAIN_COLUMNS, PolicyTrainer
 from asyncflow.workflow.ahead import decode_tensor, encode_tensor, read_rows, replay_rows
 
 WAIT_POLL_S = 0.01
+UPDATE_METRICS = ("weights/update_version", "weights/update_delta", "weights/update_bytes", "weights/update_s")
 log = logging.getLogger(__name__)
 
 
@@ -176,7 +179,13 @@ class PipelineWorkflow:
             if trainer is not None else []
         self.publisher: WeightPublisher | None = None
         if self.mode != "sync":
-            self.publisher = make_weight_sync(runtime.weight_sync, **runtime.weight_sync_options)
+            self.publisher = make_weight_sync(
+                runtime.weight_sync, delta=config.weights.delta, dtype=getattr(torch, config.rollout_dtype()),
+                **runtime.weight_sync_options,
+            )
+        self.published_at: dict[int, float] = {}  # version -> when its publish started (`weight_metrics`)
+        # the newest version's `weights/update_*`: NaN until a replica took one
+        self.update_metrics = dict.fromkeys(UPDATE_METRICS, float("nan"))
         self.sampler = GroupSampler()
         self.started = False
         self.hold_before: int | None = None  # a resumed run's step that waits for the rollout to start the next
@@ -247,10 +256,46 @@ class PipelineWorkflow:
         through the weight channel, which swap them in between partitions."""
         t0 = time.time()
         if self.mode == "sync":
-            self.local_rollout.engine.update_weights(self.policy_weights(), version)
+            weights = self.policy_weights()
+            engine = self.local_rollout.engine
+            within_deadline(lambda: engine.update_weights(weights, version), side="the rollout engine (sync)",
+                            version=version, phase="apply", timeout_s=self._deadline("apply"))
+            self.update_metrics = {"weights/update_version": float(version), "weights/update_delta": 0.0,
+                                   "weights/update_bytes": float(state_dict_bytes(weights)),
+                                   "weights/update_s": time.time() - t0}
         else:
-            self.weight_channel.publish(self.weights_to_publish(), version)
+            self._publish(version)
         self.timeline.add_span("trainer", "publish_weights", t0, time.time(), version=version)
+
+    def _publish(self, version: int) -> None:
+        self.published_at[version] = time.time()
+        channel = self.weight_channel
+        within_deadline(lambda: channel.publish(self.weights_to_publish(), version), side="the trainer",
+                        version=version, phase="publish", timeout_s=self._deadline("publish"))
+
+    def _deadline(self, phase: str) -> float:
+        return self.config.weights.deadline(phase, self.config.runtime.call_timeout_s)
+
+    def weight_metrics(self) -> dict[str, float]:
+        """`weights/update_bytes` (bytes that reached one replica for the newest version a replica took: the
+        most over replicas), `weights/update_s` (from that version's publish start until the last replica
+        that took it held it), `weights/update_delta` (1: a delta reached every replica that took it) and
+        `weights/update_version`. A step in which no replica took a version repeats the last values."""
+        if self.mode == "sync" or not self.started:
+            return dict(self.update_metrics)
+        updates = [u for log in self.runtime.weight_updates().values() for u in log]
+        if updates:
+            newest = max(u.version for u in updates)
+            took = [u for u in updates if u.version == newest]
+            self.update_metrics = {
+                "weights/update_version": float(newest),
+                "weights/update_delta": float(all(u.kind == "delta" for u in took)),
+                "weights/update_bytes": float(max(u.nbytes for u in took)),
+                "weights/update_s": max(u.held_at for u in took) - self.published_at.get(newest, float("nan")),
+            }
+            for v in [v for v in self.published_at if v < newest]:
+                del self.published_at[v]
+        return dict(self.update_metrics)
 
     def start(self, step: int, version: int, resume: dict | None = None) -> None:
         """Before step `step` (policy `version`): `resume` is the workflow's part of the checkpoint resumed from.
@@ -262,7 +307,7 @@ class PipelineWorkflow:
             engine = self.local_rollout.engine
             restore_sampler(engine, samplers.get("rollout"))
             if version > 0:  # resumed: the engine loaded the initial weights
-                engine.update_weights(self.policy_weights(), version)
+                self.publish(version)
             return
         cfg = self.config
         steps = range(step, cfg.train.steps)
@@ -281,7 +326,7 @@ class PipelineWorkflow:
         # so how fast the replicas start cannot change which weights generate it.
         last = max(replayed, default=-1)
         self.hold_before = last if self.k > 0 and 0 <= last < cfg.train.steps - 1 else None
-        self.weight_channel.publish(self.weights_to_publish(), version)
+        self._publish(version)
         self.runtime.start_rollout(self.queue, self.weight_channel.receiver_spec, steps, max_staleness=self.k,
                                    timeline=self.timeline, sampler_states=samplers)
         if not self.scored_in_rollout:
@@ -304,6 +349,7 @@ class PipelineWorkflow:
             rollouts, stats = self._overlapped_step(step, version)
         stats.update(rollout_metrics(rollouts))
         stats.update(agent_metrics(rollouts))
+        stats.update(self.weight_metrics())
         stats.setdefault("logprob_gap", 0.0)
         return StepResult(version + 1, stats)
 

@@ -1,0 +1,148 @@
+"""Lossless delta weight updates (`asyncflow.weights.delta`): bit-exact with full updates through the built-in
+engine, never applied to the wrong base, full where a delta does not pay or cannot apply.
+
+Real optimizer steps on a real tiny model, real transports (in-process, shared memory, Ray); no mocks.
+"""
+
+import time
+
+import pytest
+import torch
+
+from asyncflow.engines.torch_inference import TorchInferenceEngine
+from asyncflow.models.loading import load_model
+from asyncflow.weights import WeightSyncError, make_weight_sync
+from asyncflow.weights.delta import DELTA_KEY, apply_delta, encode_delta, engine_weights
+
+
+def trained_versions(model_path, steps: int, lr: float, seed: int = 0):
+    """The fp32 state dict after each of `steps` AdamW steps on random gradients (a real optimizer's updates:
+    every element moves by about `lr`, few of them across a bf16 rounding boundary)."""
+    torch.manual_seed(seed)
+    model = load_model(model_path)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    for _ in range(steps):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+        yield {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def engine_state(engine: TorchInferenceEngine) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in engine.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("kind", ["inprocess", "shared_memory"])
+def test_fifty_delta_updates_are_bit_exact_with_fifty_full_ones(tiny_llama_path, kind, one_torch_thread):
+    full_engine = TorchInferenceEngine.from_pretrained(tiny_llama_path, dtype="bfloat16")
+    delta_engine = TorchInferenceEngine.from_pretrained(tiny_llama_path, dtype="bfloat16")
+    publisher = make_weight_sync(kind, delta=True, dtype=torch.bfloat16, bucket_bytes=1 << 16)
+    receiver = publisher.receiver_spec.open()
+    kinds = []
+    try:
+        for version, weights in enumerate(trained_versions(tiny_llama_path, 50, lr=1e-5), start=1):
+            full_engine.update_weights(weights, version)
+            publisher.publish(weights, version)
+            got = receiver.poll(delta_engine.weight_version)
+            assert got is not None and got[0] == version
+            delta_engine.update_weights(got[1], version)
+            kinds.append(receiver.received_kind)
+            if version % 10 == 0:
+                expected, actual = engine_state(full_engine), engine_state(delta_engine)
+                assert all(torch.equal(expected[k].view(torch.int16), actual[k].view(torch.int16))
+                           for k in expected if expected[k].dtype == torch.bfloat16)
+                assert all(torch.equal(expected[k], actual[k]) for k in expected)
+    finally:
+        receiver.close()
+        publisher.close()
+    assert kinds[0] == "full" and kinds.count("delta") >= 40, kinds  # AdamW's first steps may move too much
+
+
+def test_a_delta_never_applies_to_another_base(tiny_llama_path):
+    versions = list(trained_versions(tiny_llama_path, 3, lr=1e-5))
+    packed = [engine_weights(w, v, torch.bfloat16) for v, w in enumerate(versions, start=1)]
+    blob = encode_delta(packed[1], packed[2], max_bytes=packed[2].nbytes)
+    assert blob is not None
+    with pytest.raises(WeightSyncError, match="taken against version 2.*holds version 1.*full update"):
+        apply_delta(blob, packed[0])
+    patched = apply_delta(blob, packed[1])
+    assert all(torch.equal(a, b) for a, b in zip(patched.buckets, packed[2].buckets, strict=True))
+
+
+def test_a_receiver_that_skipped_a_version_or_joined_late_takes_the_full_one(tiny_llama_path):
+    publisher = make_weight_sync("inprocess", delta=True, dtype=torch.bfloat16)
+    early = publisher.receiver_spec.open()
+    versions = trained_versions(tiny_llama_path, 4, lr=1e-5)
+    publisher.publish(next(versions), 1)
+    assert early.poll(0)[0] == 1 and early.received_kind == "full"
+    with early._lock:  # `early` cannot follow the delta channel meanwhile: it never took 2
+        publisher.publish(next(versions), 2)
+        publisher.publish(next(versions), 3)  # the delta 2 -> 3 is not for a replica holding 1
+    assert early.poll(1)[0] == 3 and early.received_kind == "full"
+    late = publisher.receiver_spec.open()  # a replica that joins (or restarts) holds no base
+    assert late.poll(-1)[0] == 3 and late.received_kind == "full"
+    publisher.publish(next(versions), 4)
+    for receiver in (early, late):
+        got = receiver.poll(3)
+        assert got[0] == 4 and receiver.received_kind == "delta"
+        assert receiver.received_bytes < 0.5 * sum(t.nbytes for t in got[1].values())
+    publisher.close()
+
+
+def test_a_replica_that_takes_versions_now_and_then_still_gets_deltas(tiny_llama_path):
+    publisher = make_weight_sync("shared_memory", delta=True, dtype=torch.bfloat16)
+    receiver = publisher.receiver_spec.open()
+    versions = trained_versions(tiny_llama_path, 4, lr=1e-6)
+    publisher.publish(next(versions), 1)
+    receiver.poll(0)
+    for version in (2, 3, 4):  # the engine takes none of them: the receiver follows the deltas on its own
+        publisher.publish(next(versions), version)
+        time.sleep(5 * receiver.FOLLOW_S)
+    got = receiver.poll(1)
+    assert got[0] == 4 and receiver.received_kind == "delta"
+    full_bytes = sum(t.nbytes for t in got[1].values())
+    assert 0 < receiver.received_bytes < 0.5 * full_bytes  # the three deltas together
+    receiver.close()
+    publisher.close()
+
+
+def test_a_delta_larger_than_the_limit_is_sent_as_a_full_version(tiny_llama_path):
+    publisher = make_weight_sync("inprocess", delta=True, dtype=torch.float32)
+    receiver = publisher.receiver_spec.open()
+    weights = load_model(tiny_llama_path).state_dict()
+    publisher.publish(weights, 1)
+    receiver.poll(0)
+    publisher.publish({k: v + 1 for k, v in weights.items()}, 2)  # every element changes
+    got = receiver.poll(1)
+    assert publisher.last_kind == "full" and receiver.received_kind == "full"
+    assert receiver.received_bytes == sum(t.nbytes for t in got[1].values())
+    publisher.close()
+
+
+@pytest.mark.slow
+def test_delta_updates_through_ray(tiny_llama_path, ray_cluster):
+    publisher = make_weight_sync("ray", delta=True, dtype=torch.bfloat16, timeout_s=60)
+    receiver = publisher.receiver_spec.open()
+    try:
+        for version, weights in enumerate(trained_versions(tiny_llama_path, 3, lr=1e-6), start=1):
+            publisher.publish(weights, version)
+            publisher.wait_published(60)
+            got = receiver.wait_for(version, 60)
+            assert got[0] == version
+            assert all(torch.equal(got[1][k], v.to(torch.bfloat16)) for k, v in weights.items())
+            assert receiver.received_kind == ("full" if version == 1 else "delta")
+    finally:
+        receiver.close()
+        publisher.close()
+
+
+def test_torch_distributed_refuses_delta():
+    with pytest.raises(ValueError, match="weights.delta.*torch_distributed"):
+        make_weight_sync("torch_distributed", delta=True, num_receivers=1)
+
+
+def test_blob_marks_itself(tiny_llama_path):
+    packed = [engine_weights(w, v, torch.bfloat16) for v, w in enumerate(trained_versions(tiny_llama_path, 2, 1e-6))]
+    blob = encode_delta(packed[0], packed[1], max_bytes=packed[1].nbytes)
+    assert blob is not None and DELTA_KEY == "__delta__"
+    assert blob.numel() < 0.15 * packed[1].nbytes  # lr 1e-6: few bf16 values change
