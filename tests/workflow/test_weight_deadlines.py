@@ -82,11 +82,11 @@ def make_stalling_engine(*, model_path, **kwargs):
 
 @pytest.mark.slow
 def test_a_stalled_engine_reload_ends_the_ray_run_within_its_deadline(tmp_path, ray_cluster):
-    started = time.monotonic()
+    started, threads_before = time.monotonic(), threading.active_count()
     with pytest.raises(Exception) as caught:  # noqa: PT011 - the phase's error is in the chain, checked below
         train(config(tmp_path, "runtime.kind=ray", "runtime.max_restarts=0", "runtime.lend_idle_cores=false",
                      "rollout.engine=test_weight_deadlines:make_stalling_engine"))
     message = error_chain(caught.value)
     assert "rollout replica rollout_0, version 2, apply phase" in message, message
     assert time.monotonic() - started < 120
-    assert threading.active_count() < 200
+    assert threading.active_count() < threads_before + 50  # this run's threads, not the whole session's

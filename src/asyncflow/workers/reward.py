@@ -31,6 +31,10 @@ class RewardWorker:
         self.eval_errors = 0
         self.eval_timeouts = 0
 
+    def close(self) -> None:
+        """Stop the scorer's worker threads or processes (a run closes its reward worker when it ends)."""
+        self.runner.close()
+
     @property
     def last_failure(self) -> str | None:
         return self.runner.last_failure

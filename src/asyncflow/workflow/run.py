@@ -359,13 +359,16 @@ class RLRun:
     def close(self) -> None:
         """Stop the weight channel, the evaluation engine, the training engine (a multi-rank engine's ranks) and
         then the runtime (replicas, their engines and servers): last, as its close may end the Ray session the
-        others' handles belong to (`hold_ray`). Idempotent."""
+        others' handles belong to (`hold_ray`); then the reward worker's threads. Idempotent."""
         if self.closed:
             return
         self.closed = True
         for part in (self.watchdog, self.live, self._workflow, self.eval_worker, self.train_engine, self._runtime):
             if part is not None:
                 part.close()
+        rewards = getattr(self, "rewards", None)  # absent when the constructor failed before building it
+        if rewards is not None:
+            rewards.close()  # after the runtime: an inline runtime's reward thread scores with it
 
     def _watch(self) -> None:
         """Start `/metrics` (`observe.metrics_port`) and the watchdog (`observe.stall_s`)."""
