@@ -83,15 +83,12 @@ class ProcessPeaks:
 
 
 def start_cluster(logs: Path, tries: int = 3) -> Cluster:
-    """A head and a trainer node (`trainer_node`: one FSDP2 rank each) and a rollout node (`rollout_node`). On a
-    loaded machine a node can miss Ray's own 30 s start limit, or the head lose its port to another process: the
-    whole cluster is then started again."""
+    """The multi-node test's three nodes (`Cluster.start_three_nodes`). On a loaded machine a node can miss Ray's
+    own 30 s start limit, or the head lose its port to another process: the whole cluster is then started again."""
     for attempt in range(1, tries + 1):
         cluster = Cluster(logs)
         try:
-            cluster.start("head", {"trainer_node": 1}, head=True)
-            cluster.start("rollout", {"rollout_node": 1})
-            cluster.start("trainer", {"trainer_node": 1})
+            cluster.start_three_nodes()
             return cluster
         except (AssertionError, subprocess.TimeoutExpired):  # a node that did not join; a head that did not start
             cluster.stop()

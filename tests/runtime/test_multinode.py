@@ -62,6 +62,12 @@ class Cluster:
         running = sum(process.poll() is None for process in self.nodes.values())
         self.wait_for(lambda nodes: sum(n["Alive"] for n in nodes) == running, f"node {name}")
 
+    def start_three_nodes(self) -> None:
+        """A head and a trainer node (`trainer_node`: one FSDP2 rank each) and a rollout node (`rollout_node`)."""
+        self.start("head", {"trainer_node": 1}, head=True)
+        self.start("rollout", {"rollout_node": 1})
+        self.start("trainer", {"trainer_node": 1})
+
     def query(self, code: str):
         """Run `code` (it prints JSON) in a client process of the cluster; its output."""
         script = f"import json, ray\nray.init(address={self.address!r}, logging_level='ERROR')\n{code}"
@@ -101,9 +107,7 @@ class Cluster:
 def cluster(tmp_path):
     cluster = Cluster(tmp_path)
     try:
-        cluster.start("head", {"trainer_node": 1}, head=True)
-        cluster.start("rollout", {"rollout_node": 1})
-        cluster.start("trainer", {"trainer_node": 1})
+        cluster.start_three_nodes()
         yield cluster
     finally:
         cluster.stop()

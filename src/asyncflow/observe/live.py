@@ -51,10 +51,9 @@ class _RunCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         for metric, value in sorted(self.row.items()):
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                family = GaugeMetricFamily(prometheus_name(metric), f"{metric} of the last logged step")
-                family.add_metric([], float(value) if math.isfinite(value) else math.nan)
-                yield family
+            family = GaugeMetricFamily(prometheus_name(metric), f"{metric} of the last logged step")
+            family.add_metric([], value if math.isfinite(value) else math.nan)
+            yield family
         for probe_name, probe in self.probes.items():
             try:
                 series = probe()
@@ -84,7 +83,8 @@ class LiveMetrics:
         log.info("live metrics on http://%s:%d/metrics", host, self.port)
 
     def record(self, row: Mapping[str, Any]) -> None:
-        self._collector.row = {k: v for k, v in row.items() if isinstance(v, (int, float))}
+        self._collector.row = {k: float(v) for k, v in row.items()
+                               if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
     def close(self) -> None:
         self._server.shutdown()
