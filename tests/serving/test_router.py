@@ -1,6 +1,7 @@
 """The replica router over real engine services (tiny Llama): a session stays on its replica, sessions spread, a
 draining or stopped replica gets no request and its sessions move, a rolling weight update keeps serving, and
-`asyncflow serve --replicas 2` routes a `user`'s requests to one replica through HTTP."""
+`asyncflow serve --replicas 2` routes a `user`'s requests to one replica through HTTP, with the built-in engine and
+with vLLM, whose prefix cache then serves a user's shared prefix (counted in `/metrics`)."""
 
 import threading
 
@@ -104,3 +105,28 @@ def test_serve_with_two_replicas_keeps_a_users_requests_on_one(tiny_llama_path, 
             assert response.status_code == 200, response.text
         assert sorted(service.served) == [2, 3] and service._pins["alice"] != service._pins["bob"]
         assert httpx.get(thread.url + "/health", timeout=30).json()["status"] == "ok"
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_serve_with_two_vllm_replicas_keeps_a_user_on_the_replica_holding_their_prefix(tiny_llama_path,
+                                                                                          one_torch_thread):
+    from server_fixture import KEY, NAME, running_server
+
+    def cached_tokens(url: str) -> float:
+        scrape = httpx.get(url + "/metrics", headers=headers, timeout=30).text
+        return float(next(line.split()[-1] for line in scrape.splitlines()
+                          if line.startswith("asyncflow_serve_prompt_tokens_cached_total")))
+
+    headers = {"Authorization": f"Bearer {KEY}"}
+    prefix = {user: "".join(str((i * seed) % 10) for i in range(200)) + "+" for user, seed in (("ann", 7), ("bo", 3))}
+    with running_server(tiny_llama_path, "", replicas=2, engine="vllm") as (thread, service, _):
+        assert isinstance(service, ReplicaRouter)
+        for turn, user in enumerate(("ann", "bo", "ann", "bo", "ann")):
+            response = httpx.post(thread.url + "/v1/completions", headers=headers, timeout=120, json={
+                "model": NAME, "prompt": prefix[user] + str(turn) + "=", "max_tokens": 3, "user": user})
+            assert response.status_code == 200, response.text
+            if turn == 1:
+                assert cached_tokens(thread.url) == 0  # each user's first request: nothing to reuse
+        assert sorted(service.served) == [2, 3] and service._pins["ann"] != service._pins["bo"]
+        assert cached_tokens(thread.url) >= 3 * 128  # the later turns found their 200-token prefix, in whole blocks

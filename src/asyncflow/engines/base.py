@@ -118,6 +118,9 @@ class Completion:
     """Per response token, 1 if the model sampled it (trained), 0 if it was appended from outside
     (tool output, chat-template tokens in a multi-turn episode; its `logprobs` entry is 0);
     `None` = every token was sampled."""
+    cached_prompt_tokens: int | None = None
+    """Prompt tokens whose keys and values the engine took from its prefix cache instead of computing them;
+    `None` = the engine does not report it."""
 
 
 @dataclass

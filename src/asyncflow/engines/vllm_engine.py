@@ -470,11 +470,13 @@ class VLLMInferenceEngine(InferenceEngineBase):
         except Exception as err:  # noqa: BLE001 - handed to the consumer, which raises it
             finished.put((key, err))
             return
-        finished.put((key, final.outputs[0]))
+        finished.put((key, final))
 
     def _completion(self, request: GenerationRequest, output: Any, adapter_version: int | None) -> Completion:
-        """`adapter_version`: the version of the adapter the request ran with (under adapter sync), which sampled
-        every token; otherwise vLLM's per-token labels say."""
+        """`output`: vLLM's last `RequestOutput` of the request. `adapter_version`: the version of the adapter the
+        request ran with (under adapter sync), which sampled every token; otherwise vLLM's per-token labels say."""
+        cached = output.num_cached_tokens
+        output = output.outputs[0]
         response_ids = list(output.token_ids)
         logprobs = [output.logprobs[i][token].logprob for i, token in enumerate(response_ids)]
         spans = output.weight_versions or []
@@ -491,7 +493,7 @@ class VLLMInferenceEngine(InferenceEngineBase):
             raise RuntimeError(f"vLLM ended request {request.request_id!r} with finish_reason {reason!r}")
         return Completion(
             request.request_id, request.prompt_ids, response_ids, logprobs, reason, version,
-            token_versions=token_versions,
+            token_versions=token_versions, cached_prompt_tokens=cached,
         )
 
     # ---------------------------------------------------------------- weights

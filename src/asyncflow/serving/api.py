@@ -691,7 +691,8 @@ class _API:
                     self._recorder(episode_id).record_tool_turn(episode_id, turn.call_ids, text, turn)
                 except UnknownEpisodeError:
                     raise APIError(404, f"episode {episode_id!r} was closed", code="episode_not_found") from None
-        self.meter.choice(len(completion.prompt_ids), len(ids), finish, completion.weight_version)
+        self.meter.choice(len(completion.prompt_ids), len(ids), finish, completion.weight_version,
+                         completion.cached_prompt_tokens)
         return {"text": text, "turn": turn, "finish_reason": finish, "token_ids": list(ids),
                 "token_logprobs": list(logprobs), "prompt_token_ids": list(completion.prompt_ids),
                 "weight_version": completion.weight_version}

@@ -5,6 +5,7 @@ Owns: `ServeMeter` (its own registry, the ASGI layer that counts every request, 
 Series: `asyncflow_serve_requests_total{route,status}` and `asyncflow_serve_request_seconds{route}` (until the
 response, a stream's last byte included), `asyncflow_serve_requests_in_flight`, `asyncflow_serve_choices_total
 {finish_reason}`, `asyncflow_serve_completion_tokens_total`, `asyncflow_serve_prompt_tokens_total`,
+`asyncflow_serve_prompt_tokens_cached_total` (from the engine's prefix cache, where the engine reports it),
 `asyncflow_serve_weight_version` (of the last choice) and, read at each scrape, `asyncflow_serve_healthy` and
 `asyncflow_serve_engine_failures`.
 
@@ -63,12 +64,17 @@ class ServeMeter:
         self.choices = Counter("asyncflow_serve_choices", "choices sampled", ["finish_reason"], registry=r)
         self.completion_tokens = Counter("asyncflow_serve_completion_tokens", "tokens sampled", registry=r)
         self.prompt_tokens = Counter("asyncflow_serve_prompt_tokens", "prompt tokens of the choices", registry=r)
+        self.cached_prompt_tokens = Counter(
+            "asyncflow_serve_prompt_tokens_cached", "prompt tokens taken from the engine's prefix cache (engines that "
+            "report it: vLLM); divided by asyncflow_serve_prompt_tokens_total: the prefix-cache hit rate", registry=r)
         self.weight_version = Gauge("asyncflow_serve_weight_version", "policy version of the last choice", registry=r)
         r.register(_Health(health))
 
-    def choice(self, prompt_tokens: int, completion_tokens: int, finish_reason: str, weight_version: int) -> None:
+    def choice(self, prompt_tokens: int, completion_tokens: int, finish_reason: str, weight_version: int,
+               cached_prompt_tokens: int | None = None) -> None:
         self.choices.labels(finish_reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
+        self.cached_prompt_tokens.inc(cached_prompt_tokens or 0)
         self.completion_tokens.inc(completion_tokens)
         self.weight_version.set(weight_version)
 
