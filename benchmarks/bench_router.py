@@ -1,7 +1,7 @@
-"""Benchmark: the replica router's session affinity against round-robin on a multi-turn workload over 2 vLLM
+"""Benchmark: the replica router's session affinity against round-robin on a multi-turn workload over vLLM
 replicas (CPU build): prefix-cache hit rate and step time, side by side in one run.
 
-Owns nothing the library uses. Two `VLLMInferenceEngine` replicas of `--model` (default `preset:qwen2.5-tiny`),
+Owns nothing the library uses. `--replicas` (2) `VLLMInferenceEngine` replicas of `--model` (default `preset:qwen2.5-tiny`),
 each behind its `EngineService`, prefix caching on (as the engine always runs). `--episodes` multi-turn episodes
 run together; an episode opens with its own system prompt of `--system-tokens` random token ids and each turn
 appends a user message of `--user-tokens` ids to the whole history (what the model said so far included) and
@@ -110,6 +110,7 @@ def run_round(router, args, rng: random.Random, vocab: int, update=None) -> dict
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="preset:qwen2.5-tiny")
+    parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--episodes", type=int, default=16)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
@@ -125,7 +126,7 @@ def main() -> int:
     max_len = args.system_tokens + args.turns * (args.user_tokens + args.new_tokens) + 64
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
     engines = [make_vllm_inference_engine(model_path=args.model, max_batch_size=args.episodes, seed=r,
-                                          max_model_len=max_len) for r in range(2)]
+                                          max_model_len=max_len) for r in range(args.replicas)]
     replicas = [Watched(EngineService(engine, params, name=f"replica-{r}")) for r, engine in enumerate(engines)]
     try:
         vocab = engines[0].vocab_size
