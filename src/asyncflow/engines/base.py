@@ -118,6 +118,9 @@ class Completion:
     """Per response token, 1 if the model sampled it (trained), 0 if it was appended from outside
     (tool output, chat-template tokens in a multi-turn episode; its `logprobs` entry is 0);
     `None` = every token was sampled."""
+    routed_experts: torch.Tensor | None = None
+    """The experts each MoE router chose at each position the engine ran, `[P + R - 1, layers, k]` in a compact
+    integer dtype (`asyncflow.models.moe`), from an engine asked to record them (`algo.router_replay`); else None."""
 
 
 @dataclass
