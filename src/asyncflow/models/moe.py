@@ -5,7 +5,7 @@ Owns: `routers` (a model's router modules), `load_balancing_loss` (pure), `Route
 logits during a forward; the term a training engine adds to a micro-batch's loss) and `router_loss`;
 `RoutingRecorder` (an inference engine's record of the experts each forward chose; `routing_recorder`),
 `replayed_gates` (pure), `replay_order` (a micro-batch's recorded choices in its forward's token order) and
-`RouterReplay` (the training forward's routers take those choices; `router_replay`).
+`RouterReplay` (the training forward's routers take those choices).
 
 Invariants:
 - A router is a module with a `top_k` attribute and a `weight [E, H]` whose forward returns the router logits
@@ -229,8 +229,3 @@ class RouterReplay:
         chosen = torch.where(recorded.to(own.device)[:, None], experts[:, layer].to(own.device), own)
         gates = replayed_gates(logits, chosen, bool(getattr(router, "norm_topk_prob", True)))
         return (logits, gates.to(scores.dtype), chosen, *output[3:])
-
-
-def router_replay(model: torch.nn.Module, enabled: bool) -> RouterReplay | None:
-    """A `RouterReplay` on `model` when `enabled` (`algo.router_replay`), else None."""
-    return RouterReplay(model) if enabled else None
