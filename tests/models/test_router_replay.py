@@ -2,9 +2,10 @@
 engine's routing record, and the trainer's recomputed log-probs of the sampled tokens equal to the engine's to fp32
 tolerance with replay (torch and FSDP2 trainers, packed and unpacked), where without it routing flips open a gap.
 
-Routing flips need near-ties between experts. Here they are made, not waited for: one router row per layer is a copy of
-another plus noise of relative size 1e-7, so the choice between those two experts is decided by float rounding, which
-differs between the engine's cached decode and the trainer's full forward (as bf16 kernels decide real ties)."""
+Routing flips need near-ties between experts. Here they are made, not waited for (`tie_experts`): one router row per
+layer is a copy of another plus noise of relative size 1e-7, so the choice between those two experts is decided by
+float rounding, which differs between the engine's cached decode and the trainer's full forward (as bf16 kernels
+decide real ties)."""
 
 from __future__ import annotations
 
@@ -22,21 +23,11 @@ from asyncflow.engines.torch_inference import TorchInferenceEngine
 from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.models.loading import load_model, resolve_model_path
 from asyncflow.models.logprobs import TrainSample
-from asyncflow.models.moe import RouterReplay, replay_order, replayed_gates, routers, routing_recorder
+from asyncflow.models.moe import RouterReplay, replay_order, replayed_gates, routers, routing_recorder, tie_experts
 from asyncflow.models.tri_model import tri_model_logprobs
 from asyncflow.runtime.inline import ProcessRanks
 
 FP32 = 2e-6  # |log-prob difference| of the same computation in another float summation order
-
-
-def near_ties(model: torch.nn.Module, relative: float = 1e-7) -> torch.nn.Module:
-    """Router row 7 := row 6 + noise of `relative` size in every layer: experts 6 and 7 tie up to float rounding."""
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for router in routers(model):
-            row = router.weight[6]
-            router.weight[7] = row + relative * row.abs().mean() * torch.randn(row.shape, generator=g)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +36,7 @@ def tied_path(_isolated_cache, tmp_path_factory):
     preset = resolve_model_path("preset:tiny-moe")
     folder = tmp_path_factory.mktemp("tiny-moe-ties") / "model"
     shutil.copytree(preset, folder)
-    near_ties(load_model(preset)).save_pretrained(folder)
+    tie_experts(load_model(preset)).save_pretrained(folder)
     return folder
 
 

@@ -5,7 +5,8 @@ Owns: `routers` (a model's router modules), `load_balancing_loss` (pure), `Route
 logits during a forward; the term a training engine adds to a micro-batch's loss) and `router_loss`;
 `RoutingRecorder` (an inference engine's record of the experts each forward chose; `routing_recorder`),
 `replayed_gates` (pure), `replay_order` (a micro-batch's recorded choices in its forward's token order) and
-`RouterReplay` (the training forward's routers take those choices).
+`RouterReplay` (the training forward's routers take those choices); `tie_experts`, routers whose choice flips on
+float rounding (what router replay's tests and benchmark measure it on).
 
 Invariants:
 - A router is a module with a `top_k` attribute and a `weight [E, H]` whose forward returns the router logits
@@ -122,6 +123,21 @@ def _hooked(found: list[torch.nn.Module], keep: Callable[[int, tuple[Any, ...]],
     finally:
         for handle in handles:
             handle.remove()
+
+
+def tie_experts(model: torch.nn.Module, relative: float = 1e-7, first: int = 6, second: int = 7,
+                seed: int = 0) -> torch.nn.Module:
+    """In place, every router's row `second` := row `first` plus Gaussian noise of `relative` times the row's mean
+    |weight|: the two experts' logits then differ by about float32 rounding, so which of them a token picks depends
+    on the summation order of the forward that routes it (an engine's cached decode or a trainer's full forward),
+    as bf16 kernels decide real near-ties. Returns `model`."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for router in routers(model):
+            row = router.weight[first]  # type: ignore[index]
+            noise = torch.randn(row.shape, generator=g, dtype=row.dtype)
+            router.weight[second] = row + relative * row.abs().mean() * noise  # type: ignore[index]
+    return model
 
 
 def routing_dtype(num_experts: int) -> torch.dtype:
