@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -134,9 +134,10 @@ def tie_experts(model: torch.nn.Module, relative: float = 1e-7, first: int = 6, 
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for router in routers(model):
-            row = router.weight[first]  # type: ignore[index]
+            weight = cast(torch.Tensor, router.weight)
+            row = weight[first]
             noise = torch.randn(row.shape, generator=g, dtype=row.dtype)
-            router.weight[second] = row + relative * row.abs().mean() * noise  # type: ignore[index]
+            weight[second] = row + relative * row.abs().mean() * noise
     return model
 
 
@@ -150,7 +151,7 @@ class RoutingRecorder:
 
     def __init__(self, found: list[torch.nn.Module]) -> None:
         self.routers = found
-        self.dtype = routing_dtype(int(found[0].weight.shape[0]))  # type: ignore[union-attr]
+        self.dtype = routing_dtype(int(cast(torch.Tensor, found[0].weight).shape[0]))
 
     @contextmanager
     def capture(self) -> Iterator[list[torch.Tensor]]:
