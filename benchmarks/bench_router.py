@@ -1,21 +1,20 @@
 """Benchmark: the replica router's session affinity against round-robin on a multi-turn workload over vLLM
 replicas (CPU build): prefix-cache hit rate and step time, side by side in one run.
 
-Owns nothing the library uses. `--replicas` (2) `VLLMInferenceEngine` replicas of `--model` (default `preset:qwen2.5-tiny`),
-each behind its `EngineService`, prefix caching on (as the engine always runs). `--episodes` multi-turn episodes
-run together; an episode opens with its own system prompt of `--system-tokens` random token ids and each turn
-appends a user message of `--user-tokens` ids to the whole history (what the model said so far included) and
-samples `--new-tokens`. A *step* is one turn of every episode, submitted together in a random order (episodes
-reach the router in no fixed order); its time is until the last one finished. Two routings of the same workload
-(fresh random ids each round, so no round finds another's blocks):
-- `affinity`: `ReplicaRouter` with each episode's id as its session (what `asyncflow serve --replicas` and the
-  agent rollout do);
-- `round_robin`: the requests dealt to the replicas in turn, whatever their episode.
-The routings alternate for `--rounds` rounds each. Hit rate: prompt tokens vLLM took from its prefix cache
-(`Completion.cached_prompt_tokens`, vLLM's `num_cached_tokens`) over all prompt tokens. Then one more affinity
-round with a rolling weight update (`ReplicaRouter.update_weights`) started during its second step: every request
-submitted to a replica while it was being updated is counted (must be 0). An update empties a replica's prefix
-cache, so that round's hit rate is reported apart.
+Owns nothing the library uses. `--replicas` (2) `VLLMInferenceEngine` replicas of `--model` (default
+`preset:qwen2.5-tiny`), each behind its `EngineService`, prefix caching on (as the engine always runs). `--episodes`
+multi-turn episodes run together; an episode opens with its own system prompt of `--system-tokens` random token ids
+and each turn appends a user message of `--user-tokens` ids to the whole history (what the model said so far
+included) and samples `--new-tokens`. A *step* is one turn of every episode, submitted together in a random order
+(episodes reach the router in no fixed order); its time is until the last one finished. Two routings of the same
+workload (fresh random ids each round, so no round finds another's blocks): - `affinity`: `ReplicaRouter` with each
+episode's id as its session (what `asyncflow serve --replicas` and the agent rollout do); - `round_robin`: the
+requests dealt to the replicas in turn, whatever their episode. The routings alternate for `--rounds` rounds each.
+Hit rate: prompt tokens vLLM took from its prefix cache (`Completion.cached_prompt_tokens`, vLLM's
+`num_cached_tokens`) over all prompt tokens. Then one more affinity round with a rolling weight update
+(`ReplicaRouter.update_weights`) started during its second step: every request submitted to a replica while it was
+being updated is counted (must be 0). An update empties a replica's prefix cache, so that round's hit rate is
+reported apart.
 
 Run: PYTHONPATH=src .venv-vllm/bin/python benchmarks/bench_router.py [--episodes 16 --turns 4 --rounds 2]
 """

@@ -500,6 +500,12 @@ class AlgoConfig(Section):
     trains on distillation alone (rewards are still scored and logged as `reward/*`, but not trained on)."""
     critic: CriticConfig = Field(default_factory=CriticConfig)
     """The value model (`advantage: gae` only)."""
+    router_replay: bool = False
+    """Router replay (R3) for a mixture-of-experts policy (`asyncflow.models.moe`, docs/models.md): the rollout
+    engine records the experts each router chose at every position (a `routed_experts` column, uint8), and the
+    trainer's policy forward routes each token to those experts, its routers still trained through their gate
+    values (softmax at the replayed experts). Needs `rollout.engine: torch` (vLLM's CPU build cannot return its
+    routing) and single-turn rollouts; the reference model routes on its own."""
     @field_validator("loss", mode="before")
     @classmethod
     def _loss_by_name(cls, value: Any) -> Any:
@@ -1025,6 +1031,22 @@ class Config(Section):
                 f"{what} with rollout.on_weight_update=resume: an agent's calls are sampled with the weights of their "
                 "partition only; use on_weight_update=finish"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _router_replay_rollouts(self) -> Config:
+        """`algo.router_replay` needs rollouts whose engine records its routing into the rows."""
+        if not self.algo.router_replay:
+            return self
+        if self.rollout.engine != "torch":
+            raise ValueError(
+                f"algo.router_replay with rollout.engine={self.rollout.engine}: only the built-in torch engine records "
+                "its routing (vLLM returns it only with its V2 model runner, which its CPU build cannot run); set "
+                "rollout.engine=torch or algo.router_replay=false"
+            )
+        if self.env.name is not None or self.agent.fn is not None:
+            what = "agent.fn" if self.agent.fn is not None else f"env.name={self.env.name}"
+            raise ValueError(f"algo.router_replay with {what}: routing is recorded for single-turn rollouts only")
         return self
 
     @model_validator(mode="after")

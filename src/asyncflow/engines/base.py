@@ -121,6 +121,9 @@ class Completion:
     cached_prompt_tokens: int | None = None
     """Prompt tokens whose keys and values the engine took from its prefix cache instead of computing them;
     `None` = the engine does not report it."""
+    routed_experts: torch.Tensor | None = None
+    """The experts each MoE router chose at each position the engine ran, `[P + R - 1, layers, k]` in a compact
+    integer dtype (`asyncflow.models.moe`), from an engine asked to record them (`algo.router_replay`); else None."""
 
 
 @dataclass

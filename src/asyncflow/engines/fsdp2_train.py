@@ -58,7 +58,7 @@ from asyncflow.engines.torch_train import (
 )
 from asyncflow.models.loading import load_model
 from asyncflow.models.logprobs import TrainSample
-from asyncflow.models.moe import capture_routers, router_loss
+from asyncflow.models.moe import RouterReplay, capture_routers, router_loss
 from asyncflow.models.tri_model import Packing, make_reference, tri_model_logprobs
 from asyncflow.models.value import CriticSpec, attach_critic, critic_of, policy_weights
 from asyncflow.observe.memory import METRIC_PREFIX as MEMORY_METRIC_PREFIX
@@ -134,6 +134,7 @@ class RankSpec:
     teacher_path: str | None = None  # on-policy distillation: the frozen teacher, in the reference's place
     critic: CriticSpec | None = None  # PPO's value model, attached to the policy (`asyncflow.models.value`)
     router_aux_loss_coef: float | None = None  # MoE: the load-balancing loss's weight (`asyncflow.models.moe`)
+    router_replay: bool = False  # MoE: route as the rows' recorded experts say (`algo.router_replay`)
 
 
 def shard_model(model: torch.nn.Module, mesh: Any, **options: Any) -> torch.nn.Module:
@@ -190,6 +191,7 @@ class RankTrainer:
         bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         precision: dict[str, Any] = {"mp_policy": bf16} if spec.precision == "bf16" else {}
         self.router_loss = router_loss(policy, spec.router_aux_loss_coef)  # before sharding: the modules stay
+        self.replay = RouterReplay(policy) if spec.router_replay else None  # hooks on the modules, which sharding keeps
         self.model = shard_model(policy, self.mesh, **precision)
         for module in self.model.modules():  # the ranks' gradient sums add up; the driver normalises them
             if isinstance(module, FSDPModule):
@@ -216,7 +218,7 @@ class RankTrainer:
         with capture_routers(self.router_loss) as routed:
             out = tri_model_logprobs(
                 self.model, rows, reference=self.reference, packing=self.spec.packing,
-                temperature=temperature, with_entropy=True, critic=self.critic,
+                temperature=temperature, with_entropy=True, critic=self.critic, replay=self.replay,
             )
         if not samples:
             dummy = out.policy.logprobs.sum() * 0.0
@@ -238,7 +240,7 @@ class RankTrainer:
         """Policy log-probs `[n, L]` (float32, on CPU) of this rank's rows, without gradient; a rank with no rows runs
         the dummy row (every rank must join the forward's all-gathers) and returns `[0, 0]`."""
         out = tri_model_logprobs(self.model, samples or [TrainSample([0], [0])], packing=self.spec.packing,
-                                 temperature=temperature)
+                                 temperature=temperature, replay=self.replay)
         return out.policy.logprobs.cpu() if samples else torch.zeros(0, 0)
 
     def step(self, grad_scale: float) -> dict[str, float]:
@@ -399,6 +401,7 @@ class FSDP2TrainEngine(TrainEngineBase):
     teacher_path: str | None = None  # a model folder each rank loads as the frozen teacher (`algo.teacher`)
     critic: CriticSpec | None = None
     router_aux_loss_coef: float | None = None
+    router_replay: bool = False
     ranks: RankGroup = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

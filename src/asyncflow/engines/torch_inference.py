@@ -44,6 +44,11 @@ Invariants:
   base, `y = base(x) + alpha/r * B(A(x))`); `update_weights` then takes the adapter's tensors only (peft's naming,
   `adapter_state_dict`) and copies them into the A/B matrices, with the same in-flight semantics as full weights.
   The outputs equal those of the merged weights up to float rounding.
+- Routing record (`record_routing=True`, an MoE model; `algo.router_replay`): each completion carries the experts
+  every router chose at every position the engine ran (`Completion.routed_experts` `[P + R - 1, layers, k]`,
+  `asyncflow.models.moe`): the prompt's from its prefill (a group's prompt runs once: one record), each fed
+  response token's from its decode step; a recomputation after a weight update records the prefix again, so the
+  record is the routing of the keys/values the later tokens saw.
 - One `torch.Generator` seeded with `seed` drives all sampling: the same seed, requests (in the
   same order) and `max_batch_size` give identical completions.
 """
@@ -53,6 +58,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -70,6 +76,7 @@ from asyncflow.engines.base import (
 )
 from asyncflow.models.hf import causal_lm
 from asyncflow.models.loading import load_model, resolve_model_path
+from asyncflow.models.moe import routing_recorder
 
 
 class SlotKVCache(Cache):
@@ -220,6 +227,7 @@ class _Slot:
     logprobs: list[float] = field(default_factory=list)
     token_versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    routing: list[torch.Tensor] = field(default_factory=list)  # [positions, layers, k] pieces (routing record)
 
     @property
     def cached_length(self) -> int:
@@ -258,8 +266,10 @@ class TorchInferenceEngine(InferenceEngineBase):
         seed: int = 0,
         weight_version: int = 0,
         adapter: LoRASettings | None = None,
+        record_routing: bool = False,
     ) -> None:
-        """`adapter`: LoRA adapter sync (module docstring); `model` is then the base model, wrapped in place."""
+        """`adapter`: LoRA adapter sync (module docstring); `model` is then the base model, wrapped in place.
+        `record_routing`: the routing record (module docstring)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         config = causal_lm(model).config
@@ -289,6 +299,8 @@ class TorchInferenceEngine(InferenceEngineBase):
         self._lock = threading.Lock()  # guards `_open_generations` and `_pending`
         self._pending: tuple[Mapping[str, torch.Tensor], int] | None = None  # newest update not applied yet
         self._per_row_logits = True  # `logits_to_keep` as [m, 1] positions (recent transformers); see _prefill
+        self._recorder = routing_recorder(model) if record_routing else None
+        self._routed: torch.Tensor | None = None  # the last forward's routing [rows, q, layers, k], when recording
 
     # ---------------------------------------------------------------- public API
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
@@ -407,6 +419,7 @@ class TorchInferenceEngine(InferenceEngineBase):
             yield Completion(
                 r.request_id, r.prompt_ids, s.response_ids, s.logprobs, reason, versions[-1],
                 token_versions=versions if versions[0] != versions[-1] else None,
+                routed_experts=torch.cat(s.routing) if s.routing else None,
             )
 
     # Grad mode is set per forward, never around the generator: a `with` spanning a `yield` would
@@ -426,13 +439,20 @@ class TorchInferenceEngine(InferenceEngineBase):
             self._per_row_logits = False
             rows = torch.arange(len(new), device=self.device)
             logits = self._forward_rows(cache, start, prompts, 0)[rows, last[:, 0]]
+        if self._routed is not None:
+            for s, routed, ids in zip(new, self._routed, prompts):
+                s.routing = [routed[: len(ids)]]
         self._append(new, logits)
 
     @torch.inference_mode()
     def _recompute(self, cache: SlotKVCache, slots: list[_Slot]) -> None:
         """Rewrite the keys/values of the in-flight slots (rows 0..n-1: prompt and every sampled token but the
         last, which the next decode step feeds) under the current weights. Nothing is sampled."""
-        self._forward_rows(cache, 0, [s.request.prompt_ids + s.response_ids[:-1] for s in slots], 1)
+        sequences = [s.request.prompt_ids + s.response_ids[:-1] for s in slots]
+        self._forward_rows(cache, 0, sequences, 1)
+        if self._routed is not None:
+            for s, routed, ids in zip(slots, self._routed, sequences):
+                s.routing = [routed[: len(ids)]]
 
     def _forward_rows(
         self, cache: SlotKVCache, start: int, sequences: list[list[int]], logits_to_keep: int | torch.Tensor
@@ -457,15 +477,23 @@ class TorchInferenceEngine(InferenceEngineBase):
             input_ids[row, : len(ids)] = torch.tensor(ids)
         cache.prefill_rows(start, rows)
         causal = torch.ones(q, q, dtype=torch.bool, device=self.device).tril()
-        logits: torch.Tensor = self.model(
-            input_ids=input_ids.to(self.device),
-            position_ids=torch.arange(q, device=self.device)[None],
-            attention_mask=self._additive(causal[None, None]),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-        ).logits
+        with self._recording() as routed:
+            logits: torch.Tensor = self.model(
+                input_ids=input_ids.to(self.device),
+                position_ids=torch.arange(q, device=self.device)[None],
+                attention_mask=self._additive(causal[None, None]),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            ).logits
+        if self._recorder is not None:
+            by_row = routed[0].unflatten(0, (len(sequences), q))
+            self._routed = by_row if rows is None else by_row[rows]
         return logits if rows is None else logits[rows]
+
+    def _recording(self) -> AbstractContextManager[list[torch.Tensor]]:
+        """The routing capture of one forward (an empty list and nothing hooked when not recording)."""
+        return self._recorder.capture() if self._recorder is not None else nullcontext([])
 
     @torch.inference_mode()
     def _decode(self, cache: SlotKVCache, slots: list[_Slot]) -> None:
@@ -481,13 +509,17 @@ class TorchInferenceEngine(InferenceEngineBase):
             visible = torch.arange(kv_len, device=self.device)[None, :] <= positions[:, None]  # [n, kv_len]
             mask = self._additive(visible[:, None, None, :])
         cache.decode_at(positions, kv_len)
-        logits = self.model(
-            input_ids=torch.tensor([[s.response_ids[-1]] for s in slots], device=self.device),
-            position_ids=positions[:, None],
-            attention_mask=mask,
-            past_key_values=cache,
-            use_cache=True,
-        ).logits[:, -1]
+        with self._recording() as routed:
+            logits = self.model(
+                input_ids=torch.tensor([[s.response_ids[-1]] for s in slots], device=self.device),
+                position_ids=positions[:, None],
+                attention_mask=mask,
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
+        if routed:
+            for s, row in zip(slots, routed[0].split(1)):
+                s.routing.append(row)
         self._append(slots, logits)
 
     def _additive(self, visible: torch.Tensor) -> torch.Tensor:

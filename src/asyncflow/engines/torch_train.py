@@ -41,7 +41,7 @@ import torch
 from asyncflow.engines.base import LossFn, TrainEngineBase, register_train_engine
 from asyncflow.models.hf import causal_lm
 from asyncflow.models.logprobs import TrainSample
-from asyncflow.models.moe import capture_routers, router_loss
+from asyncflow.models.moe import RouterReplay, capture_routers, router_loss
 from asyncflow.models.packing import keep_shared_prompt_attention
 from asyncflow.models.tri_model import Packing, make_reference, tri_model_logprobs
 from asyncflow.models.value import CriticSpec, attach_critic, critic_parameters, is_critic_key, policy_weights
@@ -133,10 +133,12 @@ class TorchTrainEngine(TrainEngineBase):
         teacher: torch.nn.Module | None = None,
         critic: CriticSpec | None = None,
         router_aux_loss_coef: float | None = None,
+        router_replay: bool = False,
     ):
         """`teacher`: a model that takes the reference's place (on-policy distillation, `algo.teacher`): frozen
         here, its log-probs are the tri-model forward's `ref`; not with `use_reference`. `router_aux_loss_coef`: an
-        MoE policy's load-balancing loss weight (None: its config's; `asyncflow.models.moe`)."""
+        MoE policy's load-balancing loss weight (None: its config's; `asyncflow.models.moe`). `router_replay`: the
+        policy's forwards route as the samples' recorded experts say (`algo.router_replay`; `RouterReplay`)."""
         if teacher is not None and use_reference:
             raise ValueError("a training engine holds a reference model or a teacher, not both")
         self.model = model
@@ -157,6 +159,7 @@ class TorchTrainEngine(TrainEngineBase):
 
             self.adapted = lora_adapter.add_adapters(model, lora)
         self.critic = attach_critic(model, critic) if critic is not None else None  # after LoRA: trained fully
+        self.replay = RouterReplay(model) if router_replay else None  # after the reference copy: it routes on its own
         self.model.train()
         self.packing = packing
         self.grad_clip = grad_clip
@@ -181,6 +184,7 @@ class TorchTrainEngine(TrainEngineBase):
                 temperature=temperature,
                 with_entropy=True,
                 critic=self.critic,
+                replay=self.replay,
             )
         loss, stats = loss_fn(out)
         # A token sum like the trainer's other stats: divided by the step's tokens it is the packed fraction.
@@ -198,7 +202,8 @@ class TorchTrainEngine(TrainEngineBase):
     def logprobs(self, samples: list[TrainSample], *, temperature: float = 1.0) -> torch.Tensor:
         """Policy log-probs `[N, L]` without gradient (for a separate old-policy pass)."""
         with compute_precision(self.precision, self.device):
-            out = tri_model_logprobs(self.model, samples, packing=self.packing, temperature=temperature)
+            out = tri_model_logprobs(self.model, samples, packing=self.packing, temperature=temperature,
+                                     replay=self.replay)
         return out.policy.logprobs
 
     def optimizer_step(self, grad_scale: float = 1.0) -> dict[str, float]:

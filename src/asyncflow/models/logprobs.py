@@ -26,6 +26,7 @@ class TrainSample:
     response_ids: list[int]
     group_id: int = 0  # responses of one GRPO group share the prompt (used by packing)
     loss_mask: list[int] | None = None  # per response token, 1 = trained (model-sampled); None = all trained
+    routed_experts: torch.Tensor | None = None  # [S, layers, k] the rollout's experts per position (router replay)
 
 
 @dataclass

@@ -27,6 +27,7 @@ from typing import Any, Literal, cast
 import torch
 
 from asyncflow.models.logprobs import LogProbs, TrainSample, response_logprobs
+from asyncflow.models.moe import RouterReplay
 from asyncflow.models.packing import (
     PackingError,
     SharedPromptLayout,
@@ -96,12 +97,15 @@ def tri_model_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     critic: torch.nn.Module | None = None,
+    replay: RouterReplay | None = None,
 ) -> TriLogProbs:
     """Policy log-probs with grad, old-policy and reference log-probs without, for one micro-batch.
 
     Outputs are `[N, L]` in the order of `samples` (see `response_logprobs`) on the policy's device. `critic`
     (`asyncflow.models.value`: a head on the policy's trunk or a separate model) adds its values with grad and,
     detached, as the old values (the engines take one update per step: the critic before it is the critic now).
+    `replay` (on `policy`): the policy forward routes as the samples' records say (`asyncflow.models.moe`); the
+    reference routes on its own.
     """
     if packing not in ("auto", "on", "off"):
         raise ValueError(f"packing must be 'auto', 'on' or 'off', got {packing!r}")
@@ -118,6 +122,8 @@ def tri_model_logprobs(
     with torch.no_grad():
         ref = None if reference is None else logprobs(reference).logprobs.to(device)
         old = None if old_policy is None or old_policy is policy else logprobs(old_policy).logprobs.to(device)
+    if replay is not None:
+        replay.arrange(samples, packed)
     current = logprobs(policy, with_entropy=with_entropy, with_hidden=isinstance(critic, ValueHead))
     values = None if critic is None else _critic_values(critic, samples, current, layout).to(device)
     return TriLogProbs(policy=current, old=current.logprobs.detach() if old is None else old, ref=ref, packed=packed,

@@ -63,6 +63,8 @@ class RolloutSpec:
     adapter's tensors per version (`adapter=` of the torch and vLLM engines)."""
     adapter_slots: int = 2
     """Adapters a vLLM engine runs in one batch under adapter sync: `workflow.max_staleness` + 1."""
+    record_routing: bool = False
+    """Router replay (`algo.router_replay`): the engine records its experts per position, rows carry them."""
 
     @property
     def scores_rows(self) -> bool:
@@ -106,6 +108,8 @@ def _engine(spec: RolloutSpec, policy: torch.nn.Module | None = None) -> Inferen
         options["adapter"] = spec.adapter
         if spec.engine == "vllm":
             options.setdefault("adapter_slots", spec.adapter_slots)
+    if spec.record_routing:
+        options["record_routing"] = True
     return make_inference_engine(
         spec.engine, model_path=spec.model_path, dtype=spec.dtype, device=spec.device,
         max_batch_size=spec.max_batch_size, seed=spec.seed, **options,

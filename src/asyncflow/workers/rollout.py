@@ -12,6 +12,8 @@ Invariants:
   version; the row's version, which the queue stores and the staleness bound reads, is its oldest.
   In the queue the per-token versions travel as row metadata `version_runs`, `[[first token, version],
   ...]` at each version change (a few integers, present only on rows spanning versions).
+- Under router replay (`algo.router_replay`) a row carries the experts its engine chose (`ROUTED_EXPERTS_COLUMN`,
+  `Completion.routed_experts`: `[P + R - 1, layers, k]`, uint8 or int16).
 - A group is complete when all `group_size` of its rollouts have finished; `complete_groups`
   yields each group exactly once, in the order groups complete.
 """
@@ -45,6 +47,7 @@ class Rollout:
     response_text: str | None = None
     token_versions: list[int] | None = None  # per response token; None = all `weight_version`
     loss_mask: list[int] | None = None  # per response token, 1 = trained; None = all (see `Completion.loss_mask`)
+    routed_experts: torch.Tensor | None = None  # router replay: `Completion.routed_experts`
 
     @property
     def row_id(self) -> tuple[int, int]:
@@ -82,6 +85,7 @@ PROMPT_COLUMNS = ["prompt_ids"]
 RESPONSE_COLUMNS = ["response_ids", "rollout_logprobs"]
 LOSS_MASK_COLUMN = "loss_mask"  # per response token, 1 = model-sampled (trained): multi-turn and agent rows
 TRAINED_PROMPT_COLUMN = "trained_prompt_ids"  # the prompt that is trained, where it is not `prompt_ids` (an agent's)
+ROUTED_EXPERTS_COLUMN = "routed_experts"  # router replay: the experts the engine chose per position [S, layers, k]
 WRITE_ROWS = 32  # finished responses per queue write
 
 
@@ -121,6 +125,7 @@ class FinishedRow:
     reward: float | None = None
     loss_mask: list[int] | None = None
     trained_prompt_ids: list[int] | None = None
+    routed_experts: torch.Tensor | None = None
 
 
 class RowWriter:
@@ -162,6 +167,8 @@ class RowWriter:
             columns[LOSS_MASK_COLUMN] = [torch.tensor(r.loss_mask, dtype=torch.int8) for r in rows]
         if rows[0].trained_prompt_ids is not None:
             columns[TRAINED_PROMPT_COLUMN] = [torch.tensor(r.trained_prompt_ids, dtype=torch.int64) for r in rows]
+        if rows[0].routed_experts is not None:
+            columns[ROUTED_EXPERTS_COLUMN] = [r.routed_experts for r in rows]
         if rows[0].reward is not None:
             columns["reward"] = torch.tensor([r.reward for r in rows], dtype=torch.float32)
         elif self.scorer is not None:
@@ -218,7 +225,8 @@ class RolloutWorker:
         with RowWriter(queue, partition, group_size=self.group_size, scorer=scorer, row_meta=metadata) as writer:
             for completion in self.engine.generate(requests(), self.params):
                 writer.add(FinishedRow(completion.request_id, completion.response_ids, completion.logprobs,
-                                       *row_fields(completion), loss_mask=completion.loss_mask))
+                                       *row_fields(completion), loss_mask=completion.loss_mask,
+                                       routed_experts=completion.routed_experts))
         return writer.written
 
     def generate(self, prompts: Iterable[Prompt]) -> Iterator[Rollout]:
@@ -257,6 +265,7 @@ def rollouts_from_batch(batch) -> list[Rollout]:
     prompts, responses, logprobs = batch.rows("prompt_ids"), batch.rows("response_ids"), batch.rows("rollout_logprobs")
     if TRAINED_PROMPT_COLUMN in columns:
         prompts = batch.rows(TRAINED_PROMPT_COLUMN)
+    routed = batch.rows(ROUTED_EXPERTS_COLUMN) if ROUTED_EXPERTS_COLUMN in columns else [None] * len(meta)
     return [
         Rollout(
             group_id=meta.group_ids[i],
@@ -274,6 +283,7 @@ def rollouts_from_batch(batch) -> list[Rollout]:
                 if "version_runs" in meta.metadata[i] else None
             ),
             loss_mask=masks[i],
+            routed_experts=routed[i],
         )
         for i in range(len(meta))
     ]

@@ -333,7 +333,7 @@ class PolicyTrainer:
 
     def _micro_batch(self, batch: list[Rollout], policy_version: int | None = None) -> None:
         algo = self.algo
-        samples = [TrainSample(r.prompt_ids, r.response_ids, r.group_id, r.loss_mask) for r in batch]
+        samples = [TrainSample(r.prompt_ids, r.response_ids, r.group_id, r.loss_mask, r.routed_experts) for r in batch]
         L = max(len(r.response_ids) for r in batch)
         device = self.engine.device
         advantages = padded([_computed(r.advantages) for r in batch], L).to(device)

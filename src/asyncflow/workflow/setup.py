@@ -43,7 +43,7 @@ from asyncflow.runtime.base import RolloutSpec
 from asyncflow.specs import import_callable
 from asyncflow.workers.multiturn import MultiTurnSpec
 from asyncflow.workers.reward import RewardWorker
-from asyncflow.workers.rollout import LOSS_MASK_COLUMN, TRAINED_PROMPT_COLUMN
+from asyncflow.workers.rollout import LOSS_MASK_COLUMN, ROUTED_EXPERTS_COLUMN, TRAINED_PROMPT_COLUMN
 from asyncflow.workers.stage import StageWorker
 from asyncflow.workflow.kinds import environment_kind, reward_kind
 
@@ -83,7 +83,7 @@ def rollout_spec(config: Config, model_path, tokenizer) -> RolloutSpec:
         params=sampling_params(config, tokenizer, model_path=model_path),
         group_size=r.group_size, seed=config.run.seed, on_weight_update=r.on_weight_update,
         multiturn=multiturn_spec(config), agent=agent_options(config, model_path, tokenizer),
-        make_scorer=partial(make_reward_worker, config),
+        make_scorer=partial(make_reward_worker, config), record_routing=config.algo.router_replay,
         **adapter_sync(config),
     )
 
@@ -101,7 +101,8 @@ def adapter_sync(config: Config) -> dict:
 def row_columns(spec: RolloutSpec) -> list[str]:
     """The optional per-row columns the trainer reads of `spec`'s rows."""
     trained_prompt = [TRAINED_PROMPT_COLUMN] if spec.trains_own_prompt else []
-    return ([LOSS_MASK_COLUMN] if spec.scores_rows else []) + trained_prompt
+    routed = [ROUTED_EXPERTS_COLUMN] if spec.record_routing else []
+    return ([LOSS_MASK_COLUMN] if spec.scores_rows else []) + trained_prompt + routed
 
 
 def agent_options(config: Config, model_path, tokenizer) -> dict | None:
@@ -169,7 +170,7 @@ def train_engine_options(config: Config, model_path, policy: torch.nn.Module | N
         lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=t.steps,
         use_reference=config.algo.kl_coef > 0, packing=t.packing, precision=t.precision,
         activation_checkpointing=t.activation_checkpointing, critic=critic_spec(config, model_path),
-        router_aux_loss_coef=t.router_aux_loss_coef,
+        router_aux_loss_coef=t.router_aux_loss_coef, router_replay=config.algo.router_replay,
     )
 
     def loaded_policy() -> torch.nn.Module:
