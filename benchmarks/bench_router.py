@@ -7,14 +7,15 @@ multi-turn episodes run together; an episode opens with its own system prompt of
 and each turn appends a user message of `--user-tokens` ids to the whole history (what the model said so far
 included) and samples `--new-tokens`. A *step* is one turn of every episode, submitted together in a random order
 (episodes reach the router in no fixed order); its time is until the last one finished. Two routings of the same
-workload (fresh random ids each round, so no round finds another's blocks): - `affinity`: `ReplicaRouter` with each
-episode's id as its session (what `asyncflow serve --replicas` and the agent rollout do); - `round_robin`: the
-requests dealt to the replicas in turn, whatever their episode. The routings alternate for `--rounds` rounds each.
-Hit rate: prompt tokens vLLM took from its prefix cache (`Completion.cached_prompt_tokens`, vLLM's
-`num_cached_tokens`) over all prompt tokens. Then one more affinity round with a rolling weight update
-(`ReplicaRouter.update_weights`) started during its second step: every request submitted to a replica while it was
-being updated is counted (must be 0). An update empties a replica's prefix cache, so that round's hit rate is
-reported apart.
+workload (fresh random ids each round, so no round finds another's blocks):
+- `affinity`: `ReplicaRouter` with each episode's id as its session (what `asyncflow serve --replicas` and the agent
+  rollout do);
+- `round_robin`: the requests dealt to the replicas in turn, whatever their episode.
+The routings alternate for `--rounds` rounds each. Hit rate: prompt tokens vLLM took from its prefix cache
+(`Completion.cached_prompt_tokens`, vLLM's `num_cached_tokens`) over all prompt tokens. Then one more affinity round
+with a rolling weight update (`ReplicaRouter.update_weights`) started during its second step: every request
+submitted to a replica while it was being updated is counted (must be 0). An update empties a replica's prefix
+cache, so that round's hit rate is reported apart.
 
 Run: PYTHONPATH=src .venv-vllm/bin/python benchmarks/bench_router.py [--episodes 16 --turns 4 --rounds 2]
 """
