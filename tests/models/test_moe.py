@@ -1,5 +1,6 @@
 """Mixture-of-experts: the `tiny-moe` preset (Qwen3-MoE's shape), the load-balancing loss against hand-computed
-cases, its gradient reaching the routers, and GRPO runs on the built-in engine and on 2 FSDP2 ranks that log it."""
+cases, its gradient reaching the routers, and 3-step GRPO runs in `sync` and `async` on the built-in engine and on 2
+FSDP2 ranks (which log it), and with vLLM rollouts (marker `vllm`)."""
 
 import json
 import math
@@ -65,15 +66,31 @@ def test_the_load_balancing_loss_is_logged_and_trains_the_routers(moe_path):
     assert not torch.allclose(without, with_aux)  # the auxiliary loss reaches the gates
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("engine", ["torch", "fsdp2"])
-def test_grpo_on_the_moe_preset_logs_its_load_balancing_loss(tmp_path, engine, one_torch_thread):
+def test_grpo_on_the_moe_preset_logs_its_load_balancing_loss(tmp_path, engine, mode, one_torch_thread):
     ranks = ["train.engine=fsdp2", "train.world_size=2"] if engine == "fsdp2" else []
-    code = main(["train", f"--output={tmp_path}", "model.path=preset:tiny-moe", "train.steps=2", "eval.every=0",
+    code = main(["train", f"--output={tmp_path}", "model.path=preset:tiny-moe", "train.steps=3", "eval.every=0",
+                 f"workflow.mode={mode}",
                  "run.progress=false", "sft.before_rl=false", "rollout.prompts_per_step=2", "rollout.group_size=4",
                  "train.micro_batch_size=8", "checkpoint.every=0", "export.at_end=false", "runtime.kind=inline",
                  "train.router_aux_loss_coef=0.01", "--threads=1", *ranks])
     assert code == 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     trained = [row for row in rows if "loss" in row]
-    assert len(trained) == 2
+    assert len(trained) == 3
     assert all(1.0 <= row["moe/load_balancing_loss"] <= 8.0 for row in trained)
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_grpo_on_the_moe_preset_with_vllm_rollouts(tmp_path, mode, one_torch_thread):
+    code = main(["train", f"--output={tmp_path}", "model.path=preset:tiny-moe", "train.steps=3", "eval.every=0",
+                 f"workflow.mode={mode}", "rollout.engine=vllm", "run.progress=false", "sft.before_rl=false",
+                 "rollout.prompts_per_step=2", "rollout.group_size=4", "train.micro_batch_size=8", "checkpoint.every=0",
+                 "export.at_end=false", "runtime.kind=inline", "--threads=1"])
+    assert code == 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    trained = [row for row in rows if "loss" in row]
+    assert len(trained) == 3 and all(row["mismatch/abs_log_ratio"] < 0.5 for row in trained)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from asyncflow.cli import main
-from asyncflow.config import ConfigError, build_config
+from asyncflow.config import AlgoConfig, ConfigError, build_config
 from asyncflow.engines.base import GenerationRequest, SamplingParams
 from asyncflow.engines.fsdp2_train import FSDP2TrainEngine
 from asyncflow.engines.torch_inference import TorchInferenceEngine
@@ -26,6 +26,7 @@ from asyncflow.models.logprobs import TrainSample
 from asyncflow.models.moe import RouterReplay, replay_order, replayed_gates, routers, routing_recorder, tie_experts
 from asyncflow.models.tri_model import tri_model_logprobs
 from asyncflow.runtime.inline import ProcessRanks
+from asyncflow.workers.trainer import PolicyLoss
 
 FP32 = 2e-6  # |log-prob difference| of the same computation in another float summation order
 
@@ -146,12 +147,28 @@ def test_activation_checkpointing_recomputes_the_replayed_routing(tied_path, rol
     assert torch.allclose(gate_grads(True), gate_grads(False), rtol=1e-4, atol=1e-7)
 
 
-def test_two_fsdp2_ranks_replay(tied_path, rollouts):
+def test_two_fsdp2_ranks_replay_and_give_the_gradients_of_one_process(tied_path, rollouts):
+    """Replayed, the ranks' log-probs are the engine's, and a backward's loss and gradient are one process's (without
+    replay, float order alone flips the near-tied routing between the two; the load-balancing loss, a product of batch
+    means, is of each rank's rows as of each micro-batch's, so it is left at its default weight of 0 here)."""
     samples, rollout = rollouts
+    options = dict(lr=1e-3, router_replay=True, router_aux_loss_coef=0.0)
     engine = FSDP2TrainEngine(load_model(tied_path), model_path=tied_path, world_size=2, launcher=ProcessRanks,
-                              lr=1e-3, router_replay=True)
+                              **options)
+    reference = TorchTrainEngine(load_model(tied_path), **options)
     try:
         assert gap(engine.logprobs(samples), rollout != 0, rollout) < FP32
+        lengths = [len(s.response_ids) for s in samples]
+        mask = rollout != 0
+        advantages = torch.randn(rollout.shape, generator=torch.Generator().manual_seed(0)) * mask
+        loss = PolicyLoss(advantages, rollout, mask & False, mask, lengths, AlgoConfig())
+        got, want = engine.backward_micro_batch(samples, loss), reference.backward_micro_batch(samples, loss)
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6, abs=1e-6)
+        grads = engine.gradients()
+        expected = {name: p.grad for name, p in reference.model.named_parameters() if p.grad is not None}
+        assert grads.keys() == expected.keys()
+        difference = sum(float((grads[k] - expected[k]).norm()) ** 2 for k in expected) ** 0.5
+        assert difference / sum(float(g.norm()) ** 2 for g in expected.values()) ** 0.5 < 1e-6
     finally:
         engine.close()
 
