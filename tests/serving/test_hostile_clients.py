@@ -318,3 +318,36 @@ def test_the_connection_budget_closes_the_oldest_pending_that_had_its_grace():
     assert budget.full()
     budget.closed("d")
     assert not budget.full() and budget.pending("c", "1.1.1.1", 10.0) == []  # "c" sends its next request
+
+
+def test_a_closed_connection_leaves_no_garbage_for_the_collector():
+    """A closed connection is freed by reference counting, whether it sent part of a head or a whole request: a flood
+    of closed connections leaves no cycles for the collector, whose full passes hold the event loop (with 20 objects
+    in cycles per connection, a flood's 40 000 connections made passes of ~50 000 objects, 0.3-0.7 s each)."""
+    import gc
+
+    from asyncflow.serving.server import ServerThread
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    server = ServerThread(app).start()
+    heads = {"part of a head": b"GET /health HTTP/1.1\r\nHost: x",
+             "a whole request": b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"}
+    gc.disable()
+    try:
+        for what, head in heads.items():
+            gc.collect()
+            for _ in range(50):
+                with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+                    sock.sendall(head)
+                    if what == "a whole request":
+                        assert sock.recv(1000).startswith(b"HTTP/1.1 200")
+            deadline = time.monotonic() + 10
+            while server._server.server_state.connections and time.monotonic() < deadline:
+                time.sleep(0.05)  # the server closes its side
+            assert gc.collect() < 50, what  # 1000 before: 20 per connection
+    finally:
+        gc.enable()
+        server.stop()

@@ -23,6 +23,8 @@ Invariants:
 - `max_connections` counts the connections holding a whole request or kept alive after one; a request head
   that arrives while they are that many gets 503 at once. (The API closes the connection after a request
   without the key, so only authorised requests leave a connection open.)
+- A closed connection is freed by reference counting: nothing of it is left in a cycle for the garbage collector,
+  whose full passes (the longer, the more a flood left) would hold the event loop.
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ class _H11Connection(h11.Connection):
     def next_event(self):
         try:
             event = super().next_event()
-            if isinstance(event, h11.Request):
+            if isinstance(event, h11.Request) and self.on_head is not None:
                 self.on_head(event)
             return event
         except h11.RemoteProtocolError as err:
@@ -191,6 +193,11 @@ class _GuardedProtocol(H11Protocol):
             self._head_timer.cancel()
         self._budget.closed(self)
         super().connection_lost(exc)
+        # Cut the cycles through this protocol (its h11 connection's hook, its timer), so that a closed connection
+        # is freed at once: a flood's thousands of closed connections otherwise pile up for the collector's full
+        # passes, each of which holds the event loop.
+        self._guarded_conn.on_head = None
+        self._head_timer = self._sending_after = None
 
     def send_400_response(self, msg: str) -> None:
         if self._guarded_conn.refused_with != 431:
