@@ -19,10 +19,13 @@ SRC = TESTS.parent / "src"
 def pytest_collection_modifyitems(config, items):
     xdist = config.pluginmanager.hasplugin("xdist")
     for item in items:
-        if "ray_cluster" in getattr(item, "fixturenames", ()):
+        fixtures = getattr(item, "fixturenames", ())
+        if "ray_cluster" in fixtures:
             item.add_marker(pytest.mark.ray)
-            if xdist:  # `-n 2 --dist loadgroup`: one worker holds the session's cluster and runs every test on it
-                item.add_marker(pytest.mark.xdist_group("ray"))
+        # `-n 2 --dist loadgroup`: one worker holds the session's cluster and runs every test on it, the tests of a
+        # Ray asyncflow starts itself first (below), before that worker's cluster is up
+        if xdist and ("ray_cluster" in fixtures or "no_ray_running" in fixtures):
+            item.add_marker(pytest.mark.xdist_group("ray"))
     # The tests of a Ray that asyncflow itself starts and shuts down (`no_ray_running`) run before the session's
     # cluster is up: once it is, they cannot start their own.
     items.sort(key=lambda item: "no_ray_running" not in getattr(item, "fixturenames", ()))

@@ -180,7 +180,7 @@ def test_the_training_prompt_is_what_serve_renders(folder, tokenizer):
     from asyncflow.serving.episodes import episode_row
 
     config = load_config(None, [f"model.path={folder}"])
-    render = environment_kind(config).render(config, tokenizer)
+    render = environment_kind(config).render(tokenizer)
     with running_server(folder, None) as (thread, _service, recorder):
         client = openai.OpenAI(base_url=thread.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
         for text in ("12+35=", "sort:3817=", "3,5,7->22:"):

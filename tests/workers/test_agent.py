@@ -114,8 +114,12 @@ def test_asyncflow_train_trains_an_openai_client_agent(tmp_path, capsys, one_tor
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["stream", "async"])
 def test_an_agent_trains_on_ray_replicas(tmp_path, monkeypatch, mode, ray_cluster, one_torch_thread):
-    """The agent runs inside the rollout actor (its server on 127.0.0.1 there), given as a file path relative to
-    the driver's working directory (the actor's differs)."""
+    """The agent runs inside the rollout actor (its server on 127.0.0.1 there; none in the driver), given as a file
+    path relative to the driver's working directory (the actor's differs)."""
+    from asyncflow.serving import server
+
+    started, start = [], server.ServerThread.start
+    monkeypatch.setattr(server.ServerThread, "start", lambda self: started.append(self) or start(self))
     monkeypatch.chdir(Path(__file__).parent)
     out = tmp_path / "run"
     assert main(["train", f"--output={out}", "run.progress=false", "model.path=preset:tiny-llama",
@@ -128,6 +132,8 @@ def test_an_agent_trains_on_ray_replicas(tmp_path, monkeypatch, mode, ray_cluste
     for r in trained:
         assert r["agent/calls_mean"] == 2.0 and r["agent/errors"] == 2.0 and r["agent/trained_tokens"] > 0
         assert r["staleness/max"] <= (1 if mode == "async" else 0) and r["grad_norm"] > 0
+        assert r["rollout/samples"] == 8
+    assert started == [], "the agent's server runs in the replica only"
 
 
 def test_an_agent_run_is_refused_where_it_cannot_run(tmp_path):

@@ -14,9 +14,12 @@ from asyncflow.workflow.setup import teacher_engine_options
 from asyncflow.workflow.sft import run_sft
 
 
-def sft_teacher(folder) -> str:
+@pytest.fixture(scope="module")
+def sft_teacher(tmp_path_factory) -> str:
     """A tiny Llama after 40 supervised steps on the task: it already answers in the task's format (digits, then
-    end of sequence), a low-entropy distribution far from the random-init student's."""
+    end of sequence), a low-entropy distribution far from the random-init student's. Trained once for the module
+    (every mode distils from the same teacher)."""
+    folder = tmp_path_factory.mktemp("teacher_model")
     config = build_config({}, [f"run.output_dir={folder}", "run.progress=false", "model.path=preset:tiny-llama",
                                "run.seed=3", "sft.steps=40", "sft.lr=3e-3", "sft.warmup_steps=0", "data.test_size=4"])
     return str(run_sft(config, folder / "sft"))
@@ -32,10 +35,10 @@ def distill_config(tmp_path, teacher: str, *overrides: str):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # the first mode also trains the module's teacher (170 s of the 300 s default, loaded)
 @pytest.mark.parametrize("mode", ["sync", "stream", "async"])
-def test_student_moves_toward_the_teacher(tmp_path, mode):
-    teacher = sft_teacher(tmp_path / "teacher_model")
-    config = distill_config(tmp_path / "run", teacher, "train.steps=15", f"workflow.mode={mode}",
+def test_student_moves_toward_the_teacher(tmp_path, mode, sft_teacher):
+    config = distill_config(tmp_path / "run", sft_teacher, "train.steps=15", f"workflow.mode={mode}",
                             "rollout.prompts_per_step=8", "rollout.group_size=8", "train.micro_batch_size=64")
     history = [h for h in train(config).history if "distill/reverse_kl" in h]
     kl = [h["distill/reverse_kl"] for h in history]

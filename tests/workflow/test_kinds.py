@@ -14,20 +14,21 @@ from asyncflow.data.prompts import TrainSet
 from asyncflow.models.loading import load_tokenizer
 from asyncflow.workflow import setup
 from asyncflow.workflow.kinds import (
-    BUILTIN_ENVIRONMENT,
     ENVIRONMENT_KINDS,
     REWARD_KINDS,
     EnvironmentKind,
     environment_kind,
     reward_kind,
 )
+from asyncflow.workflow.kinds.env_builtin import BuiltinEnvironment
+from asyncflow.workflow.kinds.env_verifiers import VerifiersEnvironment
 
 
 def test_every_kind_answers_the_whole_interface():
     asked = {name for name, value in vars(EnvironmentKind).items() if inspect.isfunction(value)}
     assert {"check", "datasets", "render", "auto_rewards", "multiturn_env", "agent"} <= asked
-    for kind in [BUILTIN_ENVIRONMENT, *ENVIRONMENT_KINDS.values()]:
-        assert all(callable(getattr(kind, name, None)) for name in asked), type(kind).__name__
+    for kind in [BuiltinEnvironment, *ENVIRONMENT_KINDS.values()]:
+        assert all(callable(getattr(kind, name, None)) for name in asked), kind
     for kind in REWARD_KINDS.values():
         assert isinstance(kind.reads_prompt, bool) and callable(kind.spec), type(kind).__name__
 
@@ -39,47 +40,53 @@ def test_the_set_up_names_no_kind_and_no_runtime():
 
 
 def test_kinds_are_picked_by_env_name_prefix_and_entry_kind():
-    assert environment_kind(build_config({}, [])) is BUILTIN_ENVIRONMENT
-    assert environment_kind(build_config({}, ["env.name=calculator"])) is BUILTIN_ENVIRONMENT
-    assert environment_kind(build_config({}, ["env.name=verifiers:some_env"])) is ENVIRONMENT_KINDS["verifiers:"]
+    assert type(environment_kind(build_config({}, []))) is BuiltinEnvironment
+    assert type(environment_kind(build_config({}, ["env.name=calculator"]))) is BuiltinEnvironment
+    verifiers = build_config({}, ["env.name=verifiers:some_env"])
+    kind = environment_kind(verifiers)
+    assert type(kind) is VerifiersEnvironment and ENVIRONMENT_KINDS["verifiers:"] is VerifiersEnvironment
+    assert kind.config is verifiers, "a kind answers for the config it was built from"
     assert reward_kind("exact_match") is REWARD_KINDS["function"]
 
 
 class FakeEnvironment:
-    """An environment kind of one prompt, recording what the set-up asked."""
+    """An environment kind of one prompt, recording what the set-up asked (in `asked`, over every instance)."""
 
-    def __init__(self):
-        self.asked: list[str] = []
+    asked: list[str] = []
 
-    def check(self, config):
+    def __init__(self, config):
+        self.config = config
+
+    def check(self):
         self.asked.append("check")
 
-    def check_tokenizer(self, config, tokenizer):
+    def check_tokenizer(self, tokenizer):
         self.asked.append("check_tokenizer")
 
-    def datasets(self, config):
+    def datasets(self):
         self.asked.append("datasets")
-        return TrainSet([Example("1+1=", "2", source="fake[0]")], config.run.seed), []
+        return TrainSet([Example("1+1=", "2", source="fake[0]")], self.config.run.seed), []
 
-    def render(self, config, tokenizer):
+    def render(self, tokenizer):
         return lambda text: [7] * len(text)
 
-    def prompt_lengths(self, config, tokenizer, prompts):
+    def prompt_lengths(self, tokenizer, prompts):
         self.asked.append("prompt_lengths")
         return [len(p) for p in prompts]
 
-    def auto_rewards(self, config):
+    def auto_rewards(self):
         return ["exact_match"]
 
-    def multiturn_env(self, config):
+    def multiturn_env(self):
         return None
 
-    def agent(self, config):
+    def agent(self):
         raise AssertionError("not an agent's run")
 
 
 def test_a_new_environment_kind_is_one_registry_line(monkeypatch, tiny_llama_path):
-    fake = FakeEnvironment()
+    fake = FakeEnvironment
+    monkeypatch.setattr(fake, "asked", [])
     monkeypatch.setitem(ENVIRONMENT_KINDS, "fake:", fake)
     config = build_config({}, [f"model.path={tiny_llama_path}", "env.name=fake:demo", "data.on_long_prompt=error"])
     checked = setup.preflight(config)
@@ -113,3 +120,19 @@ def test_a_judge_entry_is_a_judge_reward_within_the_reward_timeout():
     name, judge = setup.reward_specs(config)
     assert name == "exact_match" and isinstance(judge, JudgeReward) and judge.budget_s == pytest.approx(9.0)
     assert reward_kind(config.reward.fns[1]).reads_prompt
+
+
+@pytest.mark.slow  # a one-step run under a profiler that sees every call (~30 s of CPU)
+def test_following_the_config_of_a_run_enters_no_module_more_than_five_times(capsys):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "config_trace.py"
+    spec = importlib.util.spec_from_file_location("config_trace", path)
+    assert spec is not None and spec.loader is not None
+    trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace)
+    code = trace.main(["--max", "5"])
+    out = capsys.readouterr()
+    counts = {module: int(n) for module, n in (line.split() for line in out.out.splitlines())}
+    assert code == 0 and max(counts.values()) <= 5, out.out + out.err
+    assert counts["asyncflow.workflow.setup"] >= 3, "the tracer saw the set-up"

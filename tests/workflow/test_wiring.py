@@ -1,8 +1,9 @@
 """How a run is wired: one owner of run state, and each piece built only where the runtime places it.
 
 - Only the step loop (`asyncflow.workflow.run`) changes `RunState`; workflows and runtimes never receive the run.
-- Async on Ray builds exactly one inference engine per replica and none in the driver, also for an agent's
-  rollouts (no HTTP server in the driver); `asyncflow eval` builds no training engine and no optimizer.
+- Async on Ray builds exactly one inference engine per replica and none in the driver (an agent's rollouts start
+  no HTTP server in the driver either: tests/workers/test_agent.py); `asyncflow eval` builds no training engine
+  and no optimizer.
 """
 
 from __future__ import annotations
@@ -162,21 +163,6 @@ def test_sync_evaluates_on_its_idle_rollout_engine(tmp_path, one_torch_thread):
     history = train(config).history
     assert [h["step"] for h in history if "eval/accuracy" in h] == [0, 1, 2]
     assert builders(count_file) == [os.getpid()], "one engine: generation and evaluation share it"
-
-
-@pytest.mark.slow
-def test_agent_on_ray_starts_no_server_in_the_driver(tmp_path, ray_cluster, one_torch_thread, monkeypatch):
-    pytest.importorskip("fastapi")
-    from asyncflow.serving import server
-
-    started = []
-    monkeypatch.setattr(server.ServerThread, "start", lambda self: started.append(self) or self)
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "workers"))  # preflight imports agent.fn here too
-    config = wiring_config(tmp_path, "workflow.mode=async", "runtime.kind=ray", "runtime.rollout_cpus=0.5",
-                           "agent.fn=test_agent:two_call_agent", "eval.every=0", "data.test_size=0")
-    history = train(config).history
-    assert history[-1]["rollout/samples"] == 8
-    assert started == [], "the agent's server runs in the replica only"
 
 
 def test_eval_command_builds_no_trainer(tmp_path, one_torch_thread, monkeypatch, capsys):

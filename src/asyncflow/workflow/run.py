@@ -76,15 +76,11 @@ from asyncflow.workflow.run_folder import TIMELINE_FILE, Plan, RunFolder, fixed_
 from asyncflow.workflow.setup import (
     Preflight,
     build_reward_runner,
-    prompt_encoder,
-    prompt_source,
+    rl_engine_options,
     rollout_spec,
     row_columns,
-    sampling_params,
+    run_inputs,
     seed_everything,
-    stage_workers,
-    teacher_engine_options,
-    train_engine_options,
 )
 from asyncflow.workflow.stopping import StopSignals
 
@@ -133,8 +129,8 @@ class RLRun:
 
         model_path = resolve_model_path(config.model.path, seed=config.run.seed)
         self.tokenizer = load_tokenizer(model_path)
-        self.train_engine = make_train_engine(config.train.engine, **train_engine_options(config, model_path),
-                                              **teacher_engine_options(config, self.tokenizer))
+        self.train_engine = make_train_engine(config.train.engine, **rl_engine_options(config, model_path,
+                                                                                       self.tokenizer))
         # built below; `close` stops what was built when the constructor fails part way
         self._runtime: Runtime | None = None
         self._workflow: PipelineWorkflow | None = None
@@ -159,9 +155,8 @@ class RLRun:
                 max_tokens_per_micro_batch=config.train.max_tokens_per_micro_batch,
             )
             self.test_set = checked.test_set
-            self.prompts = prompt_source(config, self.tokenizer, checked.train_set)
-            self.eval_encoder = prompt_encoder(config, self.tokenizer)
-            self.eval_params = sampling_params(config, self.tokenizer, greedy=True)
+            inputs = run_inputs(config, self.tokenizer, checked.train_set)
+            self.prompts, self.eval_encoder, self.eval_params = inputs.prompts, inputs.eval_encoder, inputs.eval_params
             sweep_dead_segments()  # shared-memory segments that killed runs left behind (`asyncflow.weights.segments`)
             self._runtime = make_runtime(config, self.spec, self.rewards)
             if config.rollout.on_weight_update == "resume" and self.runtime.local_rollout is not None:
@@ -173,7 +168,7 @@ class RLRun:
             self._workflow = PipelineWorkflow(
                 config, runtime=self.runtime, trainer=self.trainer, prompts=self.prompts,
                 policy_weights=policy_weights, rewards=self.rewards, timeline=self.timeline,
-                scores_rows=self.spec.scores_rows, stages=stage_workers(config),
+                scores_rows=self.spec.scores_rows, stages=inputs.stages,
                 weights_to_publish=weights_to_publish,
             )
         except BaseException:

@@ -45,7 +45,7 @@ from asyncflow.workers.multiturn import MultiTurnSpec
 from asyncflow.workers.reward import RewardWorker
 from asyncflow.workers.rollout import LOSS_MASK_COLUMN, ROUTED_EXPERTS_COLUMN, TRAINED_PROMPT_COLUMN
 from asyncflow.workers.stage import StageWorker
-from asyncflow.workflow.kinds import environment_kind, reward_kind
+from asyncflow.workflow.kinds import EnvironmentKind, environment_kind, reward_kind
 
 if TYPE_CHECKING:
     from asyncflow.engines.base import LoRASettings
@@ -59,30 +59,52 @@ def seed_everything(seed: int) -> None:
 
 def datasets(config: Config) -> tuple[TrainSet, list]:
     """The run's training set (seed-ordered) and held-out examples, as its environment kind has them."""
-    return environment_kind(config).datasets(config)
+    return environment_kind(config).datasets()
 
 
-def prompt_encoder(config: Config, tokenizer) -> PromptEncoder:
-    """Prompts rendered as the policy sees them (as the environment kind renders them); their text is kept in the
-    metadata for an agent or a reward that reads it (a judge)."""
+def prompt_encoder(config: Config, tokenizer, env: EnvironmentKind | None = None) -> PromptEncoder:
+    """Prompts rendered as the policy sees them (as the environment kind `env`, default the config's, renders
+    them); their text is kept in the metadata for an agent or a reward that reads it (a judge)."""
     keep_text = config.agent_rollouts or any(reward_kind(fn).reads_prompt for fn in config.reward.fns)
-    return PromptEncoder(environment_kind(config).render(config, tokenizer), config.data.max_prompt_tokens,
-                         config.data.on_long_prompt, keep_text=keep_text)
+    render = (env or environment_kind(config)).render(tokenizer)
+    return PromptEncoder(render, config.data.max_prompt_tokens, config.data.on_long_prompt, keep_text=keep_text)
 
 
-def prompt_source(config: Config, tokenizer, train_set: TrainSet) -> PromptSource:
-    return PromptSource(train_set, prompt_encoder(config, tokenizer))
+def prompt_source(config: Config, tokenizer, train_set: TrainSet, env: EnvironmentKind | None = None) -> PromptSource:
+    return PromptSource(train_set, prompt_encoder(config, tokenizer, env))
+
+
+@dataclass
+class RunInputs:
+    """What an RL run feeds its workflow besides the engines and the rewards (`run_inputs`)."""
+
+    prompts: PromptSource
+    """The training prompts, in seed order."""
+    eval_encoder: PromptEncoder
+    """The held-out prompts' encoder (its own skip count)."""
+    eval_params: SamplingParams
+    """Evaluation's greedy sampling."""
+    stages: list[StageWorker]
+    """The user stages of `stages`."""
+
+
+def run_inputs(config: Config, tokenizer, train_set: TrainSet) -> RunInputs:
+    """The `RunInputs` of an RL run of `config` training on `train_set` (its environment kind asked once)."""
+    env = environment_kind(config)
+    return RunInputs(prompt_source(config, tokenizer, train_set, env), prompt_encoder(config, tokenizer, env),
+                     sampling_params(config, tokenizer, greedy=True), stage_workers(config))
 
 
 def rollout_spec(config: Config, model_path, tokenizer) -> RolloutSpec:
     """The rollout replicas of `config` (placed by the runtime; `model_path` is the resolved policy folder)."""
     r = config.rollout
+    env = environment_kind(config)
     return RolloutSpec(
         model_path=str(model_path), dtype=config.rollout_dtype(), device=config.model.device, engine=r.engine,
         engine_options=r.factory_options(), max_batch_size=r.max_batch_size,
         params=sampling_params(config, tokenizer, model_path=model_path),
         group_size=r.group_size, seed=config.run.seed, on_weight_update=r.on_weight_update,
-        multiturn=multiturn_spec(config), agent=agent_options(config, model_path, tokenizer),
+        multiturn=multiturn_spec(config, env), agent=agent_options(config, model_path, tokenizer, env),
         make_scorer=partial(make_reward_worker, config), record_routing=config.algo.router_replay,
         **adapter_sync(config),
     )
@@ -105,15 +127,15 @@ def row_columns(spec: RolloutSpec) -> list[str]:
     return ([LOSS_MASK_COLUMN] if spec.scores_rows else []) + trained_prompt + routed
 
 
-def agent_options(config: Config, model_path, tokenizer) -> dict | None:
-    """The `AgentRolloutWorker` options of an agent's rollouts (`agent.fn`, or the environment kind's agent); None
-    without one."""
+def agent_options(config: Config, model_path, tokenizer, env: EnvironmentKind | None = None) -> dict | None:
+    """The `AgentRolloutWorker` options of an agent's rollouts (`agent.fn`, or the agent of the environment kind
+    `env`, default the config's); None without one."""
     a = config.agent
     if not config.agent_rollouts:
         return None
     from transformers import AutoConfig
 
-    agent = environment_kind(config).agent(config)
+    agent = (env or environment_kind(config)).agent()
     positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 0)
     return dict(
         agent=agent, model_name=config.run.name or "policy",
@@ -188,6 +210,12 @@ def train_engine_options(config: Config, model_path, policy: torch.nn.Module | N
     return {**options, "model": loaded_policy()}
 
 
+def rl_engine_options(config: Config, model_path, tokenizer) -> dict:
+    """Keyword arguments of an RL run's `make_train_engine(config.train.engine, ...)`: `train_engine_options` and
+    the teacher's (`teacher_engine_options`)."""
+    return {**train_engine_options(config, model_path), **teacher_engine_options(config, tokenizer)}
+
+
 def teacher_engine_options(config: Config, tokenizer) -> dict:
     """The training engine's teacher for on-policy distillation (`algo.teacher`; {} without one): the loaded model
     (`teacher`) for the torch engine, its folder (`teacher_path`) for FSDP2's ranks. The teacher must share the
@@ -218,7 +246,7 @@ def reward_specs(config: Config) -> list[str | RewardFn]:
     a `verifiers:` environment's rubric), every other entry as its reward kind has it (names and specs as
     written, a judge entry as a `JudgeReward` whose calls end within `reward.timeout_s`)."""
     if config.reward.fns == ["auto"]:
-        return environment_kind(config).auto_rewards(config)
+        return environment_kind(config).auto_rewards()
     return [reward_kind(fn).spec(fn, config) for fn in config.reward.fns]
 
 
@@ -241,11 +269,12 @@ def make_reward_worker(config: Config) -> RewardWorker:
     return RewardWorker(build_reward_runner(config), tokenizer)
 
 
-def multiturn_spec(config: Config) -> MultiTurnSpec | None:
-    """The multi-turn rollout settings of `env` for the environment kind's `multiturn_env` (None without one:
-    single-turn rollouts, or agent episodes). The environment's final answers are scored by `reward.fns`."""
+def multiturn_spec(config: Config, kind: EnvironmentKind | None = None) -> MultiTurnSpec | None:
+    """The multi-turn rollout settings of `env` for the `multiturn_env` of the environment kind `kind` (default the
+    config's; None without one: single-turn rollouts, or agent episodes). The environment's final answers are
+    scored by `reward.fns`."""
     env = config.env
-    name = environment_kind(config).multiturn_env(config)
+    name = (kind or environment_kind(config)).multiturn_env()
     if name is None:
         return None
     return MultiTurnSpec(
@@ -291,24 +320,24 @@ def preflight(config: Config, *, training: bool = True) -> Preflight:
     check_reward_specs(reward_specs(config), config.reward.weights, isolation=config.reward.isolation)
     stage_workers(config)  # every stage's function imports
     env = environment_kind(config)
-    env.check(config)  # the environment resolves: an EnvironmentSpecError names env.name
-    train_set, test_set = env.datasets(config)  # read whole: a bad row stops here, named by file, line and field
+    env.check()  # the environment resolves: an EnvironmentSpecError names env.name
+    train_set, test_set = env.datasets()  # read whole: a bad row stops here, named by file, line and field
     if config.agent_rollouts:
         check_agent(config)
     tokenizer = load_tokenizer(resolve_model_path(config.model.path, seed=config.run.seed))
-    env.check_tokenizer(config, tokenizer)
+    env.check_tokenizer(tokenizer)
     if config.data.on_long_prompt == "error":
         sets = {"training": train_set.examples if training else [], "held-out": test_set}
-        check_prompt_lengths(config, tokenizer, sets)
+        check_prompt_lengths(config, env, tokenizer, sets)
     return Preflight(train_set, test_set)
 
 
-def check_prompt_lengths(config: Config, tokenizer, sets: dict[str, list[Example]]) -> None:
+def check_prompt_lengths(config: Config, env: EnvironmentKind, tokenizer, sets: dict[str, list[Example]]) -> None:
     """With `data.on_long_prompt=error`: no prompt of `sets` (name -> examples) is longer than
-    `data.max_prompt_tokens` once rendered as the rollout renders it (the environment kind's lengths)."""
+    `data.max_prompt_tokens` once rendered as the rollout renders it (the lengths of `env`, the config's kind)."""
     limit = config.data.max_prompt_tokens
     for name, examples in sets.items():
-        lengths = environment_kind(config).prompt_lengths(config, tokenizer, [ex.prompt for ex in examples])
+        lengths = env.prompt_lengths(tokenizer, [ex.prompt for ex in examples])
         long = [i for i, n in enumerate(lengths) if n > limit]
         if long:
             first = examples[long[0]]

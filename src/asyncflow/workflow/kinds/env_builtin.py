@@ -23,36 +23,39 @@ from asyncflow.rewards.contract import RewardFn
 
 
 class BuiltinEnvironment:
-    def check(self, config: Config) -> None:
-        if config.env.name is not None:
-            resolve_environment(config.env.name)  # raises EnvironmentSpecError naming env.name
-            check_python_isolation(config)
+    def __init__(self, config: Config):
+        self.config = config
 
-    def check_tokenizer(self, config: Config, tokenizer) -> None:
+    def check(self) -> None:
+        if self.config.env.name is not None:
+            resolve_environment(self.config.env.name)  # raises EnvironmentSpecError naming env.name
+            check_python_isolation(self.config)
+
+    def check_tokenizer(self, tokenizer) -> None:
         pass
 
-    def datasets(self, config: Config) -> tuple[TrainSet, list[Example]]:
-        return open_datasets(config.data, config.run.seed)
+    def datasets(self) -> tuple[TrainSet, list[Example]]:
+        return open_datasets(self.config.data, self.config.run.seed)
 
-    def render(self, config: Config, tokenizer) -> Callable[[str], list[int]]:
-        use_chat = config.model.use_chat_template
+    def render(self, tokenizer) -> Callable[[str], list[int]]:
+        use_chat = self.config.model.use_chat_template
         return lambda text: render_prompt(tokenizer, text, use_chat)
 
-    def prompt_lengths(self, config: Config, tokenizer, prompts: list[str]) -> list[int]:
-        return prompt_lengths(tokenizer, prompts, config.model.use_chat_template)  # every prompt, in bulk
+    def prompt_lengths(self, tokenizer, prompts: list[str]) -> list[int]:
+        return prompt_lengths(tokenizer, prompts, self.config.model.use_chat_template)  # every prompt, in bulk
 
-    def auto_rewards(self, config: Config) -> list[str | RewardFn]:
-        if not config.data.task:
+    def auto_rewards(self) -> list[str | RewardFn]:
+        if not self.config.data.task:
             raise ValueError("reward.fns is 'auto' but there is no built-in task: name reward functions in reward.fns")
-        return [open_task(config.data, config.run.seed).verifier]
+        return [open_task(self.config.data, self.config.run.seed).verifier]
 
-    def multiturn_env(self, config: Config) -> str | None:
-        return config.env.name
+    def multiturn_env(self) -> str | None:
+        return self.config.env.name
 
-    def agent(self, config: Config) -> Any:
+    def agent(self) -> Any:
         from asyncflow.workers.agent import absolute_agent_spec
 
-        return None if config.agent.fn is None else absolute_agent_spec(config.agent.fn)
+        return None if self.config.agent.fn is None else absolute_agent_spec(self.config.agent.fn)
 
 
 def check_python_isolation(config: Config) -> None:

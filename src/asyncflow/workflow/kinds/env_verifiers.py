@@ -28,42 +28,43 @@ from asyncflow.envs.verifiers_env import (
 from asyncflow.rewards.contract import RewardFn
 
 
-def _env_name(config: Config) -> str:
-    assert config.env.name is not None, "the verifiers kind is chosen by env.name"
-    return config.env.name
-
-
 class VerifiersEnvironment:
-    def check(self, config: Config) -> None:
-        load_verifiers_env(_env_name(config), config.env.options)  # raises EnvironmentSpecError naming env.name
+    def __init__(self, config: Config):
+        assert config.env.name is not None, "the verifiers kind is chosen by env.name"
+        self.config = config
+        self.name = config.env.name
 
-    def check_tokenizer(self, config: Config, tokenizer) -> None:
-        check_chat_template(config, tokenizer)
+    def check(self) -> None:
+        load_verifiers_env(self.name, self.config.env.options)  # raises EnvironmentSpecError naming env.name
 
-    def datasets(self, config: Config) -> tuple[TrainSet, list[Example]]:
+    def check_tokenizer(self, tokenizer) -> None:
+        check_chat_template(self.config, tokenizer)
+
+    def datasets(self) -> tuple[TrainSet, list[Example]]:
         """Its dataset's rows (`data.train_size` of them at most) for training; no held-out examples."""
-        rows = verifiers_examples(_env_name(config), config.env.options, config.data.train_size)
-        return TrainSet([Example(*row) for row in rows], config.run.seed), []
+        rows = verifiers_examples(self.name, self.config.env.options, self.config.data.train_size)
+        return TrainSet([Example(*row) for row in rows], self.config.run.seed), []
 
-    def render(self, config: Config, tokenizer) -> Callable[[str], list[int]]:
-        template = Path(config.agent.chat_template).read_text() if config.agent.chat_template else None
+    def render(self, tokenizer) -> Callable[[str], list[int]]:
+        chat_template = self.config.agent.chat_template
+        template = Path(chat_template).read_text() if chat_template else None
         return lambda text: render_messages(tokenizer, text, template)
 
-    def prompt_lengths(self, config: Config, tokenizer, prompts: list[str]) -> list[int]:
-        render = self.render(config, tokenizer)  # messages as JSON, rendered as the server renders them
+    def prompt_lengths(self, tokenizer, prompts: list[str]) -> list[int]:
+        render = self.render(tokenizer)  # messages as JSON, rendered as the server renders them
         return [len(render(prompt)) for prompt in prompts]
 
-    def auto_rewards(self, config: Config) -> list[str | RewardFn]:
+    def auto_rewards(self) -> list[str | RewardFn]:
         return ["asyncflow.envs.verifiers_env:rubric_only"]  # the environment's rubric scores its episodes
 
-    def multiturn_env(self, config: Config) -> str | None:
+    def multiturn_env(self) -> str | None:
         return None  # its episodes are agent episodes
 
-    def agent(self, config: Config) -> VerifiersAgent:
-        r = config.rollout
+    def agent(self) -> VerifiersAgent:
+        r = self.config.rollout
         sampling = {"temperature": r.temperature, "top_p": r.top_p, "max_tokens": r.max_new_tokens}
-        return VerifiersAgent(absolute_env_name(_env_name(config)), config.env.options, sampling,
-                              config.agent.episode_timeout_s)
+        return VerifiersAgent(absolute_env_name(self.name), self.config.env.options, sampling,
+                              self.config.agent.episode_timeout_s)
 
 
 def check_chat_template(config: Config, tokenizer) -> None:
