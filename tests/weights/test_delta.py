@@ -11,7 +11,7 @@ import torch
 
 from asyncflow.engines.torch_inference import TorchInferenceEngine
 from asyncflow.models.loading import load_model
-from asyncflow.weights import WeightSyncError, make_weight_sync
+from asyncflow.weights import WeightSyncError, make_weight_sync, unpack
 from asyncflow.weights.delta import DELTA_KEY, apply_delta, encode_delta, engine_weights
 
 
@@ -43,6 +43,7 @@ def test_fifty_delta_updates_are_bit_exact_with_fifty_full_ones(tiny_llama_path,
         for version, weights in enumerate(trained_versions(tiny_llama_path, 50, lr=1e-5), start=1):
             full_engine.update_weights(weights, version)
             publisher.publish(weights, version)
+            publisher.wait_published(60)  # the sender thread encodes and sends it
             got = receiver.poll(delta_engine.weight_version)
             assert got is not None and got[0] == version
             delta_engine.update_weights(got[1], version)
@@ -74,14 +75,18 @@ def test_a_receiver_that_skipped_a_version_or_joined_late_takes_the_full_one(tin
     early = publisher.receiver_spec.open()
     versions = trained_versions(tiny_llama_path, 4, lr=1e-5)
     publisher.publish(next(versions), 1)
+    publisher.wait_published(60)
     assert early.poll(0)[0] == 1 and early.received_kind == "full"
     with early._lock:  # `early` cannot follow the delta channel meanwhile: it never took 2
         publisher.publish(next(versions), 2)
+        publisher.wait_published(60)
         publisher.publish(next(versions), 3)  # the delta 2 -> 3 is not for a replica holding 1
+        publisher.wait_published(60)
     assert early.poll(1)[0] == 3 and early.received_kind == "full"
     late = publisher.receiver_spec.open()  # a replica that joins (or restarts) holds no base
     assert late.poll(-1)[0] == 3 and late.received_kind == "full"
     publisher.publish(next(versions), 4)
+    publisher.wait_published(60)
     for receiver in (early, late):
         got = receiver.poll(3)
         assert got[0] == 4 and receiver.received_kind == "delta"
@@ -94,9 +99,11 @@ def test_a_replica_that_takes_versions_now_and_then_still_gets_deltas(tiny_llama
     receiver = publisher.receiver_spec.open()
     versions = trained_versions(tiny_llama_path, 4, lr=1e-6)
     publisher.publish(next(versions), 1)
+    publisher.wait_published(60)
     receiver.poll(0)
     for version in (2, 3, 4):  # the engine takes none of them: the receiver follows the deltas on its own
         publisher.publish(next(versions), version)
+        publisher.wait_published(60)
         time.sleep(5 * receiver.FOLLOW_S)
     got = receiver.poll(1)
     assert got[0] == 4 and receiver.received_kind == "delta"
@@ -111,8 +118,10 @@ def test_a_delta_larger_than_the_limit_is_sent_as_a_full_version(tiny_llama_path
     receiver = publisher.receiver_spec.open()
     weights = load_model(tiny_llama_path).state_dict()
     publisher.publish(weights, 1)
+    publisher.wait_published(60)
     receiver.poll(0)
     publisher.publish({k: v + 1 for k, v in weights.items()}, 2)  # every element changes
+    publisher.wait_published(60)
     got = receiver.poll(1)
     assert publisher.last_kind == "full" and receiver.received_kind == "full"
     assert receiver.received_bytes == sum(t.nbytes for t in got[1].values())
@@ -146,3 +155,31 @@ def test_blob_marks_itself(tiny_llama_path):
     blob = encode_delta(packed[0], packed[1], max_bytes=packed[1].nbytes)
     assert blob is not None and DELTA_KEY == "__delta__"
     assert blob.numel() < 0.15 * packed[1].nbytes  # lr 1e-6: few bf16 values change
+
+
+def test_handed_out_versions_are_never_written_and_superseded_ones_keep_the_base(tiny_llama_path):
+    """The receiver patches its held version in place only until `poll` hands it out; the publisher's base is
+    the last version it sent, so a version superseded before it was sent breaks no delta."""
+    publisher = make_weight_sync("inprocess", delta=True, dtype=torch.bfloat16, bucket_bytes=1 << 16)
+    receiver = publisher.receiver_spec.open()
+    versions = list(trained_versions(tiny_llama_path, 6, lr=1e-6))
+    expected = [engine_weights(w, v, torch.bfloat16) for v, w in enumerate(versions, start=1)]
+    handed_out, kinds = {}, []
+    try:
+        for version, weights in enumerate(versions, start=1):
+            publisher.publish(weights, version)
+            if version in (3, 5):  # 3 and 5 may be superseded by 4 and 6 before they are sent
+                continue
+            publisher.wait_published(60)
+            got = receiver.poll(version - 1)
+            assert got is not None and got[0] == version
+            handed_out[version] = got[1]
+            kinds.append(receiver.received_kind)
+        assert "delta" in kinds, kinds  # (a receiver that missed a superseded version's delta takes the full one)
+        for version, state_dict in handed_out.items():
+            packed = expected[version - 1]
+            assert all(torch.equal(state_dict[k].view(torch.int16), t.view(torch.int16))
+                       for k, t in unpack(packed.manifest, packed.buckets).items() if t.dtype == torch.bfloat16)
+    finally:
+        receiver.close()
+        publisher.close()

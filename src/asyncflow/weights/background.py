@@ -13,6 +13,8 @@ import torch
 from asyncflow.weights.base import WeightSyncError, WeightSyncTimeout, check_increasing
 from asyncflow.weights.buckets import Manifest, Weights, allocate_payload, bucket_views, manifest_of, write_weights
 
+Layout = Callable[[Weights], Manifest]
+
 
 @dataclass
 class _Staged:
@@ -29,7 +31,9 @@ class BackgroundSender:
     `send(version, manifest, buckets)`. Two payloads circulate: one being sent, the other pending
     or free. A publish while one is pending supersedes it (reuses its payload; that version is
     never sent); the version already being sent completes. The first failure is sticky: every
-    later call raises it.
+    later call raises it. `layout` (default: `manifest_of`) lays the staging payload out; `write_weights`
+    copies into it, casting where the layout's dtypes differ from the weights' (`asyncflow.weights.delta`
+    stages in the engine's dtype).
     """
 
     def __init__(
@@ -40,10 +44,12 @@ class BackgroundSender:
         bucket_bytes: int,
         staging_device: torch.device | str = "cpu",
         connect: Callable[[], None] | None = None,
+        layout: Layout | None = None,
     ):
         self.transport, self.bucket_bytes = transport, bucket_bytes
         self.staging_device = torch.device(staging_device)
         self._send, self._connect = send, connect
+        self._layout: Layout = layout or (lambda weights: manifest_of(weights, bucket_bytes))
         self._cond = threading.Condition()
         self._free: list[_Staged] = []
         self._pending: _Staged | None = None
@@ -64,7 +70,7 @@ class BackgroundSender:
             raise WeightSyncError(f"{self.transport}: publisher closed")
 
     def publish(self, state_dict: Weights, version: int) -> None:
-        manifest = manifest_of(state_dict, self.bucket_bytes)
+        manifest = self._layout(state_dict)
         with self._cond:
             self._raise_if_unusable()
             check_increasing(self.transport, self.last_version, version)

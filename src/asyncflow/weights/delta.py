@@ -1,20 +1,26 @@
 """Lossless delta weight updates (`weights.delta: true`): a replica holding version `b` receives only the
 elements whose bits changed, in the engine's dtype, between `b` and the new version.
 
-Owns: `engine_weights` (the trainer's weights cast to the engine's dtype, packed: what a full update loads,
-and the base a delta is taken against), `encode_delta` / `apply_delta` (the encoding), and `DeltaPublisher` /
-`DeltaReceiver`, which carry full versions and deltas over two channels of one transport.
+Owns: `engine_manifest` / `engine_weights` (the trainer's weights cast to the engine's dtype, packed: what a
+full update loads, and the base a delta is taken against), `encode_delta` / `patch` / `apply_delta` (the
+encoding), and `DeltaPublisher` / `DeltaReceiver`, which carry full versions and deltas over two channels of
+one transport.
 
 Encoding: sparse indices + values, one blob per version. For each bucket of the version's `Manifest` the
 int32 positions (int64 for a bucket of 2**31 elements or more) of the elements whose bit pattern differs from
 the base, then their new values, in the bucket's dtype. Measured against XOR encoding (the new bits XOR the base
 bits, zlib-compressed) on the weights of real training steps (`benchmarks/bench_weight_updates.py
 --encodings`, table in BENCHMARKS.md): sparse moves fewer or comparable bytes at the 1-3% changed fraction of
-an RL step and encodes and applies an order of magnitude faster (a compare, a `nonzero` and an indexed copy
-instead of a compressor over every byte), so sparse is kept.
+an RL step and encodes and applies an order of magnitude faster (a compare, a `flatnonzero`, a `take` and an
+`index_put_` instead of a compressor over every byte), so sparse is kept.
 
 Blob layout (uint8, every section 64-byte aligned): an int64 header `[MAGIC, base version, version, buckets,
 count_0 .. count_{B-1}]`, then per bucket its indices and its values.
+
+Where the time goes (`benchmarks/bench_weight_updates.py`): the trainer's thread only casts the version into a
+staging payload; compare, encode and both channels' copies run on the publisher's sender thread, and both
+sides keep their base in place (`patch`), so no full-size buffer is allocated per delta on the publisher (fresh
+multi-hundred-MB buffers cost more in page faults than the copy into them).
 
 Two channels: `DeltaPublisher` publishes each version's delta against the version before (when it is at most
 `max_fraction` of the full bytes) on one publisher, then the full version on another. A `DeltaReceiver` takes
@@ -27,13 +33,14 @@ Invariants:
   layout and raises `WeightSyncError` naming both otherwise; the receiver never calls it on another base.
 - Applying a delta gives, bit for bit, the full version it was taken from (indices and values are exact copies
   of the engine-dtype tensors, compared by bit pattern so -0.0 / +0.0 and NaN payloads travel too).
-- A received version is a fresh payload: the base is cloned, then patched, so tensors handed out earlier are
-  never written (the package invariant on received tensors).
+- Tensors `poll` handed out are never written again (the package invariant on received tensors): the receiver
+  patches its held version in place only until it hands it out, and copies it before the next delta after.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from asyncflow.weights.background import BackgroundSender
 from asyncflow.weights.base import PollingReceiver, Received, WeightPublisher, WeightSyncError
 from asyncflow.weights.buckets import (
     DEFAULT_BUCKET_BYTES,
@@ -64,7 +72,7 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 @dataclass
 class Packed:
-    """One version in the engine's dtype: its layout and a fresh payload viewed as buckets."""
+    """One version in the engine's dtype: its layout and a payload viewed as buckets."""
 
     version: int
     manifest: Manifest
@@ -74,58 +82,90 @@ class Packed:
     def nbytes(self) -> int:
         return self.manifest.payload_bytes
 
+    def copy(self, into: Packed | None = None) -> Packed:
+        """A copy of this version: into `into`'s payload where its layout is the same, else into a fresh one."""
+        if into is None or into.manifest != self.manifest:
+            into = Packed(self.version, self.manifest, bucket_views(self.manifest, allocate_payload(self.manifest)))
+        for mine, theirs in zip(into.buckets, self.buckets, strict=True):
+            mine.copy_(theirs)
+        into.version = self.version
+        return into
+
+
+def engine_manifest(weights: Weights, dtype: torch.dtype | None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Manifest:
+    """The layout of `weights` with every floating tensor in `dtype` (None: as they are)."""
+    if isinstance(weights, BucketStream):
+        tensors = {e.name: (e.shape, e.dtype) for e in weights.manifest.tensors}
+    else:
+        tensors = {name: (tuple(t.shape), t.dtype) for name, t in weights.items()}
+
+    def target(t: torch.dtype) -> torch.dtype:
+        return dtype if dtype is not None and t.is_floating_point else t
+
+    return plan_buckets({name: torch.empty(shape, dtype=target(t), device="meta")
+                         for name, (shape, t) in tensors.items()}, bucket_bytes)
+
+
+def taken_in_full(weights: Weights) -> Mapping[str, torch.Tensor]:
+    """A state dict of `weights` (a multi-rank trainer's stream is gathered into one payload first)."""
+    if not isinstance(weights, BucketStream):
+        return weights
+    payload = allocate_payload(weights.manifest)
+    buckets = bucket_views(weights.manifest, payload)
+    write_weights(weights, weights.manifest, buckets)
+    return unpack(weights.manifest, buckets)
+
 
 def engine_weights(weights: Weights, version: int, dtype: torch.dtype | None,
                    bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Packed:
-    """`weights` with every floating tensor cast to `dtype` (None: as they are), packed into a fresh payload.
-    The cast is the one a full update's `copy_` into the engine does (round to nearest even), so the result is
-    bit for bit what the engine holds after loading `weights`."""
-    if isinstance(weights, BucketStream):  # a multi-rank trainer's stream: taken in full first
-        payload = allocate_payload(weights.manifest)
-        weights = unpack(weights.manifest, bucket_views(weights.manifest, payload))
-    def target(t: torch.Tensor) -> torch.dtype:
-        return dtype if dtype is not None and t.is_floating_point() else t.dtype
-
-    # planned on meta tensors, then each tensor cast straight into its place: one pass over the weights
-    manifest = plan_buckets({name: torch.empty(t.shape, dtype=target(t), device="meta")
-                             for name, t in weights.items()}, bucket_bytes)
+    """`weights` cast to `dtype` (None: as they are), packed into a fresh payload. The cast is the one a full
+    update's `copy_` into the engine does (round to nearest even), so the result is bit for bit what the engine
+    holds after loading `weights`."""
+    manifest = engine_manifest(weights, dtype, bucket_bytes)
     buckets = bucket_views(manifest, allocate_payload(manifest))
-    for entry in manifest.tensors:
-        place = buckets[entry.bucket][entry.offset : entry.offset + entry.numel]
-        place.view(entry.shape).copy_(weights[entry.name].detach())
+    write_weights(taken_in_full(weights), manifest, buckets)
     return Packed(version, manifest, buckets)
 
 
-def _bits(bucket: torch.Tensor) -> torch.Tensor:
-    return bucket.view(_BITS[bucket.element_size()])
+def _bits(bucket: torch.Tensor) -> np.ndarray:
+    """The bucket's bit patterns as a numpy integer view (numpy has no bfloat16; bits compare -0.0 / NaN exactly)."""
+    return bucket.view(_BITS[bucket.element_size()]).numpy()
+
+
+def _index_dtype(bucket: torch.Tensor) -> torch.dtype:
+    return torch.int32 if bucket.numel() < 2**31 else torch.int64
 
 
 def encode_delta(base: Packed, new: Packed, max_bytes: int) -> torch.Tensor | None:
     """The blob taking `base` to `new` (same manifest), or None where it would exceed `max_bytes` or the layouts
-    differ. Shapes: each bucket [n_i] -> indices [k_i] int32/int64 and values [k_i] of the bucket's dtype."""
+    differ. Shapes: each bucket [n_i] -> indices [k_i] int32/int64 and values [k_i] of the bucket's dtype.
+
+    Per bucket one compare of the integer views and one `flatnonzero` (numpy's: several times faster than
+    torch's `nonzero` on a CPU); indices and values are then written straight into the blob (a cast and a
+    `take`), no intermediate tensors per tensor or per section."""
     if base.manifest != new.manifest:
         return None
-    sections: list[tuple[torch.Tensor, torch.Tensor]] = []
+    changed: list[np.ndarray] = []
     total = align(8 * (_HEADER + len(new.buckets)))
     for old, fresh in zip(base.buckets, new.buckets, strict=True):
-        # numpy's flatnonzero: about twice as fast as torch's nonzero on a CPU
-        index = torch.from_numpy(np.flatnonzero(_bits(old).numpy() != _bits(fresh).numpy()))
-        if fresh.numel() < 2**31:
-            index = index.to(torch.int32)
-        values = fresh[index]
-        total += align(index.nbytes) + align(values.nbytes)
+        index = np.flatnonzero(_bits(old) != _bits(fresh))
+        total += align(index.size * _index_dtype(fresh).itemsize) + align(index.size * fresh.element_size())
         if total > max_bytes:
             return None
-        sections.append((index, values))
+        changed.append(index)
     blob = torch.zeros(total, dtype=torch.uint8)
-    header = blob[: 8 * (_HEADER + len(sections))].view(torch.int64)
-    header[:_HEADER] = torch.tensor([MAGIC, base.version, new.version, len(sections)])
-    header[_HEADER:] = torch.tensor([len(index) for index, _ in sections], dtype=torch.int64)
+    header = blob[: 8 * (_HEADER + len(changed))].view(torch.int64)
+    header[:_HEADER] = torch.tensor([MAGIC, base.version, new.version, len(changed)])
+    header[_HEADER:] = torch.tensor([index.size for index in changed], dtype=torch.int64)
     offset = align(header.nbytes)
-    for index, values in sections:
-        for part in (index, values):
-            blob[offset : offset + part.nbytes].copy_(part.view(torch.uint8))
-            offset += align(part.nbytes)
+    raw = blob.numpy()
+    for fresh, index in zip(new.buckets, changed, strict=True):
+        positions = raw[offset : offset + index.size * _index_dtype(fresh).itemsize]
+        positions.view(np.int32 if _index_dtype(fresh) == torch.int32 else np.int64)[:] = index
+        offset += align(positions.nbytes)
+        values = _bits(fresh)
+        np.take(values, index, out=raw[offset : offset + index.size * values.itemsize].view(values.dtype))
+        offset += align(index.size * values.itemsize)
     return blob
 
 
@@ -137,29 +177,35 @@ def delta_versions(blob: torch.Tensor) -> tuple[int, int]:
     return header[1], header[2]
 
 
+def patch(blob: torch.Tensor, held: Packed) -> None:
+    """Turn `held` into the version `blob` encodes, in place (`index_put_` per bucket). `WeightSyncError` when
+    `held` is not the version (or layout) the delta was taken against; `held` is then unchanged."""
+    base_version, version = delta_versions(blob)
+    buckets = int(blob[8 * 3 : 8 * 4].view(torch.int64).item())
+    if base_version != held.version or buckets != len(held.buckets):
+        raise WeightSyncError(
+            f"delta: version {version} was taken against version {base_version} ({buckets} buckets), but this "
+            f"replica holds version {held.version} ({len(held.buckets)} buckets): it needs a full update"
+        )
+    counts = blob[8 * _HEADER : 8 * (_HEADER + buckets)].view(torch.int64).tolist()
+    offset = align(8 * (_HEADER + buckets))
+    for bucket, count in zip(held.buckets, counts, strict=True):
+        index_dtype = _index_dtype(bucket)
+        index = blob[offset : offset + count * index_dtype.itemsize].view(index_dtype)
+        offset += align(index.nbytes)
+        values = blob[offset : offset + count * bucket.element_size()].view(bucket.dtype)
+        offset += align(values.nbytes)
+        bucket.index_put_((index,), values)
+    held.version = version
+
+
 def apply_delta(blob: torch.Tensor, base: Packed) -> Packed:
     """A fresh `Packed` of the version `blob` encodes, from `base` (left unchanged). `WeightSyncError` when
     `base` is not the version (or layout) the delta was taken against."""
-    base_version, version = delta_versions(blob)
-    buckets = int(blob[8 * 3 : 8 * 4].view(torch.int64).item())
-    if base_version != base.version or buckets != len(base.buckets):
-        raise WeightSyncError(
-            f"delta: version {version} was taken against version {base_version} ({buckets} buckets), but this "
-            f"replica holds version {base.version} ({len(base.buckets)} buckets): it needs a full update"
-        )
-    counts = blob[8 * _HEADER : 8 * (_HEADER + buckets)].view(torch.int64).tolist()
-    payload = allocate_payload(base.manifest)
-    out = bucket_views(base.manifest, payload)
-    offset = align(8 * (_HEADER + buckets))
-    for old, fresh, count in zip(base.buckets, out, counts, strict=True):
-        index_dtype = torch.int32 if old.numel() < 2**31 else torch.int64
-        index = blob[offset : offset + count * index_dtype.itemsize].view(index_dtype)
-        offset += align(index.nbytes)
-        values = blob[offset : offset + count * old.element_size()].view(old.dtype)
-        offset += align(values.nbytes)
-        fresh.copy_(old)
-        fresh[index.long()] = values
-    return Packed(version, base.manifest, out)
+    delta_versions(blob)  # a bad blob fails before the copy
+    fresh = base.copy()
+    patch(blob, fresh)
+    return fresh
 
 
 # ------------------------------------------------------------------------- the two channels
@@ -177,42 +223,62 @@ class DeltaPublisher:
     """Publishes each version on `full` and, when small enough, its delta against the previous one on `delta`
     (first: a receiver that sees the full version of v has the delta of v already, or never will).
     `fixed_capacity`: the delta channel keeps one layout (`shared_memory`): every blob is padded to
-    `max_fraction` of the full bytes, and published with `used_bytes`, so receivers copy only the blob."""
+    `max_fraction` of the full bytes, and published with `used_bytes`, so receivers copy only the blob.
+
+    `publish` casts the version into a staging payload in the engine's dtype on the caller's thread (the
+    snapshot) and returns; a `BackgroundSender` thread encodes it against the base, publishes both channels
+    and patches the base in place, so the trainer steps while the delta is encoded. The base is the last
+    version sent (a superseded one never is), and only that thread touches it. `timeout_s` bounds `close`."""
 
     def __init__(self, full: WeightPublisher, delta: Any, *, dtype: torch.dtype | None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, max_fraction: float = 0.5, fixed_capacity: bool = False):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, max_fraction: float = 0.5, fixed_capacity: bool = False,
+                 timeout_s: float = 60.0):
         if not 0 < max_fraction <= 1:
             raise ValueError(f"delta: max_fraction must be in (0, 1], got {max_fraction}")
         self.full, self.delta = full, delta
         self.transport = full.transport
         self.dtype, self.bucket_bytes = dtype, bucket_bytes
-        self.max_fraction, self.fixed_capacity = max_fraction, fixed_capacity
+        self.max_fraction, self.fixed_capacity, self.timeout_s = max_fraction, fixed_capacity, timeout_s
         self.receiver_spec = DeltaSpec(full.receiver_spec, delta.receiver_spec, bucket_bytes)
         self._base: Packed | None = None
-        self.last_kind = "full"  # of the last publish: "full" or "delta"
+        self._padded: torch.Tensor | None = None  # `fixed_capacity`: the delta channel's one layout
+        self.last_kind = "full"  # of the last version sent: "full" or "delta"
         self.last_delta_bytes = 0
+        self._sender = BackgroundSender(f"{self.transport} (delta)", self._send, bucket_bytes=bucket_bytes,
+                                        layout=lambda weights: engine_manifest(weights, dtype, bucket_bytes))
 
     def publish(self, state_dict: Weights, version: int) -> None:
-        new = engine_weights(state_dict, version, self.dtype, self.bucket_bytes)
+        self._sender.publish(taken_in_full(state_dict), version)
+
+    def _send(self, version: int, manifest: Manifest, buckets: list[torch.Tensor]) -> None:
+        """On the sender thread: the delta (when it pays), then the full version, then the base moves on."""
+        new = Packed(version, manifest, buckets)
         capacity = align(int(self.max_fraction * new.nbytes))
         blob = None if self._base is None else encode_delta(self._base, new, capacity)
         if blob is not None:
             if self.fixed_capacity:  # one layout: padded, and only the blob's own bytes are read
-                used = blob.numel()
-                self.delta.publish({DELTA_KEY: torch.cat([blob, blob.new_zeros(capacity - used)])}, version,
-                                   used_bytes=used)
+                if self._padded is None or self._padded.numel() != capacity:
+                    self._padded = torch.zeros(capacity, dtype=torch.uint8)
+                self._padded[: blob.numel()].copy_(blob)
+                self.delta.publish({DELTA_KEY: self._padded}, version, used_bytes=blob.numel())
             else:
                 self.delta.publish({DELTA_KEY: blob}, version)
+        self.full.publish(unpack(manifest, buckets), version)
+        if blob is not None and self._base is not None:
+            patch(blob, self._base)
+        else:  # the staging payload goes back to the sender: the base is a copy of its own
+            self._base = new.copy(into=self._base)
         self.last_kind, self.last_delta_bytes = ("delta", blob.numel()) if blob is not None else ("full", 0)
-        self.full.publish(unpack(new.manifest, new.buckets), version)
-        self._base = new
 
     def wait_published(self, timeout: float) -> None:
-        self.delta.wait_published(timeout)
-        self.full.wait_published(timeout)
+        deadline = time.monotonic() + timeout
+        self._sender.wait_published(timeout)
+        self.delta.wait_published(max(0.0, deadline - time.monotonic()))
+        self.full.wait_published(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         try:
+            self._sender.close(self.timeout_s)
             self.delta.close()
         finally:
             self.full.close()
@@ -232,6 +298,7 @@ class DeltaReceiver(PollingReceiver):
         self.full, self.delta, self.bucket_bytes = full, delta, bucket_bytes
         self.transport = full.transport
         self._held: Packed | None = None
+        self._handed_out = False  # `_held`'s tensors were returned by `poll`: never written again (copy first)
         self._taken_bytes, self._took_full = 0, False  # since the last version `poll` returned
         self._lock = threading.Lock()  # the follower, the rollout thread and an in-flight watcher
         self._error: BaseException | None = None
@@ -254,7 +321,10 @@ class DeltaReceiver(PollingReceiver):
             return
         delta = self.delta.poll(held.version)
         if delta is not None and delta_versions(delta[1][DELTA_KEY])[0] == held.version:
-            self._held = apply_delta(delta[1][DELTA_KEY], held)
+            if self._handed_out:
+                self._held, self._handed_out = apply_delta(delta[1][DELTA_KEY], held), False
+            else:
+                patch(delta[1][DELTA_KEY], held)
             self._taken_bytes += self.delta.received_bytes
 
     def poll(self, have_version: int) -> Received | None:
@@ -266,13 +336,15 @@ class DeltaReceiver(PollingReceiver):
             # with no base yet, take the version there even if the engine has it (it started from those weights)
             newest = self.full.poll(-1 if held is None else max(have_version, held.version))
             if newest is not None:
-                held = self._held = self._pack(newest)
+                held, self._handed_out = self._pack(newest), False
+                self._held = held
                 self._taken_bytes += self.full.received_bytes
                 self._took_full = True
             if held is None or held.version <= have_version:
                 return None
             self.received_bytes, self.received_kind = self._taken_bytes, "full" if self._took_full else "delta"
             self._taken_bytes, self._took_full = 0, False
+            self._handed_out = True
             return held.version, unpack(held.manifest, held.buckets)
 
     def _pack(self, received: Received) -> Packed:
