@@ -11,7 +11,15 @@ from dataclasses import dataclass
 import torch
 
 from asyncflow.weights.base import WeightSyncError, WeightSyncTimeout, check_increasing
-from asyncflow.weights.buckets import Manifest, Weights, allocate_payload, bucket_views, manifest_of, write_weights
+from asyncflow.weights.buckets import (
+    Manifest,
+    Weights,
+    allocate_payload,
+    bucket_views,
+    cast_manifest,
+    manifest_of,
+    write_weights,
+)
 
 
 @dataclass
@@ -29,7 +37,8 @@ class BackgroundSender:
     `send(version, manifest, buckets)`. Two payloads circulate: one being sent, the other pending
     or free. A publish while one is pending supersedes it (reuses its payload; that version is
     never sent); the version already being sent completes. The first failure is sticky: every
-    later call raises it.
+    later call raises it. `dtype`: floating tensors wider than it are staged and sent in it (the receiving
+    engine's dtype: a bf16 engine gets half the bytes of fp32); None keeps each tensor's own.
     """
 
     def __init__(
@@ -40,8 +49,9 @@ class BackgroundSender:
         bucket_bytes: int,
         staging_device: torch.device | str = "cpu",
         connect: Callable[[], None] | None = None,
+        dtype: torch.dtype | None = None,
     ):
-        self.transport, self.bucket_bytes = transport, bucket_bytes
+        self.transport, self.bucket_bytes, self.dtype = transport, bucket_bytes, dtype
         self.staging_device = torch.device(staging_device)
         self._send, self._connect = send, connect
         self._cond = threading.Condition()
@@ -64,7 +74,7 @@ class BackgroundSender:
             raise WeightSyncError(f"{self.transport}: publisher closed")
 
     def publish(self, state_dict: Weights, version: int) -> None:
-        manifest = manifest_of(state_dict, self.bucket_bytes)
+        manifest = cast_manifest(manifest_of(state_dict, self.bucket_bytes), self.dtype)
         with self._cond:
             self._raise_if_unusable()
             check_increasing(self.transport, self.last_version, version)

@@ -68,7 +68,13 @@ from asyncflow.workers.reward import RewardWorker
 from asyncflow.workers.rollout import GeneratingRole
 from asyncflow.workers.trainer import PolicyTrainer
 from asyncflow.workflow import watch
-from asyncflow.workflow.checkpoint import SHARDED_DIR, CheckpointError, load_checkpoint, save_checkpoint
+from asyncflow.workflow.checkpoint import (
+    SHARDED_DIR,
+    CheckpointError,
+    checkpoint_weights,
+    load_checkpoint,
+    save_checkpoint,
+)
 from asyncflow.workflow.evaluation import evaluate, evaluation_spec
 from asyncflow.workflow.export import EXPORT_DIR, export_run
 from asyncflow.workflow.pipeline import PipelineWorkflow
@@ -222,7 +228,7 @@ class RLRun:
         }
         engine = self.train_engine
         path = save_checkpoint(
-            self.run_dir, self.state.step, engine.state_dict(), engine.training_state(), state,
+            self.run_dir, self.state.step, checkpoint_weights(engine), engine.training_state(), state,
             keep=self.config.checkpoint.keep,
             write_sharded=engine.save_sharded if isinstance(engine, ShardedCheckpointing) else None,
         )
