@@ -223,8 +223,8 @@ def _receive_gloo(state_dict, version):
         time.sleep(0.01)
     receiver = publisher_box["p"].receiver_spec.for_rank(1).open()
     try:
-        got_version, received = receiver.wait_for(version, timeout=60)
-        received = {k: v.clone() for k, v in received.items()}
+        got_version, stream = receiver.wait_for(version, timeout=60)
+        received = {k: v.clone() for k, v in materialize(stream).items()}
     finally:
         thread.join(60)
         receiver.close()
