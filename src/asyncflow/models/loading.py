@@ -78,9 +78,16 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, generation_config: Generat
     return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
-def load_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu") -> PreTrainedModel:
+def load_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu", weights: bool = True
+               ) -> PreTrainedModel:
+    """The model folder's causal LM; `weights=False`: its architecture only (`from_config`, freshly initialised),
+    for a caller that fills the weights itself."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"model.dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    if not weights:
+        config = AutoConfig.from_pretrained(str(path))
+        built = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], attn_implementation="sdpa")
+        return built  # type: ignore[no-any-return]
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], attn_implementation="sdpa")
     # transformers wraps PreTrainedModel.to with functools.wraps, which mypy reads as an unbound function
     return model.to(device)  # type: ignore[arg-type,no-any-return]
