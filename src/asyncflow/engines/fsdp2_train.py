@@ -45,7 +45,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
@@ -171,7 +171,7 @@ def parameters_on_meta(enabled: bool = True) -> Iterator[None]:
             param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         register(module, name, param)
 
-    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -214,13 +214,13 @@ def stream_into_shards(models: Sequence[torch.nn.Module], files: Mapping[str, Pa
                          f"({len(missing)} missing): cannot load it into FSDP2's shards")
     opened: dict[Path, Any] = {}
     peak = 0
-    try:
+    with ExitStack() as files_open:
         for name, param in params[0].items():
             full = torch.empty(param.shape, dtype=param.dtype, device=device)
             if rank == 0:
                 file = files[name]
                 if file not in opened:
-                    opened[file] = safe_open(str(file), framework="pt").__enter__()
+                    opened[file] = files_open.enter_context(safe_open(str(file), framework="pt"))
                 full.copy_(opened[file].get_tensor(name))
             dist.broadcast(full, src=0)
             peak = max(peak, full.nbytes)
@@ -232,9 +232,6 @@ def stream_into_shards(models: Sequence[torch.nn.Module], files: Mapping[str, Pa
                     else:
                         target.copy_(full)
             del full
-    finally:
-        for handle in opened.values():
-            handle.__exit__(None, None, None)
     return peak
 
 

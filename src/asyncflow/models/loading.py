@@ -93,6 +93,17 @@ def load_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu",
     return model.to(device)  # type: ignore[arg-type,no-any-return]
 
 
+def model_on_meta(path: str | Path, *, dtype: str = "float32") -> PreTrainedModel:
+    """The architecture of the model folder `path` on the meta device: its parameter names, shapes and ties, no
+    memory."""
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"model.dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    config = AutoConfig.from_pretrained(str(path))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], attn_implementation="sdpa")
+    return model  # type: ignore[no-any-return]
+
+
 def model_with_weights(
     path: str | Path, weights: Mapping[str, torch.Tensor], *, dtype: str = "float32"
 ) -> PreTrainedModel:
@@ -101,14 +112,10 @@ def model_with_weights(
     tensors as its parameters (`assign`), tied weights tied again. For writing a model folder (`save_pretrained`)
     from weights held elsewhere, with one copy of them in memory; its non-persistent buffers (e.g. rotary
     frequencies) are left unallocated, so it is not for running."""
-    if dtype not in DTYPES:
-        raise ModelLoadError(f"model.dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    config = AutoConfig.from_pretrained(str(path))
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], attn_implementation="sdpa")
+    model = model_on_meta(path, dtype=dtype)
     model.load_state_dict(dict(weights), strict=True, assign=True)
     model.tie_weights()
-    return model  # type: ignore[no-any-return]
+    return model
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, use_chat_template: bool | None = None) -> list[int]:

@@ -207,7 +207,7 @@ def materialize(weights: Weights) -> Mapping[str, torch.Tensor]:
     return unpack(weights.manifest, buckets)
 
 
-_SAFETENSORS_DTYPES = {
+SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
     torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
 }
@@ -220,10 +220,10 @@ def save_safetensors(stream: BucketStream, path: str | os.PathLike[str]) -> int:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for entry in sorted(stream.manifest.tensors, key=lambda e: (e.bucket, e.offset)):
-        if entry.dtype not in _SAFETENSORS_DTYPES:
+        if entry.dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"safetensors cannot hold {entry.name} of dtype {entry.dtype}")
         size = entry.numel * entry.dtype.itemsize
-        header[entry.name] = {"dtype": _SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape),
+        header[entry.name] = {"dtype": SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape),
                               "data_offsets": [offset, offset + size]}
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
