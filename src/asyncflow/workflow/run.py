@@ -214,6 +214,7 @@ class RLRun:
 
     # ---------------------------------------------------------------- checkpoints
     def save(self) -> Path:
+        started = time.time()
         workflow = self.workflow.checkpoint_state(self.state.step)
         state = {
             "version": self.state.version,
@@ -232,6 +233,7 @@ class RLRun:
             keep=self.config.checkpoint.keep,
             write_sharded=engine.save_sharded if isinstance(engine, ShardedCheckpointing) else None,
         )
+        self.timeline.add_span("trainer", "checkpoint", started, time.time(), step=self.state.step)
         self.timeline.to_chrome_trace(self.run_dir / TIMELINE_FILE)
         return path
 
