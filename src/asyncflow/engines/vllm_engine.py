@@ -162,6 +162,14 @@ def check_model_folder(folder: Path) -> None:
         raise ModelLoadError(f"vLLM cannot load model folder {str(folder)!r}: no *.safetensors or *.bin weights")
 
 
+def flat_buckets(stream: BucketStream) -> Iterator[torch.Tensor]:
+    """Each bucket of `stream` as one flat tensor (what a broadcast sends), the stream's own tensors let go first."""
+    for members in stream.buckets():
+        flat = torch.cat([t.detach().reshape(-1) for t in members])
+        del members
+        yield flat
+
+
 def distinct_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Contiguous CPU tensors that safetensors can write: a tensor whose data another name already holds (tied
     embeddings) is copied. Views into one buffer (what a weight transport delivers) are written as they are."""
@@ -532,9 +540,7 @@ class VLLMInferenceEngine(InferenceEngineBase):
                 if isinstance(state_dict, BucketStream):
                     self._staged = None  # a stream needs no staging buffer: free one an earlier update left
                     manifest, blob = state_dict.manifest, pickle.dumps(state_dict.manifest)
-                    buckets: Iterable[torch.Tensor] = (
-                        torch.cat([t.detach().reshape(-1) for t in members]) for members in state_dict.buckets()
-                    )
+                    buckets: Iterable[torch.Tensor] = flat_buckets(state_dict)
                 else:
                     manifest, blob, buckets = self._stage(state_dict)
                 load = self._receive_collective(manifest, blob, buckets, version)
