@@ -72,6 +72,7 @@ from asyncflow.weights.buckets import (
     DEFAULT_BUCKET_BYTES,
     BucketStream,
     Manifest,
+    SafetensorsReader,
     allocate_payload,
     bucket_views,
     plan_buckets,
@@ -181,12 +182,10 @@ def parameters_on_meta(enabled: bool = True) -> Iterator[None]:
 def weight_files(model_path: str) -> dict[str, Path] | None:
     """Tensor name -> the safetensors file of `model_path` holding it; None when the folder has no safetensors
     weights (then the ranks load it whole, through `from_pretrained`)."""
-    from safetensors import safe_open
-
     folder = Path(model_path)
     found: dict[str, Path] = {}
     for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
+        with SafetensorsReader(file) as f:
             found.update(dict.fromkeys(f.keys(), file))
     return found or None
 
@@ -194,11 +193,10 @@ def weight_files(model_path: str) -> dict[str, Path] | None:
 def stream_into_shards(models: Sequence[torch.nn.Module], files: Mapping[str, Path], rank: int,
                        device: torch.device) -> int:
     """Fill sharded `models` (built by `parameters_on_meta`, then `fully_shard`) with the weights of `files`, one
-    tensor at a time: rank 0 reads it (safetensors, lazily) and broadcasts it, every rank keeps its shard of it. A
-    collective. Tied parameters are one parameter and load once. -> the most bytes of whole tensors this rank held
-    at once (one tensor's)."""
+    tensor at a time: rank 0 reads it (`SafetensorsReader`, unmapped) and broadcasts it, every rank keeps its shard
+    of it. A collective. Tied parameters are one parameter and load once. -> the most bytes of whole tensors this
+    rank held at once (one tensor's)."""
     import torch.distributed as dist
-    from safetensors import safe_open
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     for model in models:
@@ -212,7 +210,7 @@ def stream_into_shards(models: Sequence[torch.nn.Module], files: Mapping[str, Pa
     if missing:
         raise ValueError(f"the model folder's safetensors files hold no tensor {missing[0]!r} "
                          f"({len(missing)} missing): cannot load it into FSDP2's shards")
-    opened: dict[Path, Any] = {}
+    opened: dict[Path, SafetensorsReader] = {}
     peak = 0
     with ExitStack() as files_open:
         for name, param in params[0].items():
@@ -220,7 +218,7 @@ def stream_into_shards(models: Sequence[torch.nn.Module], files: Mapping[str, Pa
             if rank == 0:
                 file = files[name]
                 if file not in opened:
-                    opened[file] = files_open.enter_context(safe_open(str(file), framework="pt"))
+                    opened[file] = files_open.enter_context(SafetensorsReader(file))
                 full.copy_(opened[file].get_tensor(name))
             dist.broadcast(full, src=0)
             peak = max(peak, full.nbytes)

@@ -235,3 +235,40 @@ def save_safetensors(stream: BucketStream, path: str | os.PathLike[str]) -> int:
                 file.write(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
             del members
     return 8 + len(blob) + offset
+
+
+class SafetensorsReader:
+    """A safetensors file read one tensor at a time into fresh memory (`get_tensor`), without mapping the file: a
+    process reading it whole holds one tensor, where `safe_open`'s mapping would count every page read in its
+    resident size. Use as a context manager."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self._file = open(path, "rb")  # noqa: SIM115 - closed by close() / __exit__
+        (length,) = struct.unpack("<Q", self._file.read(8))
+        header = json.loads(self._file.read(length))
+        header.pop("__metadata__", None)
+        dtypes = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
+        self._data = 8 + length
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {
+            name: (dtypes[e["dtype"]], tuple(e["shape"]), *e["data_offsets"]) for name, e in header.items()
+        }
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        dtype, shape, start, end = self.entries[name]
+        tensor = torch.empty(shape, dtype=dtype)
+        self._file.seek(self._data + start)
+        if end > start and self._file.readinto(tensor.reshape(-1).view(torch.uint8).numpy().data) != end - start:
+            raise ValueError(f"{self._file.name}: {name} is cut short")
+        return tensor
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> SafetensorsReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

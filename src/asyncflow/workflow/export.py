@@ -29,12 +29,11 @@ from pathlib import Path
 from typing import NoReturn
 
 import torch
-from safetensors import safe_open
 from transformers import AutoTokenizer
 
 from asyncflow.config import load_config
 from asyncflow.models.loading import model_on_meta, resolve_model_path
-from asyncflow.weights.buckets import SAFETENSORS_DTYPES, BucketStream, plan_buckets, save_safetensors
+from asyncflow.weights.buckets import BucketStream, SafetensorsReader, plan_buckets, save_safetensors
 from asyncflow.workflow.checkpoint import (
     CheckpointError,
     checkpoint_step,
@@ -79,15 +78,14 @@ def write_model(model_path: Path, weights_file: Path, out: Path, *, dtype: str) 
     distinct: dict[int, str] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         distinct.setdefault(id(tensor), name)
-    with safe_open(str(weights_file), framework="pt") as f:
+    with SafetensorsReader(weights_file) as f:
         held, wanted = set(f.keys()), set(model.state_dict())
         if held != wanted:
             extra, missing = sorted(held - wanted), sorted(wanted - held)
             raise ExportError(f"{weights_file} does not match {model_path}'s architecture (missing {missing[:3]}, "
                               f"unexpected {extra[:3]})")
-        dtypes = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
-        shapes = {name: torch.empty(f.get_slice(name).get_shape(), dtype=dtypes[f.get_slice(name).get_dtype()],
-                                    device="meta") for name in distinct.values()}
+        shapes = {name: torch.empty(f.entries[name][1], dtype=f.entries[name][0], device="meta")
+                  for name in distinct.values()}
         manifest = plan_buckets(shapes, bucket_bytes=1)  # one tensor per bucket
         save_safetensors(BucketStream(manifest, lambda: ([f.get_tensor(e.name)] for e in manifest.tensors)),
                          out / "model.safetensors")
