@@ -116,7 +116,8 @@ def measure(size: str, overrides: list[str], output: Path, min_free_gb: float) -
         stop.set()
     run_dir = output / size / "run"
     logged = rows(run_dir)
-    updates = [r for r in logged if r.get("weights/update_bytes", float("nan")) == r.get("weights/update_bytes")]
+    updates = [r for r in logged if isinstance(r.get("weights/update_bytes"), (int, float))
+               and r["weights/update_bytes"] == r["weights/update_bytes"]]  # NaN (null) before a replica took one
     result = {
         "size": size, "model": model, "parameters": theory.pop("parameters"), "wall_s": round(time.monotonic() - t0),
         "lowest_available_gb": round(lowest[0], 1), "peak_rss_mb": summary["peak_rss_mb"],
