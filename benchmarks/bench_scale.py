@@ -77,13 +77,16 @@ def theoretical_mib(model: str, world: int, kv_cache_gb: float) -> dict[str, flo
 
 def export_once(run_dir: Path, out: Path) -> dict[str, float]:
     """`asyncflow export` of the run's last checkpoint in a process of its own: its seconds and peak memory."""
-    code = ("import json, resource, sys, time; from asyncflow.workflow.export import export_run; t = time.monotonic(); "
+    # VmHWM of the child itself: `ru_maxrss` would carry the parent's peak across the fork and exec
+    code = ("import json, time; from pathlib import Path; from asyncflow.workflow.export import export_run; "
+            "hwm = lambda: int(next(l for l in Path('/proc/self/status').read_text().splitlines() "
+            "if l.startswith('VmHWM')).split()[1]) / 1024; before = hwm(); t = time.monotonic(); "
             f"export_run({str(run_dir)!r}, {str(out)!r}); "
-            "print(json.dumps({'s': time.monotonic() - t, "
-            "'peak_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))")
+            "print(json.dumps({'s': time.monotonic() - t, 'peak_mb': hwm(), 'grew_mb': hwm() - before}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800, check=True)
     result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
     return {"export_s": round(result["s"], 1), "export_peak_mb": round(result["peak_mb"]),
+            "export_grew_mb": round(result["grew_mb"]),
             "export_mb": round(folder_bytes(out) / MIB, 1)}
 
 

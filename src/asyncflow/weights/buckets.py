@@ -231,10 +231,15 @@ def save_safetensors(stream: BucketStream, path: str | os.PathLike[str]) -> int:
     with open(path, "wb") as file:
         file.write(struct.pack("<Q", len(blob)) + blob)
         for members in stream.buckets():
-            for tensor in members:
-                file.write(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
-            del members
+            _write_tensors(file, members)
+            del members  # before the next bucket arrives
     return 8 + len(blob) + offset
+
+
+def _write_tensors(file: Any, tensors: Sequence[torch.Tensor]) -> None:
+    """Append each tensor's bytes to `file` (its own function: no reference to them outlives the call)."""
+    for tensor in tensors:
+        file.write(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
 
 
 class SafetensorsReader:
