@@ -30,7 +30,8 @@ Invariants:
   the next `optimizer_step` or load.
 - No rank holds the whole model at start: each builds it on the meta device, shards it, and the weights arrive one
   tensor at a time (rank 0 reads the folder's safetensors lazily and broadcasts; `stream_into_shards`), in the
-  model's dtype; tied parameters stay one parameter. A critic or teacher run loads through `from_pretrained`.
+  model's dtype; tied parameters stay one parameter. A critic or teacher run, and a folder whose tensor names
+  `from_pretrained` converts (fused MoE experts), load the whole model through `from_pretrained`.
 - Sharded checkpoints (`save_sharded` / `load_sharded`) hold every rank's weights and optimizer
   state; DCP reshards them on load, so a checkpoint resumes with another `world_size` too.
 - A critic (`RankSpec.critic`) is attached to every rank's policy before sharding, is an FSDP2 unit of its own,
@@ -262,6 +263,9 @@ class RankTrainer:
         files = None if spec.critic is not None or spec.teacher_path is not None else weight_files(spec.model_path)
         with parameters_on_meta(files is not None):
             policy = load_model(spec.model_path, dtype=spec.dtype, device="cpu", weights=files is None)
+        if files is not None and not set(dict(policy.named_parameters())) <= set(files):
+            # the folder's names are not the model's (converted on load, e.g. fused MoE experts): load it whole
+            files, policy = None, load_model(spec.model_path, dtype=spec.dtype, device="cpu")
         check_precision(spec.precision, policy)
         reference = make_reference(policy) if spec.use_reference else None
         if spec.teacher_path is not None:  # on-policy distillation: the teacher takes the reference's place
