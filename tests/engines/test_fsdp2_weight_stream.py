@@ -78,3 +78,25 @@ def test_each_rank_reports_its_peak_memory(engine):
     metrics = engine.metrics()
     for rank in (0, 1):
         assert metrics[f"memory/peak_rss_mb/rank_{rank}"] > 50, "a rank with torch and a model loaded"
+
+
+def test_ranks_load_one_tensor_at_a_time_and_tied_embeddings_stay_tied(tiny_qwen2_path, one_torch_thread):
+    """Each rank builds the model on the meta device and receives its weights one tensor at a time: no rank holds more
+    than the largest tensor whole (never the whole model), the weights are the folder's, and a tied embedding is
+    still one parameter after a training step."""
+    initial = load_model(tiny_qwen2_path).state_dict()
+    engine = FSDP2TrainEngine(model_path=tiny_qwen2_path, ranks_device="cpu", world_size=2, lr=1e-2,
+                              launcher=ProcessRanks, bucket_bytes=BUCKET_BYTES)
+    try:
+        largest = max(t.nbytes for t in initial.values())
+        total = sum(t.nbytes for name, t in initial.items() if name != "lm_head.weight")
+        assert all(0 < peak <= largest < total / 3 for peak in engine._all("loaded_peak_bytes"))
+        loaded = {k: v.clone() for k, v in engine.state_dict().items()}
+        assert all(torch.equal(loaded[k], initial[k]) for k in initial), "the folder's weights, bit for bit"
+        train_one_step(engine)
+        trained = engine.state_dict()
+        embed = trained["model.embed_tokens.weight"]
+        assert not torch.equal(embed, initial["model.embed_tokens.weight"])
+        assert torch.equal(trained.get("lm_head.weight", embed), embed), "the tie holds after a step"
+    finally:
+        engine.close()

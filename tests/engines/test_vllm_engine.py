@@ -23,6 +23,7 @@ from asyncflow.engines.vllm_engine import check_adapter_modules
 from asyncflow.models.loading import ModelLoadError, load_model
 from asyncflow.models.logprobs import TrainSample, response_logprobs
 from asyncflow.weights import WeightSyncError, make_weight_sync
+from asyncflow.weights.buckets import materialize
 
 # the module's engine starts in the first test's setup (hence the timeout); tiny models run on one torch thread
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread")]
@@ -223,14 +224,75 @@ def _receive_gloo(state_dict, version):
         time.sleep(0.01)
     receiver = publisher_box["p"].receiver_spec.for_rank(1).open()
     try:
-        got_version, received = receiver.wait_for(version, timeout=60)
-        received = {k: v.clone() for k, v in received.items()}
+        got_version, stream = receiver.wait_for(version, timeout=60)
+        received = {k: v.clone() for k, v in materialize(stream).items()}
     finally:
         thread.join(60)
         receiver.close()
         publisher_box["p"].close()
     assert got_version == version
     return received
+
+
+def test_a_received_stream_loads_one_bucket_at_a_time(engine, llama, weight_transfer, restore_weights,
+                                                     tiny_llama_path):
+    """A version the `torch_distributed` transport receives reaches vLLM's workers bucket by bucket as it arrives (the
+    collective path forwards each; the file path writes each into the file): never more than one received bucket
+    alive at once, no staging copy of the version, and vLLM is then the new weights' greedy policy."""
+    import gc
+    import socket
+    import weakref
+
+    from asyncflow.weights.buckets import BucketStream
+
+    new_weights = perturbed(llama, seed=11)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    box: dict = {}
+
+    def publish():
+        box["p"] = make_weight_sync("torch_distributed", num_receivers=1, port=port, timeout_s=60,
+                                    bucket_bytes=64 << 10)
+        box["p"].publish(new_weights, 9)
+
+    thread = threading.Thread(target=publish)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while "p" not in box and time.monotonic() < deadline:
+        time.sleep(0.01)
+    receiver = box["p"].receiver_spec.for_rank(1).open()
+    held: list[weakref.ref] = []
+    most_alive = 0
+    try:
+        _, stream = receiver.wait_for(9, timeout=60)
+        assert isinstance(stream, BucketStream) and len(stream.manifest.buckets) > 3
+
+        def watched():
+            nonlocal most_alive
+            for members in stream.buckets():
+                held.append(weakref.ref(members[0]._base))
+                gc.collect()
+                most_alive = max(most_alive, sum(ref() is not None for ref in held))
+                yield members
+                del members
+
+        engine.update_weights(BucketStream(stream.manifest, watched), version=9)
+        box["p"].wait_published(60)
+    finally:
+        thread.join(60)
+        receiver.close()
+        box["p"].close()
+    assert most_alive == 1 and len(held) == len(stream.manifest.buckets)
+    if weight_transfer == "collective":
+        assert engine._staged is None, "no staging copy of the version in the engine's process"
+    new_model = load_model(tiny_llama_path)
+    new_model.load_state_dict(new_weights)
+    requests = make_requests(6, seed=12)
+    got = run(engine, requests, temperature=0.0, max_new_tokens=12)
+    want = torch_greedy(new_model, requests, max_new_tokens=12)
+    assert {k: c.response_ids for k, c in got.items()} == {k: c.response_ids for k, c in want.items()}
+    assert {c.weight_version for c in got.values()} == {9}
 
 
 def test_update_matches_the_trainer_by_each_path(engine, llama, weight_transfer, restore_weights, tiny_llama_path):

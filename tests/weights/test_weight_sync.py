@@ -15,7 +15,7 @@ import torch
 
 from asyncflow.weights import WeightSyncError, WeightSyncTimeout, make_weight_sync
 from asyncflow.weights.background import BackgroundSender
-from asyncflow.weights.buckets import allocate_payload, bucket_views, pack, plan_buckets, unpack
+from asyncflow.weights.buckets import allocate_payload, bucket_views, materialize, pack, plan_buckets, unpack
 from asyncflow.weights.ray_transport import RaySpec
 from asyncflow.weights.torch_distributed import TorchDistributedSpec
 
@@ -295,14 +295,15 @@ def test_ray_missing_store_times_out_quickly(ray_cluster):
 def _gloo_child(spec, last, results):
     try:
         receiver = spec.for_rank(1).open()
-        version, sd = receiver.wait_for(1, timeout=30)
-        results.put(("first", version, pickle.dumps(sd)))
+        version, stream = receiver.wait_for(1, timeout=30)
+        sd = materialize(stream)  # the receiver hands out a stream read as it arrives
+        results.put(("first", version, pickle.dumps(dict(sd))))
         seen, torn, have = [], [], version
         while have < last:
-            version, sd = receiver.wait_for(have + 1, timeout=30)
+            version, stream = receiver.wait_for(have + 1, timeout=30)
             have = version
             seen.append(version)
-            torn.extend(torn_tensors(version, sd))
+            torn.extend(torn_tensors(version, materialize(stream)))
         results.put(("rest", seen, torn))
         try:
             receiver.wait_for(last + 1, timeout=30)

@@ -35,3 +35,32 @@ def test_views_of_one_buffer_are_written_without_a_copy_and_the_file_is_unchange
     weights, *_ = load_checkpoint(checkpoint)
     assert all(torch.equal(weights[k], sd[k]) for k in sd)
     assert load_checkpoint(checkpoint, with_weights=False)[0] == {}, "a sharded resume reads no full weights"
+
+
+def test_a_streamed_version_is_written_one_bucket_at_a_time(tmp_path):
+    """A multi-rank engine's weights (a `BucketStream`) go into `model.safetensors` as they arrive: the writer holds one
+    bucket at a time, never the whole version, and the file reads back as the weights."""
+    import gc
+    import weakref
+
+    from asyncflow.weights.buckets import BucketStream
+
+    sd = {f"w{i}": torch.randn(32, 32) for i in range(6)} | {"half": torch.randn(5).to(torch.bfloat16)}
+    manifest = plan_buckets(sd, bucket_bytes=8192)
+    produced: list[weakref.ref] = []
+    most_alive = 0
+
+    def buckets():
+        nonlocal most_alive
+        for index in range(len(manifest.buckets)):
+            members = [sd[e.name].clone() for e in manifest.tensors if e.bucket == index]
+            gc.collect()
+            most_alive = max(most_alive, 1 + sum(ref() is not None for ref in produced))
+            produced.extend(weakref.ref(t) for t in members[:1])
+            yield members
+            del members
+
+    checkpoint = save_checkpoint(tmp_path, 1, BucketStream(manifest, buckets), {}, {"cursor": 0})
+    assert len(manifest.buckets) >= 4 and most_alive == 1
+    weights, *_ = load_checkpoint(checkpoint)
+    assert weights.keys() == sd.keys() and all(torch.equal(weights[k], sd[k]) for k in sd)

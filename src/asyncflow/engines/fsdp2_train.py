@@ -28,6 +28,10 @@ Invariants:
   gathered tensors (`weights/gather_peak_bytes`). A publisher copies the stream into its own snapshot;
   `state_dict` (checkpoints, evaluation) builds this process's copy once per version and caches it until
   the next `optimizer_step` or load.
+- No rank holds the whole model at start: each builds it on the meta device, shards it, and the weights arrive one
+  tensor at a time (rank 0 reads the folder's safetensors lazily and broadcasts; `stream_into_shards`), in the
+  model's dtype; tied parameters stay one parameter. A critic or teacher run, and a folder whose tensor names
+  `from_pretrained` converts (fused MoE experts), load the whole model through `from_pretrained`.
 - Sharded checkpoints (`save_sharded` / `load_sharded`) hold every rank's weights and optimizer
   state; DCP reshards them on load, so a checkpoint resumes with another `world_size` too.
 - A critic (`RankSpec.critic`) is attached to every rank's policy before sharding, is an FSDP2 unit of its own,
@@ -42,6 +46,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
@@ -68,6 +73,7 @@ from asyncflow.weights.buckets import (
     DEFAULT_BUCKET_BYTES,
     BucketStream,
     Manifest,
+    SafetensorsReader,
     allocate_payload,
     bucket_views,
     plan_buckets,
@@ -154,6 +160,81 @@ def shard_model(model: torch.nn.Module, mesh: Any, **options: Any) -> torch.nn.M
     return model
 
 
+@contextmanager
+def parameters_on_meta(enabled: bool = True) -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device (no memory, no initialisation cost) and their
+    buffers as usual: non-persistent buffers such as rotary frequencies are computed at build time, never loaded."""
+    if not enabled:
+        yield
+        return
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def weight_files(model_path: str) -> dict[str, Path] | None:
+    """Tensor name -> the safetensors file of `model_path` holding it; None when the folder has no safetensors
+    weights (then the ranks load it whole, through `from_pretrained`)."""
+    folder = Path(model_path)
+    found: dict[str, Path] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with SafetensorsReader(file) as f:
+            found.update(dict.fromkeys(f.keys(), file))
+    return found or None
+
+
+def stream_into_shards(models: Sequence[torch.nn.Module], files: Mapping[str, Path], rank: int,
+                       device: torch.device) -> int:
+    """Fill sharded `models` (built by `parameters_on_meta`, then `fully_shard`) with the weights of `files`, one
+    tensor at a time: rank 0 reads it (`SafetensorsReader`, unmapped) and broadcasts it, every rank keeps its shard
+    of it. A collective. Tied parameters are one parameter and load once. -> the most bytes of whole tensors this
+    rank held at once (one tensor's)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for model in models:
+        buffers = {name: b.clone() for name, b in model.named_buffers()}  # computed at build; to_empty drops them
+        model.to_empty(device=device)
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+    params = [dict(model.named_parameters()) for model in models]
+    missing = sorted(set(params[0]) - set(files))
+    if missing:
+        raise ValueError(f"the model folder's safetensors files hold no tensor {missing[0]!r} "
+                         f"({len(missing)} missing): cannot load it into FSDP2's shards")
+    opened: dict[Path, SafetensorsReader] = {}
+    peak = 0
+    with ExitStack() as files_open:
+        for name, param in params[0].items():
+            full = torch.empty(param.shape, dtype=param.dtype, device=device)
+            if rank == 0:
+                file = files[name]
+                if file not in opened:
+                    opened[file] = files_open.enter_context(SafetensorsReader(file))
+                full.copy_(opened[file].get_tensor(name))
+            dist.broadcast(full, src=0)
+            peak = max(peak, full.nbytes)
+            with torch.no_grad():
+                for model_params in params:
+                    target = model_params[name]
+                    if isinstance(target, DTensor):
+                        target.copy_(distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None))
+                    else:
+                        target.copy_(full)
+            del full
+    return peak
+
+
 class RankTrainer:
     """One rank: its shard of the policy (and reference), AdamW over the shards, the LR schedule.
     Every method is a collective: the driver calls it on every rank at once."""
@@ -178,7 +259,14 @@ class RankTrainer:
             rank=rank, world_size=world, timeout=timedelta(seconds=spec.timeout_s),
         )
         self.mesh = init_device_mesh(self.device.type, (world,))
-        policy = load_model(spec.model_path, dtype=spec.dtype, device="cpu")
+        # Built on the meta device and filled tensor by tensor once sharded (`stream_into_shards`): no rank holds the
+        # whole model. A critic or teacher is built from loaded weights (`from_pretrained`), as before.
+        files = None if spec.critic is not None or spec.teacher_path is not None else weight_files(spec.model_path)
+        with parameters_on_meta(files is not None):
+            policy = load_model(spec.model_path, dtype=spec.dtype, device="cpu", weights=files is None)
+        if files is not None and not set(dict(policy.named_parameters())) <= set(files):
+            # the folder's names are not the model's (converted on load, e.g. fused MoE experts): load it whole
+            files, policy = None, load_model(spec.model_path, dtype=spec.dtype, device="cpu")
         check_precision(spec.precision, policy)
         reference = make_reference(policy) if spec.use_reference else None
         if spec.teacher_path is not None:  # on-policy distillation: the teacher takes the reference's place
@@ -199,6 +287,10 @@ class RankTrainer:
                 module.set_gradient_divide_factor(1.0)
         self.model.train()
         self.reference = shard_model(reference, self.mesh, **precision) if reference is not None else None
+        self.load_peak_bytes = 0  # the most bytes of whole (unsharded) tensors held at once while loading
+        if files is not None:
+            sharded = [self.model] + ([self.reference] if self.reference is not None else [])
+            self.load_peak_bytes = stream_into_shards(sharded, files, self.rank, self.device)
         # The optimizer is built after sharding: over the DTensor shards (built before, it would not train).
         self.critic = critic_of(self.model)
         self.optimizer, self.scheduler = make_optimizer(
@@ -294,6 +386,11 @@ class RankTrainer:
     def peak_rss_mb(self) -> float:
         """This rank's peak resident memory (`asyncflow.observe.memory`)."""
         return peak_rss_mb()
+
+    def loaded_peak_bytes(self) -> int:
+        """The most bytes of whole (unsharded) tensors this rank held at once while loading the model (0: it loaded
+        the whole model through `from_pretrained`, a critic's or teacher's run)."""
+        return self.load_peak_bytes
 
     def full_gradients(self) -> dict[str, torch.Tensor] | None:
         """The accumulated gradients (before `step`), gathered whole to rank 0 (None elsewhere): for checks."""

@@ -14,7 +14,10 @@ New weights reach vLLM's workers one of two ways (`weight_transfer`, config `rol
   worker extension (`asyncflow.engines.vllm_worker`; gloo on CPU, NCCL on CUDA: `asyncflow.weights.collective`).
   An update packs the state dict into a few large buckets (`asyncflow.weights.buckets`) in a staging buffer kept
   between updates, sends only the manifest through `collective_rpc`, and broadcasts the buckets, which the
-  workers feed to `reload_weights` as each arrives. No file on the way.
+  workers feed to `reload_weights` as each arrives. No file on the way. A `BucketStream` (`streams_weights`: what
+  the `torch_distributed` transport receives) is forwarded one bucket at a time as it arrives, with no staging
+  buffer: this process then holds one bucket of the version, never all of it (the file path writes a stream into
+  its file bucket by bucket).
 - `file` (default): one safetensors file in /dev/shm (named after this process, so a crash leaks it only until
   the next start) that the worker extension loads in place.
 Under LoRA adapter sync (`adapter=` settings, `train.lora.sync: adapter`) vLLM keeps the base weights it started
@@ -87,7 +90,17 @@ from asyncflow.engines.torch_inference import check_prompt, check_sampling_param
 from asyncflow.models.hf import causal_lm
 from asyncflow.models.loading import ModelLoadError, resolve_model_path
 from asyncflow.weights.base import WeightSyncError
-from asyncflow.weights.buckets import DEFAULT_BUCKET_BYTES, Manifest, allocate_payload, bucket_views, pack, plan_buckets
+from asyncflow.weights.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    BucketStream,
+    Manifest,
+    Weights,
+    allocate_payload,
+    bucket_views,
+    pack,
+    plan_buckets,
+    save_safetensors,
+)
 from asyncflow.weights.collective import CollectiveGroup, host_store, join_group
 from asyncflow.weights.segments import segment_path
 
@@ -147,6 +160,14 @@ def check_model_folder(folder: Path) -> None:
         )
     if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
         raise ModelLoadError(f"vLLM cannot load model folder {str(folder)!r}: no *.safetensors or *.bin weights")
+
+
+def flat_buckets(stream: BucketStream) -> Iterator[torch.Tensor]:
+    """Each bucket of `stream` as one flat tensor (what a broadcast sends), the stream's own tensors let go first."""
+    for members in stream.buckets():
+        flat = torch.cat([t.detach().reshape(-1) for t in members])
+        del members
+        yield flat
 
 
 def distinct_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -497,18 +518,33 @@ class VLLMInferenceEngine(InferenceEngineBase):
         )
 
     # ---------------------------------------------------------------- weights
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+    @property
+    def streams_weights(self) -> bool:
+        """`update_weights` takes a `BucketStream`: the collective path loads each bucket as it arrives, the file path
+        writes each into the file (not under adapter sync)."""
+        return self.adapter is None
+
+    def update_weights(self, state_dict: Weights, version: int) -> None:
         """Load `state_dict` (Hugging Face names) in place; tokens sampled afterwards carry `version`. Safe to call
         from another thread while `generate` runs: in-flight samples continue on the new weights. Under adapter sync
         `state_dict` is the adapter's tensors (module docstring)."""
+        if isinstance(state_dict, BucketStream) and not self.streams_weights:
+            raise TypeError("adapter sync takes a state dict of the adapter's tensors, not a weight stream "
+                            "(asyncflow.weights.buckets.materialize makes one)")
         if self.adapter is not None:
+            assert not isinstance(state_dict, BucketStream)  # refused above
             self._update_adapter(state_dict, version)
             return
         if self.weight_transfer == "collective":
             with self._update_lock:
                 if self._weight_group is None or self._weight_group.broken:
                     self._join_weight_group()
-                manifest, blob, buckets = self._stage(state_dict)
+                if isinstance(state_dict, BucketStream):
+                    self._staged = None  # a stream needs no staging buffer: free one an earlier update left
+                    manifest, blob = state_dict.manifest, pickle.dumps(state_dict.manifest)
+                    buckets: Iterable[torch.Tensor] = flat_buckets(state_dict)
+                else:
+                    manifest, blob, buckets = self._stage(state_dict)
                 load = self._receive_collective(manifest, blob, buckets, version)
                 # each broadcast has its own `call_timeout_s` and names the side that failed: this outer limit is later
                 what = f"weight update to version {version}"
@@ -518,7 +554,10 @@ class VLLMInferenceEngine(InferenceEngineBase):
         from safetensors.torch import save_file
 
         try:
-            save_file(distinct_tensors(state_dict), path)
+            if isinstance(state_dict, BucketStream):
+                save_safetensors(state_dict, path)
+            else:
+                save_file(distinct_tensors(state_dict), path)
             with self._update_lock:
                 load = self._llm.collective_rpc("asyncflow_load_weights", args=(path,))
                 self._loop.run(self._swap(load, version), self.call_timeout_s, f"weight update to version {version}")
@@ -634,14 +673,14 @@ class VLLMInferenceEngine(InferenceEngineBase):
         return self._staged
 
     async def _receive_collective(
-        self, manifest: Manifest, blob: bytes, buckets: list[torch.Tensor], version: int
+        self, manifest: Manifest, blob: bytes, buckets: Iterable[torch.Tensor], version: int
     ) -> Any:
         """The workers receive and load (one `collective_rpc`) while this process broadcasts (a thread); the
         first side to fail is the one named in the error."""
         group = self._weight_group
         assert group is not None  # update_weights joined it
         loading = asyncio.ensure_future(self._llm.collective_rpc("asyncflow_receive_weights", args=(blob, version)))
-        sending = asyncio.get_running_loop().run_in_executor(None, group.send, buckets, version)
+        sending = asyncio.get_running_loop().run_in_executor(None, group.send, buckets, version, len(manifest.buckets))
         done, _ = await asyncio.wait({loading, sending}, return_when=asyncio.FIRST_EXCEPTION)
         if loading in done and loading.exception() is not None:
             group.broken = True  # the sender may still be blocked; it ends with its own timeout

@@ -142,6 +142,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     # the same families at a size that trains on a CPU; with the trained tokenizer (446 tokens, padded to 448)
     # qwen2.5-tiny has 845,952 parameters, llama-3.2-tiny 1,041,536
     "qwen2.5-tiny": Architecture("qwen2", 128, 4, 4, 2, 384, 2048, 1_000_000.0, None, 1e-6, "float32"),
+    # Qwen2's family at ~30M parameters (hidden 512, 8 layers): the small size of `benchmarks/bench_scale.py`
+    "qwen2.5-small": Architecture("qwen2", 512, 8, 8, 2, 2048, 2048, 1_000_000.0, None, 1e-6, "bfloat16"),
     "llama-3.2-tiny": Architecture("llama", 128, 4, 4, 2, 512, 2048, 500_000.0, None, 1e-5, "float32",
                                    {**_LLAMA3_ROPE, "factor": 8.0, "original_max_position_embeddings": 512}),
 }

@@ -78,12 +78,30 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, generation_config: Generat
     return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
-def load_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu") -> PreTrainedModel:
+def load_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu", weights: bool = True
+               ) -> PreTrainedModel:
+    """The model folder's causal LM; `weights=False`: its architecture only (`from_config`, freshly initialised),
+    for a caller that fills the weights itself."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"model.dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    if not weights:
+        config = AutoConfig.from_pretrained(str(path))
+        built = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], attn_implementation="sdpa")
+        return built  # type: ignore[no-any-return]
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], attn_implementation="sdpa")
     # transformers wraps PreTrainedModel.to with functools.wraps, which mypy reads as an unbound function
     return model.to(device)  # type: ignore[arg-type,no-any-return]
+
+
+def model_on_meta(path: str | Path, *, dtype: str = "float32") -> PreTrainedModel:
+    """The architecture of the model folder `path` on the meta device: its parameter names, shapes and ties, no
+    memory."""
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"model.dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    config = AutoConfig.from_pretrained(str(path))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], attn_implementation="sdpa")
+    return model  # type: ignore[no-any-return]
 
 
 def model_with_weights(
@@ -94,14 +112,10 @@ def model_with_weights(
     tensors as its parameters (`assign`), tied weights tied again. For writing a model folder (`save_pretrained`)
     from weights held elsewhere, with one copy of them in memory; its non-persistent buffers (e.g. rotary
     frequencies) are left unallocated, so it is not for running."""
-    if dtype not in DTYPES:
-        raise ModelLoadError(f"model.dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    config = AutoConfig.from_pretrained(str(path))
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], attn_implementation="sdpa")
+    model = model_on_meta(path, dtype=dtype)
     model.load_state_dict(dict(weights), strict=True, assign=True)
     model.tie_weights()
-    return model  # type: ignore[no-any-return]
+    return model
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, use_chat_template: bool | None = None) -> list[int]:

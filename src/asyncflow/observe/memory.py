@@ -3,7 +3,8 @@
 for measuring one phase).
 
 Each kind of worker reports its own under `memory/peak_rss_mb/ROLE` (`driver`, `rank_R` for a training rank,
-`rollout_R` for a rollout replica), so a benchmark reads the driver's, each rank's and each replica's peak from a
+`rollout_R` for a rollout replica, `rollout_R_engine` for the largest process its engine started: vLLM's worker),
+so a benchmark reads the driver's, each rank's and each replica's peak from a
 run's metrics.jsonl.
 
 Invariants: the peak is the kernel's high-water mark (`VmHWM` of /proc/self/status; `getrusage` where there is
@@ -54,6 +55,29 @@ def reset_peak_rss() -> bool:
     except OSError:
         return False
     return True
+
+
+def descendants_peak_rss_mb(pid: int | None = None) -> float:
+    """The largest peak resident size (MiB) among the live processes descended from `pid` (default: this one), e.g.
+    the processes an inference engine started (vLLM's engine core and workers, where its weights and KV cache live);
+    0 without /proc or without such processes."""
+    import os
+
+    parents: dict[int, int] = {}
+    peaks: dict[int, int] = {}
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+            parents[int(status.parent.name)] = int(fields["PPid"])
+            peaks[int(status.parent.name)] = int(fields.get("VmHWM", "0 kB").split()[0])
+        except (OSError, ValueError, KeyError):
+            continue  # a process that ended meanwhile, or a kernel thread
+    mine, found = set(), {os.getpid() if pid is None else pid}
+    while found:
+        mine |= found
+        found = {child for child, parent in parents.items() if parent in found} - mine
+    mine.discard(os.getpid() if pid is None else pid)
+    return max((peaks.get(p, 0) for p in mine), default=0) / 1024
 
 
 def memory_metrics(role: str) -> dict[str, float]:

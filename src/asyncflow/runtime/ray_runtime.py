@@ -47,7 +47,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from asyncflow.observe import Timeline
 from asyncflow.observe.memory import METRIC_PREFIX as MEMORY_METRIC_PREFIX
-from asyncflow.observe.memory import peak_rss_mb
+from asyncflow.observe.memory import descendants_peak_rss_mb, peak_rss_mb
 from asyncflow.runtime.base import RolloutSpec, build_rollout_worker, weight_deadlines
 from asyncflow.runtime.cores import CoreLending, create_core_lending
 from asyncflow.transfer.ray_queue import RayTransferQueue
@@ -241,6 +241,10 @@ class RolloutActor:
 
     def peak_rss_mb(self) -> float:
         return peak_rss_mb()
+
+    def engine_peak_rss_mb(self) -> float:
+        """The largest peak among the processes this replica started (vLLM's engine core and worker); 0: none."""
+        return descendants_peak_rss_mb()
 
     def weight_updates(self) -> list[WeightUpdate]:
         """The versions the engine took since the last call."""
@@ -515,15 +519,19 @@ class RayRuntime:
         return out
 
     def memory_metrics(self) -> dict[str, float]:
-        """Each live replica's peak resident memory (`memory/peak_rss_mb/rollout_R`); a dead or restarting one is
-        left out of this step's row."""
+        """Each live replica's peak resident memory (`memory/peak_rss_mb/rollout_R`) and that of the largest process
+        its engine started (`rollout_R_engine`: vLLM's worker, which holds the weights and KV cache); a dead or
+        restarting one is left out of this step's row."""
         refs = {name: actor.peak_rss_mb.remote() for name, actor in self.actors.items()}
+        refs |= {f"{name}_engine": actor.engine_peak_rss_mb.remote() for name, actor in self.actors.items()}
         out = {}
         for name, ref in refs.items():
             try:
-                out[MEMORY_METRIC_PREFIX + name] = ray.get(ref, timeout=self.timeout)
+                peak = ray.get(ref, timeout=self.timeout)
             except (RayActorError, RayTaskError, GetTimeoutError):
                 continue
+            if peak > 0:  # an engine that started no process of its own reports none
+                out[MEMORY_METRIC_PREFIX + name] = peak
         return out
 
     def check(self) -> None:

@@ -26,7 +26,9 @@ Invariants:
   trainer may step as soon as it returns). It takes a state dict or a `BucketStream` (a multi-rank
   trainer's weights gathered one bucket at a time), copied in bucket by bucket: the publishing side then
   holds the snapshot plus one bucket, never a second full copy; the remote part (`ray`, `torch_distributed`) runs on a
-  background thread. A publish while an earlier version is still waiting to be sent **supersedes**
+  background thread, and stages floating tensors in the engine's dtype when it is narrower (`dtype`). A
+  `torch_distributed` receiver hands a version out as a `BucketStream` received as it is read (one bucket held).
+  A publish while an earlier version is still waiting to be sent **supersedes**
   it: that version is never sent and receivers skip it; the version already being sent completes.
   Receivers therefore converge to the newest version but may skip intermediate ones.
 - Versions published by one publisher strictly increase.

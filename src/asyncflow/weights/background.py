@@ -11,7 +11,15 @@ from dataclasses import dataclass
 import torch
 
 from asyncflow.weights.base import WeightSyncError, WeightSyncTimeout, check_increasing
-from asyncflow.weights.buckets import Manifest, Weights, allocate_payload, bucket_views, manifest_of, write_weights
+from asyncflow.weights.buckets import (
+    Manifest,
+    Weights,
+    allocate_payload,
+    bucket_views,
+    cast_manifest,
+    manifest_of,
+    write_weights,
+)
 
 Layout = Callable[[Weights], Manifest]
 
@@ -31,9 +39,10 @@ class BackgroundSender:
     `send(version, manifest, buckets)`. Two payloads circulate: one being sent, the other pending
     or free. A publish while one is pending supersedes it (reuses its payload; that version is
     never sent); the version already being sent completes. The first failure is sticky: every
-    later call raises it. `layout` (default: `manifest_of`) lays the staging payload out; `write_weights`
-    copies into it, casting where the layout's dtypes differ from the weights' (`asyncflow.weights.delta`
-    stages in the engine's dtype).
+    later call raises it. `dtype`: floating tensors wider than it are staged and sent in it (the receiving
+    engine's dtype: a bf16 engine gets half the bytes of fp32); None keeps each tensor's own. `layout` (default:
+    `manifest_of` cast to `dtype`) lays the staging payload out instead; `write_weights` copies into it, casting
+    where the layout's dtypes differ from the weights' (`asyncflow.weights.delta` stages in the engine's dtype).
     """
 
     def __init__(
@@ -44,12 +53,13 @@ class BackgroundSender:
         bucket_bytes: int,
         staging_device: torch.device | str = "cpu",
         connect: Callable[[], None] | None = None,
+        dtype: torch.dtype | None = None,
         layout: Layout | None = None,
     ):
-        self.transport, self.bucket_bytes = transport, bucket_bytes
+        self.transport, self.bucket_bytes, self.dtype = transport, bucket_bytes, dtype
         self.staging_device = torch.device(staging_device)
         self._send, self._connect = send, connect
-        self._layout: Layout = layout or (lambda weights: manifest_of(weights, bucket_bytes))
+        self._layout: Layout = layout or (lambda weights: cast_manifest(manifest_of(weights, bucket_bytes), dtype))
         self._cond = threading.Condition()
         self._free: list[_Staged] = []
         self._pending: _Staged | None = None

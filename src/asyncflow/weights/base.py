@@ -11,9 +11,10 @@ import time
 from abc import ABC, abstractmethod
 from typing import Protocol
 
-from asyncflow.weights.buckets import StateDict, Weights
+from asyncflow.weights.buckets import Weights
 
-Received = tuple[int, StateDict]
+Received = tuple[int, Weights]
+"""(version, its weights): a state dict, or (`torch_distributed`) a `BucketStream` received as it is read."""
 
 
 class WeightSyncError(RuntimeError):

@@ -4,7 +4,9 @@ Owns: `plan_buckets` (same-dtype tensors flattened into buffers of at most `buck
 tensor gets a bucket of its own), `allocate_payload` / `bucket_views` (one aligned byte buffer per
 version, viewed as typed buckets), `pack` (copy a state dict in) and `unpack` (views back out), and
 `BucketStream`: a version whose tensors are produced one bucket at a time (a multi-rank trainer gathers
-them so), which `write_weights` copies in bucket by bucket wherever a state dict could go.
+them so), which `write_weights` copies in bucket by bucket wherever a state dict could go, `save_safetensors`
+writes to a file and `materialize` makes a state dict of; `cast_manifest`: the same layout in a narrower dtype
+(what a bf16 engine receives).
 
 Invariants:
 - `unpack(manifest, buckets)` after `pack(sd, manifest, buckets)` gives tensors equal to `sd` (names,
@@ -15,9 +17,13 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -99,16 +105,50 @@ def bucket_views(manifest: Manifest, payload: torch.Tensor) -> list[torch.Tensor
     return [payload[b.byte_offset : b.byte_offset + b.nbytes].view(b.dtype) for b in manifest.buckets]
 
 
+def _fill(bucket: torch.Tensor, sources: Sequence[torch.Tensor]) -> None:
+    """Copy the flat `sources` into `bucket` end to end (cast to its dtype where they differ)."""
+    if all(s.device == bucket.device and s.dtype == bucket.dtype for s in sources):
+        torch.cat(list(sources), out=bucket)
+        return
+    offset = 0
+    for s in sources:
+        bucket[offset : offset + s.numel()].copy_(s)
+        offset += s.numel()
+
+
 def pack(state_dict: Mapping[str, torch.Tensor], manifest: Manifest, buckets: list[torch.Tensor]) -> None:
-    """Copy every tensor into its bucket: one concatenation per bucket."""
+    """Copy every tensor into its bucket: one concatenation per bucket (a cast where the manifest's dtype differs)."""
     members: list[list[torch.Tensor]] = [[] for _ in buckets]
     for entry in manifest.tensors:
         members[entry.bucket].append(state_dict[entry.name].detach().reshape(-1))
     for bucket, sources in zip(buckets, members, strict=True):
-        if all(s.device == bucket.device for s in sources):
-            torch.cat(sources, out=bucket)
-        else:
-            bucket.copy_(torch.cat(sources))
+        _fill(bucket, sources)
+
+
+def cast_manifest(manifest: Manifest, dtype: torch.dtype | None) -> Manifest:
+    """`manifest` with every floating tensor wider than `dtype` carried in `dtype` (a bf16 engine receives bf16: half
+    the bytes of fp32): the same buckets and entries, each bucket's bytes recomputed. `manifest` itself when `dtype`
+    is None or nothing is wider."""
+
+    def target(d: torch.dtype) -> torch.dtype:
+        wider = dtype is not None and d.is_floating_point and dtype.is_floating_point and d.itemsize > dtype.itemsize
+        return dtype if wider and dtype is not None else d
+
+    if all(target(b.dtype) == b.dtype for b in manifest.buckets):
+        return manifest
+    buckets, offset = [], 0
+    for b in manifest.buckets:
+        buckets.append(Bucket(target(b.dtype), b.numel, offset))
+        offset = align(offset + b.numel * target(b.dtype).itemsize)
+    tensors = tuple(replace(e, dtype=target(e.dtype)) for e in manifest.tensors)
+    return Manifest(tensors, tuple(buckets), offset)
+
+
+def same_layout(a: Manifest, b: Manifest) -> bool:
+    """The same tensors in the same places, whatever their dtypes (`cast_manifest` keeps the layout)."""
+    return [(e.name, e.shape, e.bucket, e.offset) for e in a.tensors] == \
+        [(e.name, e.shape, e.bucket, e.offset) for e in b.tensors] and \
+        [bk.numel for bk in a.buckets] == [bk.numel for bk in b.buckets]
 
 
 def unpack(manifest: Manifest, buckets: list[torch.Tensor]) -> StateDict:
@@ -136,12 +176,12 @@ def manifest_of(weights: Weights, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> M
 
 
 def write_weights(weights: Weights, manifest: Manifest, buckets: list[torch.Tensor]) -> None:
-    """Copy `weights` into `buckets` (typed views laid out by `manifest`): `pack` for a state dict; for a stream,
-    each bucket's tensors as they arrive."""
+    """Copy `weights` into `buckets` (typed views laid out by `manifest`, which may be `cast_manifest` of the weights'
+    own): `pack` for a state dict; for a stream, each bucket's tensors as they arrive."""
     if not isinstance(weights, BucketStream):
         pack(weights, manifest, buckets)
         return
-    if weights.manifest != manifest:
+    if not same_layout(weights.manifest, manifest):
         raise ValueError("a weight stream's manifest differs from the layout it is written into")
     written = 0
     for index, members in enumerate(weights.buckets()):
@@ -150,14 +190,90 @@ def write_weights(weights: Weights, manifest: Manifest, buckets: list[torch.Tens
         if sum(s.numel() for s in sources) != bucket.numel():
             raise ValueError(f"bucket {index} of a weight stream has {sum(s.numel() for s in sources)} elements, "
                              f"its manifest {bucket.numel()}")
-        if all(s.device == bucket.device and s.dtype == bucket.dtype for s in sources):
-            torch.cat(sources, out=bucket)
-        else:
-            offset = 0
-            for s in sources:
-                bucket[offset : offset + s.numel()].copy_(s)
-                offset += s.numel()
+        _fill(bucket, sources)
         del sources, members
         written += 1
     if written != len(buckets):
         raise ValueError(f"a weight stream ended after {written} of {len(buckets)} buckets")
+
+
+def materialize(weights: Weights) -> Mapping[str, torch.Tensor]:
+    """`weights` as a state dict: itself, or a stream written into one fresh payload (for a consumer that needs every
+    tensor at once; a streaming consumer iterates `BucketStream.buckets()` instead)."""
+    if not isinstance(weights, BucketStream):
+        return weights
+    buckets = bucket_views(weights.manifest, allocate_payload(weights.manifest))
+    write_weights(weights, weights.manifest, buckets)
+    return unpack(weights.manifest, buckets)
+
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+def save_safetensors(stream: BucketStream, path: str | os.PathLike[str]) -> int:
+    """Write `stream` as a safetensors file (readable by `safetensors.safe_open` / `load_file`), each bucket's tensors
+    as they arrive: the header from the manifest, the data in bucket order. Holds one bucket at a time; -> bytes
+    written."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for entry in sorted(stream.manifest.tensors, key=lambda e: (e.bucket, e.offset)):
+        if entry.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"safetensors cannot hold {entry.name} of dtype {entry.dtype}")
+        size = entry.numel * entry.dtype.itemsize
+        header[entry.name] = {"dtype": SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape),
+                              "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as file:
+        file.write(struct.pack("<Q", len(blob)) + blob)
+        for members in stream.buckets():
+            _write_tensors(file, members)
+            del members  # before the next bucket arrives
+    return 8 + len(blob) + offset
+
+
+def _write_tensors(file: Any, tensors: Sequence[torch.Tensor]) -> None:
+    """Append each tensor's bytes to `file` (its own function: no reference to them outlives the call)."""
+    for tensor in tensors:
+        file.write(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
+
+
+class SafetensorsReader:
+    """A safetensors file read one tensor at a time into fresh memory (`get_tensor`), without mapping the file: a
+    process reading it whole holds one tensor, where `safe_open`'s mapping would count every page read in its
+    resident size. Use as a context manager."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self._file = open(path, "rb")  # noqa: SIM115 - closed by close() / __exit__
+        (length,) = struct.unpack("<Q", self._file.read(8))
+        header = json.loads(self._file.read(length))
+        header.pop("__metadata__", None)
+        dtypes = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
+        self._data = 8 + length
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {
+            name: (dtypes[e["dtype"]], tuple(e["shape"]), *e["data_offsets"]) for name, e in header.items()
+        }
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        dtype, shape, start, end = self.entries[name]
+        tensor = torch.empty(shape, dtype=dtype)
+        self._file.seek(self._data + start)
+        if end > start and self._file.readinto(tensor.reshape(-1).view(torch.uint8).numpy().data) != end - start:
+            raise ValueError(f"{self._file.name}: {name} is cut short")
+        return tensor
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> SafetensorsReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -20,7 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -96,11 +96,18 @@ class CollectiveGroup:
             f"{TRANSPORT}: {self.side} ({_side(self.rank)}) failed waiting for {awaited} of version {version}: {err}"
         ) from err
 
-    def send(self, buckets: list[torch.Tensor], version: int) -> None:
-        """Rank 0: broadcast every bucket, in order (all posted at once; each waited for at most `timeout_s`)."""
-        posted = [self._start(bucket, version, f"bucket {i + 1}/{len(buckets)}") for i, bucket in enumerate(buckets)]
-        for p in posted:
-            self._wait(p)
+    def send(self, buckets: Iterable[torch.Tensor], version: int, count: int | None = None) -> None:
+        """Rank 0: broadcast every bucket, in order, each waited for at most `timeout_s`. A list is posted at once;
+        any other iterable (`count` buckets, e.g. a stream's as they arrive) one bucket at a time, each sent before
+        the next is taken, so this side holds one of them."""
+        if isinstance(buckets, list):
+            posted = [self._start(b, version, f"bucket {i + 1}/{len(buckets)}") for i, b in enumerate(buckets)]
+            for p in posted:
+                self._wait(p)
+        else:
+            for i, bucket in enumerate(buckets):
+                self._wait(self._start(bucket, version, f"bucket {i + 1}/{count or '?'}"))
+                del bucket
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -59,6 +59,7 @@ from asyncflow.weights.buckets import (
     align,
     allocate_payload,
     bucket_views,
+    manifest_of,
     plan_buckets,
     unpack,
     write_weights,
@@ -349,7 +350,7 @@ class DeltaReceiver(PollingReceiver):
 
     def _pack(self, received: Received) -> Packed:
         version, state_dict = received
-        manifest = plan_buckets(state_dict, self.bucket_bytes)
+        manifest = manifest_of(state_dict, self.bucket_bytes)
         buckets = bucket_views(manifest, allocate_payload(manifest))
         write_weights(state_dict, manifest, buckets)
         return Packed(version, manifest, buckets)

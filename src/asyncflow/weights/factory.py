@@ -20,6 +20,9 @@ def make_weight_sync(
     """A publisher of the given transport; receivers: `publisher.receiver_spec.open()` (for
     `torch_distributed`, `receiver_spec.for_rank(r).open()` with r in 1..num_receivers).
 
+    `dtype`: the receiving engine's; the remote transports (`ray`, `torch_distributed`) stage and send floating
+    tensors wider than it in it (a bf16 engine receives bf16), the local ones send the trainer's own.
+
     `delta`: lossless delta updates (`asyncflow.weights.delta`), versions cast to `dtype` (the engine's) first:
     a `DeltaPublisher` over two publishers of `kind` (a full channel and a delta channel). Not for
     `torch_distributed`, whose every publish is a broadcast every receiver takes (docs/weight-updates.md).
@@ -53,9 +56,9 @@ def make_weight_sync(
     if kind == "ray":
         from asyncflow.weights.ray_transport import RayWeightPublisher
 
-        return RayWeightPublisher(bucket_bytes, **options)
+        return RayWeightPublisher(bucket_bytes, dtype=dtype, **options)
     if kind == "torch_distributed":
         from asyncflow.weights.torch_distributed import TorchDistributedPublisher
 
-        return TorchDistributedPublisher(bucket_bytes=bucket_bytes, **options)
+        return TorchDistributedPublisher(bucket_bytes=bucket_bytes, dtype=dtype, **options)
     raise ValueError(f"unknown weight-sync transport {kind!r}: inprocess, shared_memory, ray or torch_distributed")

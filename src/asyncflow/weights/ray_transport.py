@@ -82,13 +82,14 @@ class RayWeightPublisher(BackgroundPublisher):
         store_name: str | None = None,
         namespace: str | None = None,
         timeout_s: float = 60.0,
+        dtype: torch.dtype | None = None,
     ):
         self.timeout_s = timeout_s
         name = store_name or f"asyncflow-weight-store-{uuid.uuid4().hex[:12]}"
         # an actor handle: ray's types do not cover its methods' .remote
         self._store: Any = WeightStoreActor.options(name=name, namespace=namespace).remote()
         self.receiver_spec = RaySpec(name, namespace, timeout_s)
-        self._sender = BackgroundSender(self.transport, self._send, bucket_bytes=bucket_bytes)
+        self._sender = BackgroundSender(self.transport, self._send, bucket_bytes=bucket_bytes, dtype=dtype)
 
     def _send(self, version: int, manifest: Manifest, buckets: list[torch.Tensor]) -> None:
         try:

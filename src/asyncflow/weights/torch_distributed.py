@@ -2,6 +2,11 @@
 
 Owns: `TorchDistributedPublisher` (broadcasts buckets from a background thread over a private
 TCPStore and process group that never touches the default process group) and its receiver.
+
+Invariant: a receiver holds one bucket at a time. `poll` hands the newest version out as a `BucketStream`
+whose buckets are received as its consumer asks for them (an engine that streams weights loads each as it
+arrives; `asyncflow.weights.materialize` builds a state dict for one that does not), and receives every
+superseded version bucket by bucket without keeping it.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import datetime
 import pickle
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -17,7 +23,7 @@ import torch
 
 from asyncflow.weights.background import BackgroundPublisher, BackgroundSender
 from asyncflow.weights.base import PollingReceiver, Received, WeightSyncError, WeightSyncTimeout
-from asyncflow.weights.buckets import DEFAULT_BUCKET_BYTES, Manifest, allocate_payload, bucket_views, unpack
+from asyncflow.weights.buckets import DEFAULT_BUCKET_BYTES, BucketStream, Manifest
 
 
 # ------------------------------------------------------------------------- torch.distributed
@@ -48,11 +54,13 @@ def _store_set(store: Any, key: str, value: bytes) -> None:
     store.set(key, value)
 
 
-def _broadcast(group: Any, buckets: list[torch.Tensor], timeout_s: float, version: int) -> None:
-    """Broadcast every bucket from rank 0, in order; each waits at most `timeout_s`."""
+def _broadcast(group: Any, buckets: list[torch.Tensor], timeout_s: float, version: int, first: int = 0,
+               count: int | None = None) -> None:
+    """Broadcast every bucket from rank 0, in order; each waits at most `timeout_s`. Errors name bucket
+    `first + i + 1` of `count` (default: of these)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     for i, bucket in enumerate(buckets):
-        what = f"broadcast of bucket {i + 1}/{len(buckets)}"
+        what = f"broadcast of bucket {first + i + 1}/{count or len(buckets)}"
         try:
             group.broadcast(bucket, 0, timeout).wait(timeout)
         except RuntimeError as err:
@@ -94,6 +102,7 @@ class TorchDistributedPublisher(BackgroundPublisher):
         backend: Literal["gloo", "nccl"] = "gloo",
         device: str = "cpu",
         timeout_s: float = 60.0,
+        dtype: torch.dtype | None = None,
     ):
         import torch.distributed as dist
 
@@ -111,7 +120,8 @@ class TorchDistributedPublisher(BackgroundPublisher):
         self._sends = 0
         self._manifests: dict[Manifest, int] = {}
         self._sender = BackgroundSender(
-            self.transport, self._send, bucket_bytes=bucket_bytes, staging_device=device, connect=self._connect
+            self.transport, self._send, bucket_bytes=bucket_bytes, staging_device=device, connect=self._connect,
+            dtype=dtype,
         )
 
     def _connect(self) -> None:
@@ -175,22 +185,57 @@ class TorchDistributedReceiver(PollingReceiver):
             ) from err
         self._taken = 0
         self._manifests: dict[int, Manifest] = {}
+        self._taking: Iterator[list[torch.Tensor]] | None = None  # the version handed out last, being received
 
-    def _receive(self, key: str) -> tuple[int, Manifest, list[torch.Tensor]]:
-        version, manifest_id = pickle.loads(self._store.get(key))
+    def _announced(self, send: int) -> bool:
+        return bool(self._store.check([f"announce/{send}"]))
+
+    def _announcement(self, send: int) -> tuple[int, Manifest]:
+        version, manifest_id = pickle.loads(self._store.get(f"announce/{send}"))
         manifest = self._manifests.get(manifest_id)
         if manifest is None:
             manifest = self._manifests[manifest_id] = pickle.loads(self._store.get(f"manifest/{manifest_id}"))
-        buckets = bucket_views(manifest, allocate_payload(manifest, self._spec.device))
-        _broadcast(self._group, buckets, self._spec.timeout_s, version)
-        return version, manifest, buckets
+        return version, manifest
+
+    def _members(self, manifest: Manifest, version: int) -> Iterator[list[torch.Tensor]]:
+        """Each bucket's tensors (views of a fresh buffer), its broadcast received when it is asked for."""
+        count = len(manifest.buckets)
+        for index, bucket in enumerate(manifest.buckets):
+            buffer = torch.empty(bucket.numel, dtype=bucket.dtype, device=self._spec.device)
+            _broadcast(self._group, [buffer], self._spec.timeout_s, version, first=index, count=count)
+            yield [buffer[e.offset : e.offset + e.numel].view(e.shape) for e in manifest.tensors if e.bucket == index]
+            del buffer
+
+    def _taken_by(self) -> Iterator[list[torch.Tensor]]:
+        """The buckets of the version handed out last (`BucketStream.buckets`: one pass)."""
+        if self._taking is None:
+            raise WeightSyncError("torch_distributed: a received weight stream is read once, before the next poll")
+        return self._taking
+
+    def _finish_taking(self) -> None:
+        """Receive (and drop) what is left of the version handed out last: the sender broadcasts every bucket."""
+        taking, self._taking = self._taking, None
+        if taking is not None:
+            for _ in taking:
+                pass
 
     def poll(self, have_version: int) -> Received | None:
+        """The newest announced version, if newer than `have_version`, as a `BucketStream` whose buckets are received
+        as its consumer asks for them (consume it before the next call, or that call receives the rest); every
+        older announced version is received and dropped one bucket at a time."""
         newest = None
         try:
-            while self._store.check([f"announce/{self._taken + 1}"]):
-                newest = self._receive(f"announce/{self._taken + 1}")
+            self._finish_taking()
+            while self._announced(self._taken + 1):
+                version, manifest = self._announcement(self._taken + 1)
                 self._taken += 1
+                taking = self._members(manifest, version)
+                if version > have_version and not self._announced(self._taken + 1):
+                    self._taking = taking
+                    newest = version, BucketStream(manifest, self._taken_by)
+                    break
+                for _ in taking:  # superseded, or not newer: taken (a broadcast is collective), not kept
+                    pass
             closed = newest is None and self._store.check(["closed"])
         except RuntimeError as err:
             if isinstance(err, WeightSyncError):
@@ -198,9 +243,9 @@ class TorchDistributedReceiver(PollingReceiver):
             raise WeightSyncError(
                 f"torch_distributed: store at {self._spec.host}:{self._spec.port} failed: {err}"
             ) from err
-        if newest is not None and newest[0] > have_version:
-            self.received_bytes = newest[1].payload_bytes
-            return newest[0], unpack(newest[1], newest[2])
+        if newest is not None:
+            self.received_bytes = newest[1].manifest.payload_bytes
+            return newest
         if closed:
             raise WeightSyncError("torch_distributed: publisher closed")
         return None

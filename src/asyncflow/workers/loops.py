@@ -22,6 +22,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from asyncflow.weights.buckets import materialize
 from asyncflow.weights.deadlines import WeightDeadlines, within_deadline
 
 
@@ -105,6 +106,12 @@ class WeightUpdateLog:
         return updates
 
 
+def hand_weights(engine, weights, version: int) -> None:
+    """`engine.update_weights` of a received version: a `BucketStream` as it is to an engine that loads one bucket at a
+    time (`streams_weights`), as a state dict to any other."""
+    engine.update_weights(weights if getattr(engine, "streams_weights", False) else materialize(weights), version)
+
+
 def sampler_state(engine):
     """The state of the engine's sampling generator now (None: it has none)."""
     return engine.generator.get_state() if engine.generator is not None else None
@@ -148,7 +155,7 @@ class InFlightUpdates:
             newest = self.receiver.poll(handed)
             if newest is not None:
                 handed = newest[0]
-                within_deadline(lambda: self.engine.update_weights(newest[1], handed),  # noqa: B023 - called here
+                within_deadline(lambda: hand_weights(self.engine, newest[1], handed),  # noqa: B023 - called here
                                 side=f"rollout replica {self.name}", version=handed, phase="apply",
                                 timeout_s=self.apply_timeout)
                 if self.updates is not None:
@@ -207,7 +214,7 @@ def rollout_loop(worker, queue, receiver, steps: range, *, max_staleness: int, b
             t1 = time.time()
             if newest is not None:
                 version, weights = newest
-                within_deadline(lambda: engine.update_weights(weights, version), side=side,  # noqa: B023 - called here
+                within_deadline(lambda: hand_weights(engine, weights, version), side=side,  # noqa: B023 - called here
                                 version=version, phase="apply", timeout_s=limits.apply)
                 if updates is not None:
                     updates.record(newest[0], receiver)

@@ -25,7 +25,8 @@ Invariants:
   by a lower one, nor a checkpoint a reader holds (`pinned`: `serve`, `eval` and `export` hold what they
   load; it is pruned by a later save).
 - `model.safetensors` is written from the weights' own memory (only tensors sharing bytes with another, e.g.
-  tied embeddings, are copied), so a checkpoint holds no second copy of the weights.
+  tied embeddings, are copied), so a checkpoint holds no second copy of the weights; a multi-rank engine's
+  weights are written as they stream from its ranks, one bucket at a time (`save_safetensors`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from asyncflow.weights.buckets import BucketStream, save_safetensors
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -73,11 +76,12 @@ class CheckpointWriteError(OSError):
 
 
 def save_checkpoint(
-    run_dir: Path, step: int, weights: dict[str, torch.Tensor], training_state: dict, state: dict,
+    run_dir: Path, step: int, weights: dict[str, torch.Tensor] | BucketStream, training_state: dict, state: dict,
     generator_state: torch.Tensor | None = None, keep: int = 2, write_sharded: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write checkpoint `step_N` (see the module docstring); `write_sharded(folder)` writes a multi-rank engine's
-    shards into `sharded/` (every file of it goes into the manifest)."""
+    shards into `sharded/` (every file of it goes into the manifest). `weights` may be a multi-rank engine's
+    `BucketStream`, written to `model.safetensors` one bucket at a time."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"{STEP_PREFIX}{step}"
     tmp = root / f".tmp_{STEP_PREFIX}{step}"
@@ -88,9 +92,19 @@ def save_checkpoint(
         "torch": torch.get_rng_state(),
         "generator": generator_state,
     }
-    tensors = _as_saved(weights)
+    if isinstance(weights, BucketStream):
+        stream = weights
+
+        def write_weights(path: Path) -> object:
+            return save_safetensors(stream, path)
+    else:
+        tensors = _as_saved(weights)
+
+        def write_weights(path: Path) -> object:
+            return save_file(tensors, str(path))
+
     writers: dict[str, Callable[[Path], object]] = {
-        "model.safetensors": lambda path: save_file(tensors, str(path)),
+        "model.safetensors": write_weights,
         "training_state.pt": lambda path: torch.save(training_state, path),
         "rng.pt": lambda path: torch.save(rng, path),
         "state.json": lambda path: path.write_text(json.dumps({"step": step, **state}, indent=2)),
@@ -129,6 +143,13 @@ def save_checkpoint(
     for old in older[: max(0, len(older) - (keep - 1))]:
         _prune(old)
     return final
+
+
+def checkpoint_weights(engine: Any) -> dict[str, torch.Tensor] | BucketStream:
+    """What a checkpoint of `engine` writes: its `weight_stream()`, which a multi-rank engine streams from its ranks
+    bucket by bucket (this process then builds no full copy of the weights); else its state dict."""
+    weights = engine.weight_stream() if hasattr(engine, "weight_stream") else engine.state_dict()
+    return weights if isinstance(weights, BucketStream) else dict(weights)
 
 
 def _prune(checkpoint: Path) -> None:

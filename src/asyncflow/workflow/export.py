@@ -11,8 +11,9 @@ Owns: what an export folder holds, written from one checkpoint of a run:
 - `asyncflow_export.json`: the run folder, step and LoRA setting it came from.
 
 Invariants:
-- The weights are the checkpoint's `model.safetensors` (verified against its manifest), loaded into the
-  run's architecture with every key matched: a model loaded from OUT gives the trainer's log-probs exactly.
+- The weights are the checkpoint's `model.safetensors` (verified against its manifest), matched key for key
+  against the run's architecture and copied one tensor at a time (`write_model`: the export never holds the
+  model whole): a model loaded from OUT gives the trainer's log-probs exactly.
 - OUT is written under a temporary name and renamed into place, so it is complete or absent; an existing
   non-empty OUT is never written into unless `replace` (the final export of a run replaces its own). A write
   that fails, whatever raised (a full disk named as such), removes the temporary folder and is one
@@ -25,17 +26,19 @@ import json
 import logging
 import shutil
 from pathlib import Path
+from typing import NoReturn
 
+import torch
 from transformers import AutoTokenizer
 
 from asyncflow.config import load_config
-from asyncflow.models.loading import model_with_weights, resolve_model_path
+from asyncflow.models.loading import model_on_meta, resolve_model_path
+from asyncflow.weights.buckets import BucketStream, SafetensorsReader, plan_buckets, save_safetensors
 from asyncflow.workflow.checkpoint import (
     CheckpointError,
     checkpoint_step,
     list_checkpoints,
     load_training_state,
-    load_weights,
     pinned,
     verify_checkpoint,
     write_failure,
@@ -67,6 +70,41 @@ def pick_checkpoint(run_dir: Path, step: int | None = None) -> Path:
     raise ExportError(f"{run_dir}: no intact checkpoint to export" + (f" (damaged: {found})" if found else ""))
 
 
+def write_model(model_path: Path, weights_file: Path, out: Path, *, dtype: str) -> None:
+    """`config.json`, `generation_config.json` and `model.safetensors` of `model_path`'s architecture holding the
+    tensors of `weights_file` (a checkpoint's), every key matched and tied duplicates written once, as
+    `save_pretrained` writes them; the tensors are copied one at a time (read lazily): never the model whole."""
+    model = model_on_meta(model_path, dtype=dtype)
+    distinct: dict[int, str] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        distinct.setdefault(id(tensor), name)
+    with SafetensorsReader(weights_file) as f:
+        held, wanted = set(f.keys()), set(model.state_dict())
+        if held != wanted:
+            extra, missing = sorted(held - wanted), sorted(wanted - held)
+            raise ExportError(f"{weights_file} does not match {model_path}'s architecture (missing {missing[:3]}, "
+                              f"unexpected {extra[:3]})")
+        shapes = {name: torch.empty(f.entries[name][1], dtype=f.entries[name][0], device="meta")
+                  for name in distinct.values()}
+        manifest = plan_buckets(shapes, bucket_bytes=1)  # one tensor per bucket
+        save_safetensors(BucketStream(manifest, lambda: ([f.get_tensor(e.name)] for e in manifest.tensors)),
+                         out / "model.safetensors")
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(str(out))
+    if model.can_generate() and model.generation_config is not None:
+        model.generation_config.save_pretrained(str(out))
+
+
+def _failed(err: BaseException, tmp: Path, out: Path, run_dir: Path, checkpoint: Path) -> NoReturn:
+    """Remove the half-written export and raise `err` as one `ExportError` line (an interruption as it is)."""
+    cause = write_failure(err, tmp.parent)[1] if isinstance(err, Exception) else None  # before space is freed
+    shutil.rmtree(tmp, ignore_errors=True)
+    if cause is None or isinstance(err, ExportError):
+        raise err
+    raise ExportError(f"{cause} while writing the export {out} (from {checkpoint}); the run's checkpoints are "
+                      f"intact: export again with asyncflow export {run_dir} {out}") from err
+
+
 def export_run(
     run_dir: str | Path, out: str | Path, *, step: int | None = None, merged: bool = False, replace: bool = False
 ) -> Path:
@@ -79,20 +117,21 @@ def export_run(
         raise ExportError(f"export folder {out} exists and is not empty: give a new folder")
     config = load_config(config_file)
     lora = lora_settings(config)
-    with pinned(lambda: pick_checkpoint(run_dir, step)) as checkpoint:  # not pruned by the run while it is read
-        weights = load_weights(checkpoint)  # verified: a damaged file is named
-        adapter = load_training_state(checkpoint)["adapter"] if lora is not None else None
-
     model_path = resolve_model_path(config.model.path, seed=config.run.seed)
     tmp = out.parent / f".tmp_{out.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    with pinned(lambda: pick_checkpoint(run_dir, step)) as checkpoint:  # not pruned by the run while it is read
+        verify_checkpoint(checkpoint, files=("model.safetensors",))  # a damaged file is named
+        adapter = load_training_state(checkpoint)["adapter"] if lora is not None else None
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            if lora is None or merged:  # every weight of the architecture, no more, one tensor at a time
+                write_model(model_path, checkpoint / "model.safetensors", tmp, dtype=config.model.dtype)
+        except BaseException as err:
+            _failed(err, tmp, out, run_dir, checkpoint)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_path))  # as the run's model folder has it
         if lora is None or merged:
-            # every weight of the architecture, no more; the checkpoint's tensors themselves, not a copy
-            model = model_with_weights(model_path, weights, dtype=config.model.dtype)
-            model.save_pretrained(str(tmp))
             tokenizer.save_pretrained(str(tmp))
         if lora is not None:
             from asyncflow.engines.peft_lora import save_adapter
@@ -111,11 +150,6 @@ def export_run(
             shutil.rmtree(out)
         tmp.rename(out)
     except BaseException as err:
-        cause = write_failure(err, tmp.parent)[1] if isinstance(err, Exception) else None  # before space is freed
-        shutil.rmtree(tmp, ignore_errors=True)
-        if cause is None or isinstance(err, ExportError):
-            raise
-        raise ExportError(f"{cause} while writing the export {out} (from {checkpoint}); the run's checkpoints are "
-                          f"intact: export again with asyncflow export {run_dir} {out}") from err
+        _failed(err, tmp, out, run_dir, checkpoint)
     log.info("exported %s (step %d) to %s", checkpoint, info["step"], out)
     return out

@@ -68,7 +68,13 @@ from asyncflow.workers.reward import RewardWorker
 from asyncflow.workers.rollout import GeneratingRole
 from asyncflow.workers.trainer import PolicyTrainer
 from asyncflow.workflow import watch
-from asyncflow.workflow.checkpoint import SHARDED_DIR, CheckpointError, load_checkpoint, save_checkpoint
+from asyncflow.workflow.checkpoint import (
+    SHARDED_DIR,
+    CheckpointError,
+    checkpoint_weights,
+    load_checkpoint,
+    save_checkpoint,
+)
 from asyncflow.workflow.evaluation import evaluate, evaluation_spec
 from asyncflow.workflow.export import EXPORT_DIR, export_run
 from asyncflow.workflow.pipeline import PipelineWorkflow
@@ -203,6 +209,7 @@ class RLRun:
 
     # ---------------------------------------------------------------- checkpoints
     def save(self) -> Path:
+        started = time.time()
         workflow = self.workflow.checkpoint_state(self.state.step)
         state = {
             "version": self.state.version,
@@ -217,10 +224,11 @@ class RLRun:
         }
         engine = self.train_engine
         path = save_checkpoint(
-            self.run_dir, self.state.step, engine.state_dict(), engine.training_state(), state,
+            self.run_dir, self.state.step, checkpoint_weights(engine), engine.training_state(), state,
             keep=self.config.checkpoint.keep,
             write_sharded=engine.save_sharded if isinstance(engine, ShardedCheckpointing) else None,
         )
+        self.timeline.add_span("trainer", "checkpoint", started, time.time(), step=self.state.step)
         self.timeline.to_chrome_trace(self.run_dir / TIMELINE_FILE)
         return path
 

@@ -1,0 +1,155 @@
+"""The real-size rehearsal's path (scripts/rehearsal.py: examples/rehearsal_0.5b.yaml on three `ray start` nodes:
+vLLM in bf16, FSDP2 of 2 ranks, `async` k=1, the `torch_distributed` weight path, a checkpoint each step, an export) at
+several model sizes, without the kill. Per size it prints the peak resident memory of the driver, of each rank and of
+each replica's processes beside the bytes each should hold (weights, gradients, AdamW shard, KV cache), seconds per
+step of generate / train / weight update / checkpoint, weight-update bytes and seconds, the checkpoint's and the
+export's bytes and the export's own seconds and peak memory (a separate `asyncflow export` of the last checkpoint).
+
+    .venv-vllm/bin/python benchmarks/bench_scale.py --sizes 30m,166m          # 0.5b: ~12 GB free and a long time
+
+Sizes: `30m` (preset:qwen2.5-small, 30.7M parameters), `166m` (qwen2.5-0.5b-2l), `0.5b` (qwen2.5-0.5b). CONFIG
+overrides follow the options. A guard stops a size when the machine's available memory falls under `--min-free-gb`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from rehearsal import EXAMPLE, folder_bytes, rehearse, rows  # noqa: E402  (the rehearsal's run and checks)
+
+SIZES = {"30m": "preset:qwen2.5-small", "166m": "preset:qwen2.5-0.5b-2l", "0.5b": "preset:qwen2.5-0.5b"}
+MIB = 2**20
+
+
+def available_gb() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def kill_descendants() -> None:
+    """SIGKILL every process descended from this one."""
+    parents: dict[int, int] = {}
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            ppid = next(line for line in status.read_text().splitlines() if line.startswith("PPid:"))
+            parents[int(status.parent.name)] = int(ppid.split()[1])
+        except (OSError, StopIteration, ValueError):
+            continue
+    mine, grew = {os.getpid()}, True
+    while grew:
+        found = {pid for pid, parent in parents.items() if parent in mine} - mine
+        grew = bool(found)
+        mine |= found
+    for pid in mine - {os.getpid()}:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def theoretical_mib(model: str, world: int, kv_cache_gb: float) -> dict[str, float]:
+    """Bytes each role should hold (MiB), from the parameter count: fp32 master weights, gradients and AdamW's two
+    moments sharded over `world` ranks; a bf16 vLLM replica's weights plus its KV cache; what one version is in
+    bf16 (what the weight path carries)."""
+    from asyncflow.models.loading import model_on_meta, resolve_model_path
+
+    params = sum(p.numel() for p in model_on_meta(resolve_model_path(model)).parameters())
+    return {"parameters": params, "rank_weights": 4 * params / world / MIB, "rank_grads": 4 * params / world / MIB,
+            "rank_adamw": 8 * params / world / MIB, "rank_total": 16 * params / world / MIB,
+            "replica_weights_bf16": 2 * params / MIB, "replica_kv_cache": kv_cache_gb * 1024,
+            "version_bf16": 2 * params / MIB, "version_fp32": 4 * params / MIB}
+
+
+def export_once(run_dir: Path, out: Path) -> dict[str, float]:
+    """`asyncflow export` of the run's last checkpoint in a process of its own: its seconds and peak memory."""
+    # VmHWM of the child itself: `ru_maxrss` would carry the parent's peak across the fork and exec
+    code = ("import json, time; from pathlib import Path; from asyncflow.workflow.export import export_run; "
+            "hwm = lambda: int(next(l for l in Path('/proc/self/status').read_text().splitlines() "
+            "if l.startswith('VmHWM')).split()[1]) / 1024; before = hwm(); t = time.monotonic(); "
+            f"export_run({str(run_dir)!r}, {str(out)!r}); "
+            "print(json.dumps({'s': time.monotonic() - t, 'peak_mb': hwm(), 'grew_mb': hwm() - before}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800, check=True)
+    result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"export_s": round(result["s"], 1), "export_peak_mb": round(result["peak_mb"]),
+            "export_grew_mb": round(result["grew_mb"]),
+            "export_mb": round(folder_bytes(out) / MIB, 1)}
+
+
+def measure(size: str, overrides: list[str], output: Path, min_free_gb: float) -> dict[str, Any]:
+    from asyncflow.config import load_config
+
+    model = SIZES[size]
+    settings = load_config(str(EXAMPLE), [f"model.path={model}", *overrides])
+    theory = theoretical_mib(model, settings.train.world_size, settings.rollout.vllm.kv_cache_gb)
+    stop = threading.Event()
+    lowest = [available_gb()]
+
+    def guard() -> None:  # below the floor: SIGKILL every process this one started (the run, the nodes)
+        while not stop.wait(1.0):
+            lowest[0] = min(lowest[0], available_gb())
+            if lowest[0] < min_free_gb:
+                kill_descendants()
+                return
+
+    watcher = threading.Thread(target=guard, daemon=True)
+    watcher.start()
+    t0 = time.monotonic()
+    try:
+        summary = rehearse(EXAMPLE, [f"model.path={model}", *overrides], output / size, kill_after=0)
+    except AssertionError as err:
+        if lowest[0] >= min_free_gb:
+            raise
+        return {"size": size, "model": model, "stopped": f"available memory fell under {min_free_gb} GB: {err}"}
+    finally:
+        stop.set()
+    run_dir = output / size / "run"
+    logged = rows(run_dir)
+    updates = [r for r in logged if isinstance(r.get("weights/update_bytes"), (int, float))
+               and r["weights/update_bytes"] == r["weights/update_bytes"]]  # NaN (null) before a replica took one
+    result = {
+        "size": size, "model": model, "parameters": theory.pop("parameters"), "wall_s": round(time.monotonic() - t0),
+        "lowest_available_gb": round(lowest[0], 1), "peak_rss_mb": summary["peak_rss_mb"],
+        "process_peak_mb": summary["process_peak_mb"], "theoretical_mb": {k: round(v) for k, v in theory.items()},
+        "seconds_per_step": summary["seconds_per_step"],
+        "weights_gather_peak_mb": summary["weights_gather_peak_mb"],
+        "update_mb": round(max((r["weights/update_bytes"] for r in updates), default=0) / MIB, 1),
+        "update_s": round(statistics.median(r["weights/update_s"] for r in updates), 2) if updates else None,
+        "checkpoint_mb": summary["checkpoint_mb"],
+        **export_once(run_dir, output / size / "export_again"),
+    }
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="CONFIG overrides (section.key=value)")
+    parser.add_argument("--sizes", default="30m,166m", help=f"comma-separated, of {', '.join(SIZES)}")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--min-free-gb", type=float, default=3.0)
+    parser.add_argument("--output", type=Path)
+    args = parser.parse_args()
+    output = args.output or Path(tempfile.mkdtemp(prefix="bench-scale-"))
+    for size in args.sizes.split(","):
+        if size not in SIZES:
+            raise SystemExit(f"--sizes: unknown size {size!r} (one of {', '.join(SIZES)})")
+        print(json.dumps(measure(size, [f"train.steps={args.steps}", *args.overrides], output, args.min_free_gb)),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Weights move bucket by bucket end to end: a `torch_distributed` receiver hands a version out as a `BucketStream`
+and holds one received bucket at a time (never the whole version), remote transports carry floating tensors in the
+engine's dtype when it is narrower (a bf16 engine receives half the bytes of fp32), and a stream written to a
+safetensors file reads back as the state dict it streams."""
+
+from __future__ import annotations
+
+import gc
+import socket
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from asyncflow.weights import make_weight_sync
+from asyncflow.weights.buckets import (
+    BucketStream,
+    cast_manifest,
+    materialize,
+    plan_buckets,
+    save_safetensors,
+)
+
+BUCKET_BYTES = 4096
+
+
+def state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    sd = {f"layer{i}.weight": torch.randn(16, 32, generator=g) for i in range(8)}  # 2 KiB each: 4 buckets of 2
+    sd["steps"] = torch.arange(5)  # an integer tensor is never cast
+    return sd
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def publish_in_thread(sd, version: int, **options):
+    """A `torch_distributed` publisher (built on a thread: it waits for the receiver to join) publishing `sd`."""
+    box: dict = {}
+
+    def publish():
+        box["p"] = make_weight_sync("torch_distributed", num_receivers=1, port=options.pop("port"),
+                                    bucket_bytes=BUCKET_BYTES, timeout_s=30, **options)
+        box["p"].publish(sd, version)
+
+    thread = threading.Thread(target=publish)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while "p" not in box and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return box, thread
+
+
+@pytest.mark.slow
+def test_a_torch_distributed_receiver_holds_one_bucket_at_a_time():
+    sd = state_dict()
+    box, thread = publish_in_thread(sd, 3, port=free_port())
+    receiver = box["p"].receiver_spec.for_rank(1).open()
+    try:
+        version, stream = receiver.wait_for(3, timeout=30)
+        assert version == 3 and isinstance(stream, BucketStream)
+        assert len(stream.manifest.buckets) >= 4
+        held: list[weakref.ref] = []
+        most_alive = 0
+        got: dict[str, torch.Tensor] = {}
+        for index, members in enumerate(stream.buckets()):
+            held.append(weakref.ref(members[0]._base))  # the bucket's buffer (each tensor is a view of it)
+            gc.collect()
+            most_alive = max(most_alive, sum(ref() is not None for ref in held))
+            names = [e.name for e in stream.manifest.tensors if e.bucket == index]
+            got.update({name: t.clone() for name, t in zip(names, members, strict=True)})
+            del members
+        assert most_alive == 1, "a received bucket is freed before the next one is received"
+        assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd)
+        box["p"].wait_published(30)
+    finally:
+        thread.join(30)
+        receiver.close()
+        box["p"].close()
+
+
+@pytest.mark.slow
+def test_a_bf16_engine_receives_bf16_half_the_bytes():
+    sd = state_dict()
+    box, thread = publish_in_thread(sd, 1, port=free_port(), dtype=torch.bfloat16)
+    receiver = box["p"].receiver_spec.for_rank(1).open()
+    try:
+        _, stream = receiver.wait_for(1, timeout=30)
+        got = materialize(stream)
+        fp32_bytes = plan_buckets(sd, BUCKET_BYTES).payload_bytes
+        assert receiver.received_bytes < 0.6 * fp32_bytes
+        assert got["layer0.weight"].dtype == torch.bfloat16 and got["steps"].dtype == torch.int64
+        assert all(torch.equal(got[k], sd[k].to(got[k].dtype)) for k in sd)
+    finally:
+        thread.join(30)
+        receiver.close()
+        box["p"].close()
+
+
+def test_a_skipped_or_unread_version_is_still_taken_whole():
+    """The receiver drains what a consumer left of a stream before the next poll (the sender broadcasts every
+    bucket of it), so the next version arrives intact."""
+    port = free_port()
+    first, second = state_dict(1), state_dict(2)
+    box, thread = publish_in_thread(first, 1, port=port)
+    receiver = box["p"].receiver_spec.for_rank(1).open()
+    try:
+        _, stream = receiver.wait_for(1, timeout=30)
+        next(iter(stream.buckets()))  # one bucket read, the rest left unread
+        box["p"].publish(second, 2)
+        _, stream = receiver.wait_for(2, timeout=30)
+        got = materialize(stream)
+        assert all(torch.equal(got[k], second[k]) for k in second)
+    finally:
+        thread.join(30)
+        receiver.close()
+        box["p"].close()
+
+
+def test_cast_manifest_keeps_the_layout_and_narrows_floats():
+    manifest = plan_buckets(state_dict(), BUCKET_BYTES)
+    narrow = cast_manifest(manifest, torch.bfloat16)
+    assert [(e.name, e.bucket, e.offset) for e in narrow.tensors] == [(e.name, e.bucket, e.offset)
+                                                                      for e in manifest.tensors]
+    assert {e.dtype for e in narrow.tensors} == {torch.bfloat16, torch.int64}
+    assert cast_manifest(manifest, torch.float32) is manifest and cast_manifest(manifest, None) is manifest
+
+
+def test_a_stream_saved_as_safetensors_reads_back(tmp_path):
+    sd = {**state_dict(), "half": torch.randn(3, 5).to(torch.bfloat16)}
+    manifest = plan_buckets(sd, BUCKET_BYTES)
+
+    def buckets():
+        for index in range(len(manifest.buckets)):
+            yield [sd[e.name].clone() for e in manifest.tensors if e.bucket == index]
+
+    written = save_safetensors(BucketStream(manifest, buckets), tmp_path / "model.safetensors")
+    assert written == (tmp_path / "model.safetensors").stat().st_size
+    back = load_file(str(tmp_path / "model.safetensors"))
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
