@@ -137,9 +137,9 @@ def test_ctrl_c_during_a_write_leaves_no_temp_folder(tmp_path, monkeypatch):
 
 
 def test_an_export_whose_write_fails_is_one_line_and_leaves_no_temp_folder(run_copy, tmp_path, capsys, monkeypatch):
-    import transformers.modeling_utils
+    import asyncflow.workflow.export
 
-    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", _safetensors_full)
+    monkeypatch.setattr(asyncflow.workflow.export, "save_safetensors", _os_full)  # the weights, streamed to the file
     out = tmp_path / "hf"
     capsys.readouterr()
     assert main(["export", str(run_copy), str(out)]) == 1
