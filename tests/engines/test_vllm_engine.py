@@ -204,32 +204,41 @@ def receive_through(transport: str, state_dict, version: int, request) -> dict[s
     return received
 
 
-def _receive_gloo(state_dict, version):
+def _collective_pair(publish, **options):
+    """(publisher, its thread, receiver) of the `torch_distributed` transport on a free port: rank 0 (the trainer)
+    joins the group in its constructor, on a thread that then runs `publish(publisher)`, as rank 1 does in open()."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    publisher_box = {}
+    box = {}
 
-    def publish():  # rank 0 (the trainer) joins the group in its constructor, as rank 1 does in open()
-        publisher_box["p"] = make_weight_sync("torch_distributed", num_receivers=1, port=port, timeout_s=60)
-        publisher_box["p"].publish(state_dict, version)
-        publisher_box["p"].wait_published(60)
+    def start():
+        box["p"] = make_weight_sync("torch_distributed", num_receivers=1, port=port, timeout_s=60, **options)
+        publish(box["p"])
 
-    thread = threading.Thread(target=publish)
+    thread = threading.Thread(target=start)
     thread.start()
     deadline = time.monotonic() + 60
-    while "p" not in publisher_box and time.monotonic() < deadline:
+    while "p" not in box and time.monotonic() < deadline:
         time.sleep(0.01)
-    receiver = publisher_box["p"].receiver_spec.for_rank(1).open()
+    return box["p"], thread, box["p"].receiver_spec.for_rank(1).open()
+
+
+def _receive_gloo(state_dict, version):
+    def publish(publisher):
+        publisher.publish(state_dict, version)
+        publisher.wait_published(60)
+
+    publisher, thread, receiver = _collective_pair(publish)
     try:
         got_version, stream = receiver.wait_for(version, timeout=60)
         received = {k: v.clone() for k, v in materialize(stream).items()}
     finally:
         thread.join(60)
         receiver.close()
-        publisher_box["p"].close()
+        publisher.close()
     assert got_version == version
     return received
 
@@ -240,28 +249,12 @@ def test_a_received_stream_loads_one_bucket_at_a_time(engine, llama, weight_tran
     collective path forwards each; the file path writes each into the file): never more than one received bucket
     alive at once, no staging copy of the version, and vLLM is then the new weights' greedy policy."""
     import gc
-    import socket
     import weakref
 
     from asyncflow.weights.buckets import BucketStream
 
     new_weights = perturbed(llama, seed=11)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    box: dict = {}
-
-    def publish():
-        box["p"] = make_weight_sync("torch_distributed", num_receivers=1, port=port, timeout_s=60,
-                                    bucket_bytes=64 << 10)
-        box["p"].publish(new_weights, 9)
-
-    thread = threading.Thread(target=publish)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while "p" not in box and time.monotonic() < deadline:
-        time.sleep(0.01)
-    receiver = box["p"].receiver_spec.for_rank(1).open()
+    publisher, thread, receiver = _collective_pair(lambda p: p.publish(new_weights, 9), bucket_bytes=64 << 10)
     held: list[weakref.ref] = []
     most_alive = 0
     try:
@@ -278,11 +271,11 @@ def test_a_received_stream_loads_one_bucket_at_a_time(engine, llama, weight_tran
                 del members
 
         engine.update_weights(BucketStream(stream.manifest, watched), version=9)
-        box["p"].wait_published(60)
+        publisher.wait_published(60)
     finally:
         thread.join(60)
         receiver.close()
-        box["p"].close()
+        publisher.close()
     assert most_alive == 1 and len(held) == len(stream.manifest.buckets)
     if weight_transfer == "collective":
         assert engine._staged is None, "no staging copy of the version in the engine's process"
