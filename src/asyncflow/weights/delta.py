@@ -264,6 +264,8 @@ class DeltaPublisher:
                 self.delta.publish({DELTA_KEY: self._padded}, version, used_bytes=blob.numel())
             else:
                 self.delta.publish({DELTA_KEY: blob}, version)
+            # a channel may send in the background (ray): the delta must reach receivers before the full version
+            self.delta.wait_published(self.timeout_s)
         self.full.publish(unpack(manifest, buckets), version)
         if blob is not None and self._base is not None:
             patch(blob, self._base)
