@@ -130,7 +130,10 @@ def test_a_judge_that_times_out_or_answers_garbage_is_counted_not_fatal(judge_se
     assert result.rewards == [0.0] * 4 and result.n_errors == 4 and result.n_timeouts == 0
     assert runner.stuck_calls == 0, "the judge gave up before the runner had to abandon a thread"
     assert error in runner.last_failure and "judge:" + behaviour in runner.last_failure
-    assert failing.requests_sent == (8 if behaviour == "slow" else 4), "timeouts are retried, answers are not"
+    if behaviour == "slow":  # a retry that no longer fits the budget is skipped: under load, some are
+        assert 4 < failing.requests_sent <= 8, "timeouts are retried"
+    else:
+        assert failing.requests_sent == 4, "answers are not retried"
 
 
 def test_a_judges_calls_end_within_its_budget(judge_server):

@@ -19,7 +19,8 @@ from server_fixture import KEY, NAME, TEMPLATE, running_server  # noqa: E402
 from asyncflow.cli import main  # noqa: E402
 from asyncflow.engines.base import SamplingParams  # noqa: E402
 
-HEAD_TIMEOUT_S = BODY_TIMEOUT_S = 1.0
+HEAD_TIMEOUT_S = 1.0
+BODY_TIMEOUT_S = 3.0  # a 4 MiB chunked upload must reach its 413 before this under load
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 
 
