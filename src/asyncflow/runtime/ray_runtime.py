@@ -63,10 +63,10 @@ A = TypeVar("A")
 
 
 class RayStartError(ConnectionError):
-    """The Ray cluster did not start (or could not be joined), twice."""
+    """The Ray cluster did not start (or could not be joined) in `START_ATTEMPTS` tries."""
 
 
-START_ATTEMPTS = 2
+START_ATTEMPTS = 3
 START_RETRY_PAUSE_S = 2.0
 
 
@@ -150,7 +150,10 @@ def hold_ray(rt) -> Callable[[], None]:
             _RayOwnership.holders -= 1
             if _RayOwnership.holders == 0 and _RayOwnership.owned:
                 _RayOwnership.owned = False
-                log.info("shutting down the Ray cluster this run started")
+                if rt.address:  # joined, not started: shutdown only disconnects
+                    log.info("leaving the Ray cluster at %s", rt.address)
+                else:
+                    log.info("shutting down the Ray cluster this run started")
                 ray.shutdown()
 
     return release
