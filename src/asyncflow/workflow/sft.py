@@ -125,6 +125,12 @@ class ValidationProbe:
                           episodes=self.episodes)
         return float(result.get("eval/accuracy", 0.0))
 
+    def close(self) -> None:
+        try:
+            self.worker.close()
+        finally:
+            self.rewards.close()
+
 
 def sft_samples(config: Config, tokenizer) -> Callable[[Example], TrainSample]:
     """Example -> its SFT sample: the rendered prompt and the answer followed by EOS; with `env.name` its tool-use
@@ -248,7 +254,7 @@ def run_sft(config: Config, output: str | Path, stop: StopSignals | None = None)
         metrics.close()
         engine.close()
         if probe is not None:
-            probe.worker.close()
+            probe.close()
     wall_s = time.perf_counter() - t0
     summary = {
         "steps": step, "max_steps": cfg.steps, "stop_accuracy": cfg.stop_accuracy,
