@@ -31,6 +31,17 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: "no_ray_running" not in getattr(item, "fixturenames", ()))
 
 
+def pytest_collection_finish(session):
+    """A collected test module's `start_in_background()` is called once collection ends (tests/test_types.py: mypy at
+    the lowest priority, ~90 s of one core on a cold cache, on the CPU the tests before it leave idle). Not under
+    xdist (each worker collects every module: the test checks in the foreground) nor for `--collect-only`."""
+    if hasattr(session.config, "workerinput") or session.config.option.collectonly:
+        return
+    for module in {item.module for item in session.items if getattr(item, "module", None) is not None}:
+        if hasattr(module, "start_in_background"):
+            module.start_in_background()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(_isolated_cache):
     """A local 2-CPU Ray cluster shared by every test that asks for it. Its workers import `src` and every
