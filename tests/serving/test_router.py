@@ -107,6 +107,7 @@ def test_serve_with_two_replicas_keeps_a_users_requests_on_one(tiny_llama_path, 
         assert httpx.get(thread.url + "/health", timeout=30).json()["status"] == "ok"
 
 
+# Over 60 s on 2 cores (~65 s in CI): `build_app` starts the two vLLM engines one after the other (~25 s each on CPU).
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
 def test_serve_with_two_vllm_replicas_keeps_a_user_on_the_replica_holding_their_prefix(tiny_llama_path,
