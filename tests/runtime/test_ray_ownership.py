@@ -32,29 +32,23 @@ def no_ray_running():
 
 
 @pytest.mark.slow
-def test_ranks_launched_on_a_ray_they_started_shut_it_down_when_closed(tmp_path, no_ray_running, one_torch_thread):
+def test_ranks_that_started_ray_shut_it_down_as_its_last_holder(tmp_path, no_ray_running, one_torch_thread):
+    """The ranks start Ray; a second holder beside them (the Ray runtime, `hold_ray`) releasing twice counts once and
+    leaves Ray running; the ranks' close, the last release, shuts it down (one Ray start for both facts)."""
+    from asyncflow.runtime.ray_runtime import hold_ray
+
     config = ray_config(tmp_path)
     launch = RayRuntime.rank_launcher(config)
     assert not ray.is_initialized(), "building the launcher starts nothing"
     spec = RankSpec(model_path=str(resolve_model_path("preset:tiny-llama", seed=0)), timeout_s=120)
     ranks = launch(1, spec, 120.0)
     assert ray.is_initialized()
+    release_runtime = hold_ray(config.runtime)  # the Ray runtime beside the ranks
+    release_runtime()
+    release_runtime()  # idempotent: counts once
+    assert ray.is_initialized(), "the ranks still hold it"
     ranks.close()
     assert not ray.is_initialized(), "the Ray the run started outlived the run"
-
-
-@pytest.mark.slow
-def test_the_last_holder_shuts_down_the_ray_asyncflow_started(tmp_path, no_ray_running):
-    from asyncflow.runtime.ray_runtime import hold_ray
-
-    config = ray_config(tmp_path)
-    release_ranks = hold_ray(config.runtime)  # the trainer's ranks
-    release_runtime = hold_ray(config.runtime)  # the Ray runtime beside them
-    release_ranks()
-    release_ranks()  # idempotent: counts once
-    assert ray.is_initialized(), "the runtime still holds it"
-    release_runtime()
-    assert not ray.is_initialized()
 
 
 def test_a_failed_launch_shuts_down_the_ray_it_started(tmp_path, no_ray_running):
