@@ -217,11 +217,15 @@ def test_async_ray_collective_weights_resume(tmp_path, data_file, ray_cluster):
     """kill -9 and `--resume` of `async` on Ray with weights by `torch_distributed`, whose receiver's poll consumes
     the version it returns: the resumed replica takes the checkpoint's version from its first poll and must count
     it for the staleness bound (it used to wait for a newer one the trainer never published)."""
-    args = argv(tmp_path / "crashed", data_file, "async", "runtime.kind=ray", "runtime.weight_sync=torch_distributed",
-                "runtime.lend_idle_cores=false")
-    after = kill_at_random_step(tmp_path / "crashed", args, seed=0)  # after checkpoint 4: resumes at step >= 4
+    run_dir, ray_args = tmp_path / "crashed", ["runtime.kind=ray", "runtime.weight_sync=torch_distributed",
+                                               "runtime.lend_idle_cores=false"]
+    args = argv(run_dir, data_file, "async", *ray_args)
+    # the killed driver joins the session's cluster (a driver that starts its own Ray: test_async_ray_driver_killed)
+    address = ray_cluster.get_runtime_context().gcs_address
+    joined = argv(run_dir, data_file, "async", *ray_args, f"runtime.address={address}")
+    after = kill_at_random_step(run_dir, joined, seed=0)  # after checkpoint 4: resumes at step >= 4
     assert after == 4 and main([*args, "--resume"]) == 0
-    check_exactly_once(metrics(tmp_path / "crashed"))
+    check_exactly_once(metrics(run_dir))
 
 
 PPO = {  # PPO with a critic (issue 27): a value head in sync and async, a separate value model in stream
