@@ -120,9 +120,10 @@ def test_bad_lora_settings_are_named(tiny_llama_path):
         TorchTrainEngine(load_model(tiny_llama_path), lr=1e-2, lora=LoRASettings(rank=2, target_modules=("qkv",)))
 
 
-def twin_engines(tiny_llama_path, lora_engine) -> tuple[TorchInferenceEngine, TorchInferenceEngine]:
+def twin_engines(tiny_llama_path, lora_engine, adapter_slots=2) -> tuple[TorchInferenceEngine, TorchInferenceEngine]:
     """Rollout engines on the base weights with the same seed: one under adapter sync, one taking merged weights."""
-    adapter = TorchInferenceEngine(load_model(tiny_llama_path).eval(), max_batch_size=4, seed=3, adapter=SETTINGS)
+    adapter = TorchInferenceEngine(load_model(tiny_llama_path).eval(), max_batch_size=4, seed=3, adapter=SETTINGS,
+                                   adapter_slots=adapter_slots)
     merged = TorchInferenceEngine(load_model(tiny_llama_path).eval(), max_batch_size=4, seed=3)
     return adapter, merged
 
@@ -163,7 +164,8 @@ def test_adapter_sync_samples_as_the_merged_weights_do_after_every_update(tiny_l
 
 
 def test_adapter_update_during_generation_labels_each_token_with_its_version(tiny_llama_path, lora_engine):
-    adapter, merged = twin_engines(tiny_llama_path, lora_engine)
+    """With one adapter slot the requests in flight move to the new version, recomputed as with full weights."""
+    adapter, merged = twin_engines(tiny_llama_path, lora_engine, adapter_slots=1)
     update_both(adapter, merged, lora_engine, 1)
     train_steps(lora_engine, steps=2)
     versions = {"adapter": (adapter, lora_engine.adapter_weights()), "merged": (merged, lora_engine.state_dict())}
@@ -181,6 +183,43 @@ def test_adapter_update_during_generation_labels_each_token_with_its_version(tin
         results[name] = list(engine.generate(requests, SamplingParams(temperature=1.0, max_new_tokens=10)))
     assert any(c.token_versions is not None and set(c.token_versions) == {1, 2} for c in results["adapter"])
     assert_same_completions(results["adapter"], results["merged"])
+
+
+def test_requests_finish_on_the_adapter_version_they_started_with(tiny_llama_path, lora_engine):
+    """`workflow.max_staleness` 2 (3 adapter slots): two updates land while requests run; each request keeps the
+    version it started with to its end, in a batch mixing versions row by row, and its tokens and log-probs are
+    those of the merged weights of that version."""
+    versions = {}
+    for version in (1, 2, 3):
+        train_steps(lora_engine, steps=1)
+        versions[version] = (lora_engine.adapter_weights(), lora_engine.state_dict())
+    engine = TorchInferenceEngine(load_model(tiny_llama_path).eval(), max_batch_size=2, adapter=SETTINGS,
+                                  adapter_slots=3)
+    engine.update_weights(versions[1][0], 1)
+    sampled = []
+
+    def count(ids, logprobs):  # on the generating thread: each update is taken at the next step
+        sampled.extend(ids)
+        if len(sampled) in (3, 14):
+            engine.update_weights(versions[2 if len(sampled) == 3 else 3][0], 2 if len(sampled) == 3 else 3)
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    requests = make_requests(6, seed=4)
+    for request, tokens in zip(requests, (14, 4, 8, 6, 6, 6)):
+        request.params, request.on_tokens = replace(greedy, max_new_tokens=tokens), count
+    completions = {c.request_id: c for c in engine.generate(requests, greedy)}
+
+    assert all(c.token_versions is None for c in completions.values())  # one version per request
+    started = {i: c.weight_version for i, c in completions.items()}
+    # request 0 runs through both updates on version 1; request 2 starts on 2 and runs past the update to 3
+    assert started[0] == 1 and started[1] == 1 and started[2] == 2 and set(started.values()) == {1, 2, 3}
+    for version, (_, merged_weights) in versions.items():
+        merged = TorchInferenceEngine(load_model(tiny_llama_path).eval(), max_batch_size=2)
+        merged.update_weights(merged_weights, version)
+        ours = [completions[i] for i in sorted(completions) if started[i] == version]
+        mine = [replace(r, on_tokens=None) for r in requests if started[r.request_id] == version]
+        theirs = sorted(merged.generate(mine, greedy), key=lambda c: c.request_id)
+        assert_same_completions(ours, theirs)
 
 
 def test_adapter_sync_refuses_full_weights_and_other_adapters(tiny_llama_path, lora_engine):
