@@ -120,9 +120,10 @@ def test_bad_lora_settings_are_named(tiny_llama_path):
         TorchTrainEngine(load_model(tiny_llama_path), lr=1e-2, lora=LoRASettings(rank=2, target_modules=("qkv",)))
 
 
-def twin_engines(tiny_llama_path, lora_engine) -> tuple[TorchInferenceEngine, TorchInferenceEngine]:
+def twin_engines(tiny_llama_path, lora_engine, adapter_slots=2) -> tuple[TorchInferenceEngine, TorchInferenceEngine]:
     """Rollout engines on the base weights with the same seed: one under adapter sync, one taking merged weights."""
-    adapter = TorchInferenceEngine(load_model(tiny_llama_path).eval(), max_batch_size=4, seed=3, adapter=SETTINGS)
+    adapter = TorchInferenceEngine(load_model(tiny_llama_path).eval(), max_batch_size=4, seed=3, adapter=SETTINGS,
+                                   adapter_slots=adapter_slots)
     merged = TorchInferenceEngine(load_model(tiny_llama_path).eval(), max_batch_size=4, seed=3)
     return adapter, merged
 
@@ -163,7 +164,8 @@ def test_adapter_sync_samples_as_the_merged_weights_do_after_every_update(tiny_l
 
 
 def test_adapter_update_during_generation_labels_each_token_with_its_version(tiny_llama_path, lora_engine):
-    adapter, merged = twin_engines(tiny_llama_path, lora_engine)
+    """With one adapter slot the requests in flight move to the new version, recomputed as with full weights."""
+    adapter, merged = twin_engines(tiny_llama_path, lora_engine, adapter_slots=1)
     update_both(adapter, merged, lora_engine, 1)
     train_steps(lora_engine, steps=2)
     versions = {"adapter": (adapter, lora_engine.adapter_weights()), "merged": (merged, lora_engine.state_dict())}
@@ -181,6 +183,56 @@ def test_adapter_update_during_generation_labels_each_token_with_its_version(tin
         results[name] = list(engine.generate(requests, SamplingParams(temperature=1.0, max_new_tokens=10)))
     assert any(c.token_versions is not None and set(c.token_versions) == {1, 2} for c in results["adapter"])
     assert_same_completions(results["adapter"], results["merged"])
+
+
+def generate_through_two_updates(tiny_llama_path, lora_engine, adapter_slots: int):
+    """Greedy requests (batch 2) on an engine under adapter sync that takes versions 2 and 3 while they run: request
+    0 (14 tokens) starts on version 1 and runs through both updates, request 2 starts on version 2 and runs past
+    the update to 3. -> (completions by request id, the requests, {version: (adapter, merged weights)})."""
+    versions = {}
+    for version in (1, 2, 3):
+        train_steps(lora_engine, steps=1)
+        versions[version] = (lora_engine.adapter_weights(), lora_engine.state_dict())
+    engine = TorchInferenceEngine(load_model(tiny_llama_path).eval(), max_batch_size=2, adapter=SETTINGS,
+                                  adapter_slots=adapter_slots)
+    engine.update_weights(versions[1][0], 1)
+    sampled = []
+
+    def count(ids, logprobs):  # on the generating thread: each update is taken at the next step
+        sampled.extend(ids)
+        if len(sampled) in (3, 14):
+            version = 2 if len(sampled) == 3 else 3
+            engine.update_weights(versions[version][0], version)
+
+    requests = make_requests(6, seed=4)
+    for request, tokens in zip(requests, (14, 4, 8, 6, 6, 6)):
+        request.params, request.on_tokens = SamplingParams(temperature=0.0, max_new_tokens=tokens), count
+    completions = {c.request_id: c for c in engine.generate(requests, SamplingParams(temperature=0.0))}
+    return completions, requests, versions
+
+
+def test_requests_finish_on_the_adapter_version_they_started_with(tiny_llama_path, lora_engine):
+    """`workflow.max_staleness` 2 (3 adapter slots): each request keeps the version it started with to its end, in a
+    batch mixing versions row by row, and its tokens and log-probs are those of the merged weights of that version."""
+    completions, requests, versions = generate_through_two_updates(tiny_llama_path, lora_engine, adapter_slots=3)
+    assert all(c.token_versions is None for c in completions.values())  # one version per request
+    started = {i: c.weight_version for i, c in completions.items()}
+    assert started[0] == 1 and started[1] == 1 and started[2] == 2 and set(started.values()) == {1, 2, 3}
+    for version, (_, merged_weights) in versions.items():
+        merged = TorchInferenceEngine(load_model(tiny_llama_path).eval(), max_batch_size=2)
+        merged.update_weights(merged_weights, version)
+        ours = [completions[i] for i in sorted(completions) if started[i] == version]
+        mine = [replace(r, on_tokens=None) for r in requests if started[r.request_id] == version]
+        theirs = sorted(merged.generate(mine, SamplingParams(temperature=0.0)), key=lambda c: c.request_id)
+        assert_same_completions(ours, theirs)
+
+
+def test_with_every_adapter_in_use_the_oldest_versions_requests_move_to_the_new_one(tiny_llama_path, lora_engine):
+    """2 slots, versions 1 and 2 in flight when 3 arrives: version 1's adapter takes 3, request 0 goes on with it."""
+    completions, _, _ = generate_through_two_updates(tiny_llama_path, lora_engine, adapter_slots=2)
+    moved = completions[0].token_versions
+    assert moved is not None and moved[0] == 1 and moved[-1] == 3 and set(moved) == {1, 3}
+    assert completions[2].weight_version == 2 and completions[2].token_versions is None
 
 
 def test_adapter_sync_refuses_full_weights_and_other_adapters(tiny_llama_path, lora_engine):

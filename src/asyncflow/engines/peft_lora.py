@@ -4,8 +4,9 @@ Owns: peft's config of `LoRASettings` (`peft_config`; the settings are `asyncflo
 a policy with adapters (`add_adapters`), the merged weights (`merged_state_dict`: base + alpha/r * B @ A under
 the base model's own parameter names, what a rollout engine loads under `train.lora.sync: merged`), the
 adapter's own tensors (`adapter_state_dict`, `load_adapter_state_dict`; under `adapter` what a rollout engine
-takes, the built-in engine wrapping its base model here too and copying them in with `copy_adapter`), and
-writing an adapter folder in peft format (`save_adapter`).
+takes, the built-in engine wrapping its base model here too and copying them in with `copy_adapter`), a pool of
+adapters applied row by row in one batch (`adapter_pool`, `row_adapters`: the built-in engine's requests on
+different versions), and writing an adapter folder in peft format (`save_adapter`).
 
 Invariants:
 - After `add_adapters` only adapter parameters require grad; the base weights are never changed by
@@ -20,7 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -94,11 +95,34 @@ def load_adapter_state_dict(wrapper: PeftModel, tensors: dict[str, torch.Tensor]
                          f"unexpected {list(result.unexpected_keys)[:3]}")
 
 
-def adapter_parameters(wrapper: PeftModel) -> dict[str, torch.Tensor]:
-    """The adapter's parameters themselves under the names `adapter_state_dict` gives them (A/B of every LoRA layer)."""
+def adapter_parameters(wrapper: PeftModel, adapter: str = ADAPTER) -> dict[str, torch.Tensor]:
+    """The parameters of peft adapter `adapter` themselves under the names `adapter_state_dict` gives them (A/B of
+    every LoRA layer)."""
     # module paths in the wrapper are `base_model.model.<path in the model>`, as in the saved names
-    return {f"{name}.{part}.weight": cast(torch.Tensor, getattr(layer, part)[ADAPTER].weight)
+    return {f"{name}.{part}.weight": cast(torch.Tensor, getattr(layer, part)[adapter].weight)
             for name, layer in lora_layers(wrapper).items() for part in ("lora_A", "lora_B")}
+
+
+def adapter_pool(wrapper: PeftModel, settings: LoRASettings, size: int) -> list[tuple[str, dict[str, torch.Tensor]]]:
+    """`size` adapters of `settings` in `wrapper` (`add_adapters` output; its own adapter first, the others added):
+    -> each one's peft name and `adapter_parameters`. A batch mixes them row by row through `row_adapters`."""
+    names = [ADAPTER] + [f"slot{i}" for i in range(1, size)]
+    for name in names[1:]:
+        wrapper.add_adapter(name, peft_config(settings))
+    return [(name, adapter_parameters(wrapper, name)) for name in names]
+
+
+def row_adapters(model: torch.nn.Module, names: Callable[[], list[str] | None]) -> None:
+    """Make every LoRA layer of `model` apply, to row i of its input, the adapter `names()[i]` (peft's mixed-batch
+    forward: rows grouped by adapter, `y = base(x) + alpha/r * B_i(A_i(x))`); `names()` is read at every layer
+    call, None there runs peft's active adapter on every row."""
+
+    def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        current = names()
+        return (args, kwargs) if current is None else (args, {**kwargs, "adapter_names": current})
+
+    for layer in lora_layers(model).values():  # peft's LoRA layers are modules (LoraLayer itself is a mixin)
+        cast(torch.nn.Module, layer).register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def match_adapter(parameters: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:

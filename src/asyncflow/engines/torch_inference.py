@@ -42,8 +42,12 @@ Invariants:
 - LoRA adapter sync (`adapter=` settings, `train.lora.sync: adapter`): the engine loads the base weights once and
   wraps the same target modules with the same LoRA layers as the trainer (`asyncflow.engines.peft_lora`: frozen
   base, `y = base(x) + alpha/r * B(A(x))`); `update_weights` then takes the adapter's tensors only (peft's naming,
-  `adapter_state_dict`) and copies them into the A/B matrices, with the same in-flight semantics as full weights.
-  The outputs equal those of the merged weights up to float rounding.
+  `adapter_state_dict`) and copies them into the A/B matrices of one of `adapter_slots` adapters
+  (`workflow.max_staleness` + 1). A request runs, to its end, with the adapter that was newest when it entered the
+  batch: a batch mixes adapters row by row (`peft_lora.row_adapters`), an update recomputes nothing, and every token
+  carries its request's version. A version's adapter is overwritten once it is neither the newest nor used by a
+  request in flight; when every adapter is in use, the oldest version's requests move to the new one (recomputed
+  as with full weights). The outputs equal those of the merged weights up to float rounding.
 - Routing record (`record_routing=True`, an MoE model; `algo.router_replay`): each completion carries the experts
   every router chose at every position the engine ran (`Completion.routed_experts` `[P + R - 1, layers, k]`,
   `asyncflow.models.moe`): the prompt's from its prefill (a group's prompt runs once: one record), each fed
@@ -58,7 +62,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -220,6 +224,16 @@ IDLE_WAIT_S = 0.001  # pause before asking an idle request source again
 
 
 @dataclass
+class _Adapter:
+    """One of the engine's LoRA adapters under adapter sync: its peft name, A/B parameters and the version they hold."""
+
+    name: str
+    parameters: dict[str, torch.Tensor]
+    version: int | None = None  # None: never loaded
+    users: int = 0  # requests in flight running with it
+
+
+@dataclass
 class _Slot:
     request: GenerationRequest
     params: SamplingParams
@@ -228,6 +242,7 @@ class _Slot:
     token_versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     routing: list[torch.Tensor] = field(default_factory=list)  # [positions, layers, k] pieces (routing record)
+    adapter: _Adapter | None = None  # the adapter it runs with (adapter sync)
 
     @property
     def cached_length(self) -> int:
@@ -266,12 +281,15 @@ class TorchInferenceEngine(InferenceEngineBase):
         seed: int = 0,
         weight_version: int = 0,
         adapter: LoRASettings | None = None,
+        adapter_slots: int = 2,
         record_routing: bool = False,
     ) -> None:
-        """`adapter`: LoRA adapter sync (module docstring); `model` is then the base model, wrapped in place.
-        `record_routing`: the routing record (module docstring)."""
+        """`adapter`: LoRA adapter sync with `adapter_slots` adapters (module docstring); `model` is then the base
+        model, wrapped in place. `record_routing`: the routing record (module docstring)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if adapter_slots < 1:
+            raise ValueError(f"adapter_slots must be >= 1, got {adapter_slots}")
         config = causal_lm(model).config
         if getattr(config, "is_encoder_decoder", False):
             raise ValueError("TorchInferenceEngine supports decoder-only causal LMs, not encoder-decoder models")
@@ -283,11 +301,15 @@ class TorchInferenceEngine(InferenceEngineBase):
             )
         self.device = torch.device(device)
         self.adapter = adapter
-        self._adapter_parameters: dict[str, torch.Tensor] | None = None  # A/B under peft's names (adapter sync)
+        self._adapters: list[_Adapter] = []  # adapter sync: the pool, the newest first
+        self._row_names: list[str] | None = None  # the adapter of each row of the running forward (adapter sync)
         if adapter is not None:
-            from asyncflow.engines.peft_lora import adapter_parameters, add_adapters  # peft only when asked for
+            from asyncflow.engines.peft_lora import adapter_pool, add_adapters, row_adapters  # peft only when asked
 
-            self._adapter_parameters = adapter_parameters(add_adapters(model, adapter))
+            pool = adapter_pool(add_adapters(model, adapter), adapter, adapter_slots)
+            self._adapters = [_Adapter(name, parameters) for name, parameters in pool]
+            self._adapters[0].version = weight_version  # a fresh adapter (B = 0): the base weights
+            row_adapters(model, lambda: self._row_names)
             model.requires_grad_(False)
         self.model = model.to(self.device).eval()
         self.max_batch_size = max_batch_size
@@ -308,33 +330,47 @@ class TorchInferenceEngine(InferenceEngineBase):
         of them); tokens sampled afterwards carry `version`.
         Thread-safe. While a `generate` runs it only hands the weights over: the generating thread applies
         them at its next step (a newer call replaces a pending one); otherwise they are loaded at once."""
-        if self._adapter_parameters is not None:  # checked here, not on the generating thread that may load them
+        if self._adapters:  # checked here, not on the generating thread that may load them
             from asyncflow.engines.peft_lora import match_adapter
 
             check_adapter_tensors(state_dict)
-            match_adapter(self._adapter_parameters, state_dict)
+            match_adapter(self._adapters[0].parameters, state_dict)
         with self._lock:
             if self._open_generations:
                 self._pending = (state_dict, version)
                 return
             self._load(state_dict, version)
 
-    def _load(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        if self._adapter_parameters is not None:
-            from asyncflow.engines.peft_lora import copy_adapter
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """Under adapter sync, the newest version's adapter as `update_weights` took it (peft's naming; the tensors
+        themselves, not copies)."""
+        if not self._adapters:
+            raise ValueError("adapter_weights: this engine does not run under train.lora.sync=adapter")
+        return dict(self._adapters[0].parameters)
 
-            copy_adapter(self._adapter_parameters, state_dict)
-        else:
-            self.model.load_state_dict(state_dict)
+    def _load(self, state_dict: Mapping[str, torch.Tensor], version: int) -> bool:
+        """Load a version; -> whether requests in flight run on other weights now (their keys/values are stale)."""
         self.weight_version = version
+        if not self._adapters:
+            self.model.load_state_dict(state_dict)
+            return True
+        from asyncflow.engines.peft_lora import copy_adapter
+
+        # A free adapter (not the newest, no request on it), else the oldest version's, whose requests move along.
+        newest, older = self._adapters[0], self._adapters[1:]
+        free = [a for a in older if not a.users]
+        target = free[0] if free else min(older, key=lambda a: cast(int, a.version), default=newest)
+        copy_adapter(target.parameters, state_dict)
+        target.version = version
+        self._adapters.remove(target)
+        self._adapters.insert(0, target)
+        return target.users > 0
 
     def _take_pending(self) -> bool:
-        """Apply a pending update (generating thread only); True if the weights changed."""
+        """Apply a pending update (generating thread only); True if requests in flight must be recomputed."""
         with self._lock:
             pending, self._pending = self._pending, None
-            if pending is not None:
-                self._load(*pending)
-        return pending is not None
+            return pending is not None and self._load(*pending)
 
     def generate(self, requests: Iterable[GenerationRequest | None], params: SamplingParams) -> Iterator[Completion]:
         """Yield a `Completion` per request as each finishes (completion order), pulling `requests` lazily."""
@@ -345,8 +381,8 @@ class TorchInferenceEngine(InferenceEngineBase):
     def _generate(self, requests: Iterator[GenerationRequest | None], params: SamplingParams) -> Iterator[Completion]:
         with self._lock:
             self._open_generations += 1
+        slots: list[_Slot] = []
         try:
-            slots: list[_Slot] = []
             cache: SlotKVCache | None = None
             exhausted = False
             while True:
@@ -373,6 +409,9 @@ class TorchInferenceEngine(InferenceEngineBase):
                 yield from self._retire(slots, cache)
         finally:
             with self._lock:
+                for s in slots:  # a generation closed early
+                    if s.adapter is not None:
+                        s.adapter.users -= 1
                 self._open_generations -= 1
                 if not self._open_generations and self._pending is not None:
                     self._load(*self._pending)
@@ -397,7 +436,12 @@ class TorchInferenceEngine(InferenceEngineBase):
         check_prompt(request, self.vocab_size)
         if request.params is not None:
             check_sampling_params(request.params)
-        return _Slot(request, request.params or params)
+        slot = _Slot(request, request.params or params)
+        if self._adapters:
+            with self._lock:
+                slot.adapter = self._adapters[0]
+                slot.adapter.users += 1
+        return slot
 
     def _retire(self, slots: list[_Slot], cache: SlotKVCache | None) -> Iterator[Completion]:
         """Hand back finished slots and move the last running slots into their rows (rows stay 0..n-1)."""
@@ -414,6 +458,9 @@ class TorchInferenceEngine(InferenceEngineBase):
             slots[hole] = slots[mover]
         del slots[keep:]
         for s, reason in finished:
+            if s.adapter is not None:
+                with self._lock:
+                    s.adapter.users -= 1
             r = s.request
             versions = s.token_versions
             yield Completion(
@@ -430,7 +477,7 @@ class TorchInferenceEngine(InferenceEngineBase):
         prompts = [s.request.prompt_ids for s in new]
         cache.reserve(max(map(len, prompts)) + max(s.params.max_new_tokens for s in new))
         last = torch.tensor([len(ids) - 1 for ids in prompts], device=self.device)[:, None]  # [m, 1]
-        logits = self._forward_rows(cache, start, prompts, last) if self._per_row_logits else None
+        logits = self._forward_rows(cache, start, prompts, last, new) if self._per_row_logits else None
         if logits is not None and logits.ndim == 3 and logits.shape[:2] == (len(new), 1):
             logits = logits[:, -1]
         else:
@@ -438,7 +485,7 @@ class TorchInferenceEngine(InferenceEngineBase):
             # (the prefill is re-run; it writes the same keys/values to the same cache rows).
             self._per_row_logits = False
             rows = torch.arange(len(new), device=self.device)
-            logits = self._forward_rows(cache, start, prompts, 0)[rows, last[:, 0]]
+            logits = self._forward_rows(cache, start, prompts, 0, new)[rows, last[:, 0]]
         if self._routed is not None:
             for s, routed, ids in zip(new, self._routed, prompts):
                 s.routing = [routed[: len(ids)]]
@@ -449,20 +496,22 @@ class TorchInferenceEngine(InferenceEngineBase):
         """Rewrite the keys/values of the in-flight slots (rows 0..n-1: prompt and every sampled token but the
         last, which the next decode step feeds) under the current weights. Nothing is sampled."""
         sequences = [s.request.prompt_ids + s.response_ids[:-1] for s in slots]
-        self._forward_rows(cache, 0, sequences, 1)
+        self._forward_rows(cache, 0, sequences, 1, slots)
         if self._routed is not None:
             for s, routed, ids in zip(slots, self._routed, sequences):
                 s.routing = [routed[: len(ids)]]
 
     def _forward_rows(
-        self, cache: SlotKVCache, start: int, sequences: list[list[int]], logits_to_keep: int | torch.Tensor
+        self, cache: SlotKVCache, start: int, sequences: list[list[int]], logits_to_keep: int | torch.Tensor,
+        slots: list[_Slot],
     ) -> torch.Tensor:
-        """Run `sequences` (right-padded to q, causal: a real token never sees the padding after it) into cache rows
-        `start ..` from position 0; -> the logits `logits_to_keep` (an int, or per-row positions `[m, 1]`) selects,
-        one row per sequence. Identical sequences (the samples of a group share their prompt) run once and their
-        keys/values are copied."""
-        first: dict[tuple[int, ...], int] = {}
-        inverse = [first.setdefault(tuple(ids), row) for row, ids in enumerate(sequences)]
+        """Run `sequences` (those of `slots`; right-padded to q, causal: a real token never sees the padding after it)
+        into cache rows `start ..` from position 0; -> the logits `logits_to_keep` (an int, or per-row positions
+        `[m, 1]`) selects, one row per sequence. Identical sequences on the same adapter (the samples of a group share
+        their prompt) run once and their keys/values are copied."""
+        names = [s.adapter.name if s.adapter is not None else "" for s in slots]
+        first: dict[tuple[str, tuple[int, ...]], int] = {}
+        inverse = [first.setdefault((name, tuple(ids)), row) for row, (name, ids) in enumerate(zip(names, sequences))]
         unique = list(first.values())  # the row of each distinct sequence's first occurrence
         rows = None
         if len(unique) < len(sequences):
@@ -477,7 +526,7 @@ class TorchInferenceEngine(InferenceEngineBase):
             input_ids[row, : len(ids)] = torch.tensor(ids)
         cache.prefill_rows(start, rows)
         causal = torch.ones(q, q, dtype=torch.bool, device=self.device).tril()
-        with self._recording() as routed:
+        with self._recording() as routed, self._rows_on([names[row] for row in unique]):
             logits: torch.Tensor = self.model(
                 input_ids=input_ids.to(self.device),
                 position_ids=torch.arange(q, device=self.device)[None],
@@ -490,6 +539,15 @@ class TorchInferenceEngine(InferenceEngineBase):
             by_row = routed[0].unflatten(0, (len(sequences), q))
             self._routed = by_row if rows is None else by_row[rows]
         return logits if rows is None else logits[rows]
+
+    @contextmanager
+    def _rows_on(self, names: list[str]) -> Iterator[None]:
+        """Under adapter sync, the forward inside runs row i with adapter `names[i]`; outside it, peft's own."""
+        self._row_names = names if self._adapters else None
+        try:
+            yield
+        finally:
+            self._row_names = None
 
     def _recording(self) -> AbstractContextManager[list[torch.Tensor]]:
         """The routing capture of one forward (an empty list and nothing hooked when not recording)."""
@@ -509,7 +567,7 @@ class TorchInferenceEngine(InferenceEngineBase):
             visible = torch.arange(kv_len, device=self.device)[None, :] <= positions[:, None]  # [n, kv_len]
             mask = self._additive(visible[:, None, None, :])
         cache.decode_at(positions, kv_len)
-        with self._recording() as routed:
+        with self._recording() as routed, self._rows_on([s.adapter.name if s.adapter else "" for s in slots]):
             logits = self.model(
                 input_ids=torch.tensor([[s.response_ids[-1]] for s in slots], device=self.device),
                 position_ids=positions[:, None],
@@ -539,7 +597,8 @@ class TorchInferenceEngine(InferenceEngineBase):
             tokens, logprobs = sample_tokens(picked, params, self.generator)
             for row, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist()):
                 slot = slots[row]
-                slot.append(token, logprob, self.weight_version)
+                version = self.weight_version if slot.adapter is None else cast(int, slot.adapter.version)
+                slot.append(token, logprob, version)
                 if slot.request.on_tokens is not None:
                     slot.request.on_tokens([token], [logprob])
 

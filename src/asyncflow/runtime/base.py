@@ -62,7 +62,7 @@ class RolloutSpec:
     """LoRA adapter sync (`train.lora.sync: adapter`): the engine loads the base weights once and takes the
     adapter's tensors per version (`adapter=` of the torch and vLLM engines)."""
     adapter_slots: int = 2
-    """Adapters a vLLM engine runs in one batch under adapter sync: `workflow.max_staleness` + 1."""
+    """Adapters an engine (torch, vLLM) runs in one batch under adapter sync: `workflow.max_staleness` + 1."""
     record_routing: bool = False
     """Router replay (`algo.router_replay`): the engine records its experts per position, rows carry them."""
 
@@ -106,8 +106,7 @@ def _engine(spec: RolloutSpec, policy: torch.nn.Module | None = None) -> Inferen
     options = dict(spec.engine_options)
     if spec.adapter is not None:  # LoRA adapter sync: the base weights once, the adapter per version
         options["adapter"] = spec.adapter
-        if spec.engine == "vllm":
-            options.setdefault("adapter_slots", spec.adapter_slots)
+        options.setdefault("adapter_slots", spec.adapter_slots)
     if spec.record_routing:
         options["record_routing"] = True
     return make_inference_engine(
