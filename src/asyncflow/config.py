@@ -922,7 +922,10 @@ class AgentConfig(Section):
     episode, `row` an `AgentRow` (prompt, answer, metadata, model). It returns the reward (a number), its
     final answer (a string, scored by `reward.fns`) or `{"reward": number, "scores": {name: number}}` (scores
     logged as `agent/scores/<name>`). `null` = the built-in single-turn rollout. Any
-    `workflow.mode`, inline or on Ray (each rollout replica serves its agents' calls); needs the `serve` extra."""
+    `workflow.mode`, inline or on Ray (each rollout replica serves its agents' calls); needs the `serve` extra.
+    With `env.name` also set, the environment gives `sft.before_rl` its demonstrations and the held-out evaluation its
+    greedy episodes, on prompts rendered as the server renders the agent's first call (`fn.tools`, if the function
+    has that attribute, handed to the chat template; docs/multiturn.md)."""
     concurrency: int | None = Field(None, ge=1)
     """Episodes in flight (threads), each waiting on its calls to the server; `null` = `rollout.max_batch_size`.
     Also a `verifiers:` environment's episodes (`env.name`)."""

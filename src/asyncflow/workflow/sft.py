@@ -66,6 +66,7 @@ from asyncflow.workflow.checkpoint import (
     write_failure,
 )
 from asyncflow.workflow.evaluation import evaluate, evaluation_spec
+from asyncflow.workflow.kinds import environment_kind
 from asyncflow.workflow.run_folder import DAMAGED_PREFIX
 from asyncflow.workflow.setup import (
     build_reward_runner,
@@ -151,6 +152,7 @@ def sft_samples(config: Config, tokenizer) -> Callable[[Example], TrainSample]:
 
         return plain
     runner = spec.build(tokenizer, sampling_params(config, tokenizer))
+    render = environment_kind(config).render(tokenizer)  # as the rollout renders (an agent's chat call with tools)
     cache: dict[str, TrainSample] = {}
 
     def to_sample(example: Example) -> TrainSample:
@@ -160,7 +162,7 @@ def sft_samples(config: Config, tokenizer) -> Callable[[Example], TrainSample]:
             if not turns:
                 raise ValueError(f"env.name={spec.env!r} gives no demonstration for {example.source or 'a row'}: "
                                  "SFT before RL needs one (an environment's demonstration(row) method)")
-            prompt_ids = render_prompt(tokenizer, example.prompt, config.model.use_chat_template)
+            prompt_ids = render(example.prompt)
             episode = runner.demonstration(prompt_ids, row, turns)
             if episode.reward < 1.0:
                 raise ValueError(f"the demonstration of {example.source or 'a row'} does not solve it "

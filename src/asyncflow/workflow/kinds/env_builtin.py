@@ -6,12 +6,16 @@ Owns: what `asyncflow.workflow.kinds.EnvironmentKind` asks, for any `env.name` n
 and `check_python_isolation`.
 
 Invariants: the checks write nothing and load no model; the prompts are rendered as the rollout renders them
-(the chat template when `model.use_chat_template`).
+(the chat template when `model.use_chat_template`). With `agent.fn` and `env.name` both set (the environment's
+demonstrations warm the agent up, its episodes are the held-out evaluation) a prompt is rendered as the run's server
+renders the agent's first call: a user message with the agent's `tools` (`fn.tools`) through its chat template
+(`agent_render`), so SFT, evaluation and the agent's calls see the same ids.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from asyncflow.config import Config
@@ -38,10 +42,16 @@ class BuiltinEnvironment:
         return open_datasets(self.config.data, self.config.run.seed)
 
     def render(self, tokenizer) -> Callable[[str], list[int]]:
+        agent = agent_render(self.config, tokenizer)
+        if agent is not None:
+            return agent
         use_chat = self.config.model.use_chat_template
         return lambda text: render_prompt(tokenizer, text, use_chat)
 
     def prompt_lengths(self, tokenizer, prompts: list[str]) -> list[int]:
+        agent = agent_render(self.config, tokenizer)
+        if agent is not None:
+            return [len(agent(prompt)) for prompt in prompts]
         return prompt_lengths(tokenizer, prompts, self.config.model.use_chat_template)  # every prompt, in bulk
 
     def auto_rewards(self) -> list[str | RewardFn]:
@@ -56,6 +66,26 @@ class BuiltinEnvironment:
         from asyncflow.workers.agent import absolute_agent_spec
 
         return None if self.config.agent.fn is None else absolute_agent_spec(self.config.agent.fn)
+
+
+def agent_render(config: Config, tokenizer) -> Callable[[str], list[int]] | None:
+    """With `agent.fn` and `env.name` set: prompt text -> the ids the run's server gives the agent's first chat call
+    (one user message and the agent's `tools` attribute, rendered by `agent.chat_template` or the tokenizer's
+    template, then tokenized as the server tokenizes); None otherwise, or without a chat template."""
+    from asyncflow.workers.agent import resolve_agent
+
+    a = config.agent
+    template = Path(a.chat_template).read_text() if a.chat_template else getattr(tokenizer, "chat_template", None)
+    if a.fn is None or config.env.name is None or not template:
+        return None
+    tools = getattr(resolve_agent(a.fn), "tools", None)
+
+    def render(text: str) -> list[int]:
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], chat_template=template,
+                                                 tools=tools, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+    return render
 
 
 def check_python_isolation(config: Config) -> None:
