@@ -526,7 +526,7 @@ class TorchInferenceEngine(InferenceEngineBase):
             input_ids[row, : len(ids)] = torch.tensor(ids)
         cache.prefill_rows(start, rows)
         causal = torch.ones(q, q, dtype=torch.bool, device=self.device).tril()
-        with self._recording() as routed, self._rows_on([names[row] for row in unique]):
+        with self._recording() as routed, self._rows_on([slots[row] for row in unique]):
             logits: torch.Tensor = self.model(
                 input_ids=input_ids.to(self.device),
                 position_ids=torch.arange(q, device=self.device)[None],
@@ -541,9 +541,9 @@ class TorchInferenceEngine(InferenceEngineBase):
         return logits if rows is None else logits[rows]
 
     @contextmanager
-    def _rows_on(self, names: list[str]) -> Iterator[None]:
-        """Under adapter sync, the forward inside runs row i with adapter `names[i]`; outside it, peft's own."""
-        self._row_names = names if self._adapters else None
+    def _rows_on(self, slots: list[_Slot]) -> Iterator[None]:
+        """Under adapter sync, the forward inside runs row i with the adapter of `slots[i]`; outside it, peft's own."""
+        self._row_names = [cast(_Adapter, s.adapter).name for s in slots] if self._adapters else None
         try:
             yield
         finally:
@@ -567,7 +567,7 @@ class TorchInferenceEngine(InferenceEngineBase):
             visible = torch.arange(kv_len, device=self.device)[None, :] <= positions[:, None]  # [n, kv_len]
             mask = self._additive(visible[:, None, None, :])
         cache.decode_at(positions, kv_len)
-        with self._recording() as routed, self._rows_on([s.adapter.name if s.adapter else "" for s in slots]):
+        with self._recording() as routed, self._rows_on(slots):
             logits = self.model(
                 input_ids=torch.tensor([[s.response_ids[-1]] for s in slots], device=self.device),
                 position_ids=positions[:, None],

@@ -12,9 +12,9 @@ same `from_pretrained` calls as any user model.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from transformers import (
@@ -131,6 +131,16 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, use_chat_temp
     if tokenizer.bos_token_id is not None:
         ids = [tokenizer.bos_token_id] + ids
     return ids
+
+
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], chat_template: str | None = None,
+                tools: list[dict[str, Any] | Callable[..., Any]] | None = None) -> list[int]:
+    """Chat messages (and the `tools` offered) -> the ids a chat call's prompt has: the chat template
+    (`chat_template`, else the tokenizer's) with the generation prompt, tokenized without special tokens added."""
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    text = tokenizer.apply_chat_template(messages, chat_template=template, tools=tools, tokenize=False,
+                                         add_generation_prompt=True)
+    return list(tokenizer(cast(str, text), add_special_tokens=False)["input_ids"])
 
 
 def prompt_lengths(

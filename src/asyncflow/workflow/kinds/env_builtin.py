@@ -22,7 +22,7 @@ from asyncflow.config import Config
 from asyncflow.data import Example
 from asyncflow.data.prompts import TrainSet, open_datasets, open_task
 from asyncflow.envs.base import resolve_environment
-from asyncflow.models.loading import prompt_lengths, render_prompt
+from asyncflow.models.loading import prompt_lengths, render_chat, render_prompt
 from asyncflow.rewards.contract import RewardFn
 
 
@@ -75,17 +75,13 @@ def agent_render(config: Config, tokenizer) -> Callable[[str], list[int]] | None
     from asyncflow.workers.agent import resolve_agent
 
     a = config.agent
+    if a.fn is None or config.env.name is None:
+        return None
     template = Path(a.chat_template).read_text() if a.chat_template else getattr(tokenizer, "chat_template", None)
-    if a.fn is None or config.env.name is None or not template:
+    if not template:
         return None
     tools = getattr(resolve_agent(a.fn), "tools", None)
-
-    def render(text: str) -> list[int]:
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], chat_template=template,
-                                                 tools=tools, tokenize=False, add_generation_prompt=True)
-        return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
-
-    return render
+    return lambda text: render_chat(tokenizer, [{"role": "user", "content": text}], template, tools)
 
 
 def check_python_isolation(config: Config) -> None:
