@@ -122,7 +122,9 @@ def test_an_overloaded_judge_is_retried_with_backoff(judge_server):
 ])
 def test_a_judge_that_times_out_or_answers_garbage_is_counted_not_fatal(judge_server, behaviour, error, caplog):
     url, _ = judge_server
-    failing = judge(url, behaviour, timeout_s=0.3, retries=1, cache_size=0)
+    # no backoff: the budget is then both attempts' timeouts, so a first attempt that overran its 0.3 s under load
+    # still leaves the retry time to start
+    failing = judge(url, behaviour, timeout_s=0.3, retries=1, backoff_s=0.0, cache_size=0)
     runner = RewardRunner([failing, "exact_match"], timeout_s=5, max_workers=4)
     start = time.monotonic()
     result = runner.score(["1", "2", "3", "4"], ["1", "2", "3", "4"])
