@@ -3,8 +3,8 @@
 It offers the model one tool, `calculator`, with `tool_choice="auto"`; when the reply has `tool_calls` it runs each
 call with a safe arithmetic evaluator, sends the assistant message back with one `role: "tool"` message per call
 (`tool_call_id`), asks again, and returns the last reply's text as its final answer (scored by the run's reward
-functions: `numeric_match` for `tool_arithmetic`). The same function runs unchanged against `asyncflow serve` or
-any OpenAI-compatible endpoint; it asks for greedy decoding (a training run samples its episodes with
+functions: `exact_match` in `examples/tool_agent_grpo.yaml`). The same function runs unchanged against `asyncflow
+serve` or any OpenAI-compatible endpoint; it asks for greedy decoding (a training run samples its episodes with
 `rollout.temperature` whatever the agent asks).
 """
 
