@@ -63,6 +63,7 @@ def test_a_run_from_python_equals_the_same_run_from_the_cli(tmp_path, one_torch_
     assert again.finished_before and again.history == []
 
 
+@pytest.mark.slow
 def test_a_loop_of_ones_own_in_the_verbs_equals_sync(tmp_path, one_torch_thread):
     """Put prompts, generate, get experience, train a step, publish: the seed's verbs, driven by hand, give
     the built-in `sync` run's metrics bit for bit on the same seed."""

@@ -115,6 +115,7 @@ def test_train_resume_eval_and_run_folder(tmp_path, capsys):
     assert result["eval/accuracy"] == resumed[4]["eval/accuracy"]
 
 
+@pytest.mark.slow
 def test_identical_runs_write_identical_metrics(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     assert train(a, "sft.before_rl=false") == 0
@@ -161,6 +162,7 @@ def test_eval_of_a_missing_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_sft_writes_a_model_that_transformers_loads(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
@@ -191,6 +193,7 @@ def broken_reward(completion: str, ground_truth: str, **metadata) -> float:
     raise ValueError("broken verifier")
 
 
+@pytest.mark.slow
 def test_a_reward_failing_on_every_sample_stops_the_run_after_max_error_steps(tmp_path, capsys):
     run_dir = tmp_path / "run"
     code = train(run_dir, "sft.before_rl=false", "train.steps=8", "eval.every=0", "reward.fns=[test_cli:broken_reward]")
@@ -244,6 +247,7 @@ def one_line_error(capsys) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_a_run_folder_in_use_is_refused_unless_resumed_or_overwritten(run_copy, capsys):
     """Issue 15 item 1: a new run into a finished run's folder appended a second step series, overwrote
     config.yaml and pruned its own checkpoints."""
@@ -282,6 +286,7 @@ def test_resuming_a_finished_run_does_nothing_and_succeeds(run_copy, capsys, mon
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "training_state.pt", "state.json"])
+@pytest.mark.slow
 def test_resume_falls_back_past_a_cut_off_checkpoint(run_copy, caplog, name):
     """Issue 15 item 6: a cut-off checkpoint file gave a raw traceback and no fallback."""
     finished = without_timing(rows(run_copy))
@@ -304,6 +309,7 @@ def test_eval_of_a_cut_off_checkpoint_is_one_line_naming_the_file(run_copy, caps
     assert str(bad) in one_line_error(capsys)
 
 
+@pytest.mark.slow
 def test_eval_scores_what_serve_serves_a_checkpoint_on_its_own_runs_model(run_copy, tmp_path, capsys):
     """A checkpoint is scored on its run's base model whatever `model.path` the config names; a run folder is
     its newest checkpoint; an exported Hugging Face folder and a preset are scored as they are."""
@@ -322,6 +328,7 @@ def test_eval_scores_what_serve_serves_a_checkpoint_on_its_own_runs_model(run_co
     assert accuracy("preset:tiny-llama") == logged[0]  # the run trained the preset without SFT
 
 
+@pytest.mark.slow
 def test_resume_after_a_crash_before_the_first_checkpoint_logs_each_step_once(tmp_path, monkeypatch):
     """Issue 15 item 9: step 0 was logged twice."""
     run_dir = tmp_path / "run"
@@ -335,6 +342,7 @@ def test_resume_after_a_crash_before_the_first_checkpoint_logs_each_step_once(tm
     assert [r["step"] for r in rows(run_dir)] == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_a_cut_off_last_metrics_line_does_not_block_resume(run_copy, caplog):
     """Issue 15 item 10."""
     with (run_copy / "metrics.jsonl").open("a") as metrics:
@@ -377,6 +385,7 @@ def test_a_read_only_run_folder_is_one_line(tmp_path, capsys, monkeypatch):
     assert f"cannot write to run folder {ro / 'run'}" in err and "Read-only file system" in err
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_previous_one(tmp_path, capsys, monkeypatch):
     """Issue 15 item 11: the second checkpoint's model file hits a full disk part-way through."""
     from asyncflow.workflow import checkpoint
@@ -429,6 +438,7 @@ def test_ray_that_does_not_start_is_retried_then_one_line(tmp_path, capsys, monk
     assert "could not start a local Ray cluster (3 attempts)" in err and "Timed out after 60 seconds" in err
 
 
+@pytest.mark.slow
 def test_long_prompts_stop_the_run_before_any_model_loads(tmp_path, capsys, monkeypatch):
     """Issue 15 item 7: `data.on_long_prompt=error` fired only when such a prompt was drawn, after SFT, after
     the model loaded and after the run folder was written."""

@@ -163,6 +163,7 @@ def test_tasks_are_deterministic_and_seed_dependent(name):
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))
+@pytest.mark.slow
 def test_held_out_never_overlaps_train(name):
     task = make_task(name)
     test = task.examples("test")
@@ -177,6 +178,7 @@ def test_held_out_never_overlaps_train(name):
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))
+@pytest.mark.slow
 def test_validation_split_is_disjoint_from_train_and_test(name):
     task = make_task(name)
     validation = [e.prompt for e in task.examples("validation")]
@@ -247,6 +249,7 @@ def test_reverse_and_sort_answers():
 
 
 @pytest.mark.parametrize("difficulty", [1, 2, 3, 4, 5])
+@pytest.mark.slow
 def test_countdown_instances_are_solvable_and_well_formed(difficulty):
     task = make_task("countdown", difficulty=difficulty)
     for example in task.examples("train", 100) + task.examples("test")[:30]:

@@ -79,6 +79,7 @@ def test_bad_names_and_options_and_a_missing_library_are_one_line_errors(monkeyp
         _dataset.cache_clear()
 
 
+@pytest.mark.slow
 def test_a_reasoning_gym_task_trains_one_step_scored_by_the_librarys_verifier(tmp_path, one_torch_thread):
     config = asyncflow.build_config(
         {"data": {"task": "reasoning_gym:chain_sum", "task_options": OPTIONS, "train_size": 200, "test_size": 8}},

@@ -65,6 +65,7 @@ def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 
 @pytest.mark.parametrize("kind", ["head", "separate"])
+@pytest.mark.slow
 def test_two_ranks_give_the_policy_and_value_gradients_of_one_process(kind, tiny_llama_path, one_torch_thread):
     """One PPO step of two micro-batches (gradient accumulation), ranks holding unequal token counts: stats (value
     loss, clip fraction, the explained-variance sums) within 1e-5, the gradients of every parameter, policy and
@@ -125,6 +126,7 @@ def test_values_are_the_same_packed_or_not(kind, tiny_llama_path, one_torch_thre
     torch.testing.assert_close(packed.policy.logprobs, unpacked.policy.logprobs, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_value_head_starts_at_zero_and_only_reaches_the_trunk_when_asked(tiny_llama_path, one_torch_thread):
     samples = groups(4, 2)
     for train_trunk in (True, False):
@@ -163,6 +165,7 @@ def test_lora_trains_the_value_head_fully_and_the_base_stays_frozen(tiny_llama_p
 
 
 @pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.slow
 def test_a_checkpoint_restores_the_critic_and_the_next_step_bit_identically(lora, tiny_llama_path,
                                                                            one_torch_thread):
     options = dict(critic=CriticSpec(lr=2e-3), **HP)

@@ -90,6 +90,7 @@ def test_assign_rows_balances_tokens_and_keeps_groups():
     assert assign_rows(one_group[:1], 2)[1] == [], "a rank may get nothing when there are fewer rows than ranks"
 
 
+@pytest.mark.slow
 def test_two_ranks_give_the_update_of_one_process(two_ranks, tiny_llama_path, one_torch_thread):
     """One step per `algo.loss_agg` mode (each with another `algo.loss`), each of two micro-batches (gradient
     accumulation), the ranks holding unequal token counts: loss, statistics and gradients within 1e-6 relative of
@@ -125,6 +126,7 @@ def test_two_ranks_give_the_update_of_one_process(two_ranks, tiny_llama_path, on
         assert max(float((weights[k] - expected[k]).abs().max()) for k in expected) < 0.1 * LR, aggregation
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_resumes_bit_identically(two_ranks, tiny_llama_path, one_torch_thread, tmp_path):
     """Save at a step boundary, train on: a fresh 2-rank engine that loads the checkpoint takes exactly the same
     next step (bit for bit); a 1-rank engine loads the 2-rank checkpoint (resharded) to the same weights."""
@@ -166,6 +168,7 @@ class FailingLoss(PolicyLoss):
         return super().__call__(out)
 
 
+@pytest.mark.slow
 def test_a_failing_rank_is_a_clear_error(tiny_llama_path, one_torch_thread):
     engine = start(tiny_llama_path, timeout_s=60)
     try:
@@ -179,6 +182,7 @@ def test_a_failing_rank_is_a_clear_error(tiny_llama_path, one_torch_thread):
         engine.close()
 
 
+@pytest.mark.slow
 def test_a_dead_rank_is_a_clear_error(tiny_llama_path, one_torch_thread):
     engine = start(tiny_llama_path, timeout_s=60)
     try:

@@ -141,6 +141,7 @@ def assert_same_completions(ours, theirs) -> None:
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_adapter_sync_samples_as_the_merged_weights_do_after_every_update(tiny_llama_path, lora_engine):
     adapter, merged = twin_engines(tiny_llama_path, lora_engine)
     published = lora_engine.adapter_weights()

@@ -75,6 +75,7 @@ def test_activation_checkpointing_gives_the_same_gradients(tiny_llama_path, one_
     assert torch.allclose(unpacked, response_logprobs(plain.model, samples).logprobs, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_fsdp2_bf16_with_checkpointing_matches_one_fp32_process(tiny_llama_path, one_torch_thread):
     """2 ranks, `MixedPrecisionPolicy` (bf16 compute, fp32 reduce) plus activation checkpointing, against the
     single-process fp32 engine on the same rows; then fp32 with checkpointing, which must be exact."""
@@ -111,6 +112,7 @@ def test_rollout_dtype_follows_the_training_precision():
     assert build_config({}, ["model.dtype=bfloat16"]).rollout_dtype() == "bfloat16"
 
 
+@pytest.mark.slow
 def test_a_bf16_run_rolls_out_in_bf16_and_trains_fp32_weights(tmp_path, one_torch_thread):
     config = build_config({}, [
         f"run.output_dir={tmp_path}", "run.progress=false", "model.path=preset:tiny-llama", "data.test_size=4",
@@ -130,6 +132,7 @@ def test_a_bf16_run_rolls_out_in_bf16_and_trains_fp32_weights(tmp_path, one_torc
         assert torch.equal(rolled[name], weight.to(torch.bfloat16)), name
 
 
+@pytest.mark.slow
 def test_fsdp2_logprobs_equal_the_single_process_ones(tiny_llama_path, one_torch_thread):
     samples = groups(4, 3)
     want = TorchTrainEngine(load_model(tiny_llama_path), lr=1e-3).logprobs(samples)

@@ -19,6 +19,7 @@ def llama(tiny_llama_path):
     return load_model(tiny_llama_path).eval()
 
 
+@pytest.mark.slow
 def test_callers_on_threads_get_the_plain_greedy_outputs(llama):
     engine = TorchInferenceEngine(llama, max_batch_size=4)
     plain = {c.request_id: c.response_ids for c in engine.generate(

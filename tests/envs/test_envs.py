@@ -47,6 +47,7 @@ def test_calculator_is_exact_and_evaluates_no_code():
     ("import os\nos.system('echo hi')", "os.system"),
     ("raise ValueError('boom')", "ValueError: boom"),
 ])  # fmt: skip
+@pytest.mark.slow
 def test_sandbox_stops_what_it_must(toolbox, code, error):
     result = toolbox.call("python", {"code": code})
     assert result.error and re.search(error, result.text), result

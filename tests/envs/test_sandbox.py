@@ -56,6 +56,7 @@ def test_processes_it_starts_stay_inside(code, tmp_path):
 
 
 @needs_bwrap
+@pytest.mark.slow
 def test_a_session_leaving_child_dies_with_the_timeout():
     marker = f"/tmp/asyncflow-outlived-{os.getpid()}"
     code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(3)\n"
@@ -66,6 +67,7 @@ def test_a_session_leaving_child_dies_with_the_timeout():
 
 
 @needs_bwrap
+@pytest.mark.slow
 def test_no_filesystem_outside_its_scratch(tmp_path):
     secret = tmp_path / "run_folder_secret.txt"
     secret.write_text("weights")

@@ -66,6 +66,7 @@ def seen(request) -> dict[str, str]:
     return results
 
 
+@pytest.mark.slow
 def test_no_kernel_setting_of_the_host_opens_for_writing(seen):
     assert "wrote" not in seen["sysctl_write"]
     assert seen["proc_sys_writable"].strip() == "opened 0"

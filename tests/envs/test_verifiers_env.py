@@ -148,6 +148,7 @@ def test_single_turn_rows_train_the_sampled_ids_and_the_rubric_reward(tmp_path, 
     assert len({r.reward for r in rows}) > 1
 
 
+@pytest.mark.slow
 def test_multi_turn_rows_hold_the_envs_turns_with_loss_mask_0(tmp_path, template_file, monkeypatch,
                                                               one_torch_thread):
     config = verifiers_config(tmp_path, template_file, "multi")
@@ -186,6 +187,7 @@ def test_multi_turn_rows_hold_the_envs_turns_with_loss_mask_0(tmp_path, template
     assert multi >= 4  # most episodes ran several turns
 
 
+@pytest.mark.slow
 def test_asyncflow_train_trains_a_verifiers_environment(tmp_path, template_file, capsys, one_torch_thread):
     code = main(["train", f"--output={tmp_path}", "run.progress=false", "model.path=preset:tiny-llama",
                  "train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4",
@@ -201,6 +203,7 @@ def test_asyncflow_train_trains_a_verifiers_environment(tmp_path, template_file,
         assert s["agent/scores/model_turns"] >= 1 and torch.isfinite(torch.tensor(s["loss"]))
 
 
+@pytest.mark.slow
 def test_a_tool_env_sends_its_tools_through_the_chat_template_and_trains(tmp_path, monkeypatch, one_torch_thread):
     """verifiers' `ToolEnv` on a model whose chat template renders `tools` (the Qwen2.5 shape with its ChatML
     template): the episodes' prompts hold the tool's signature as the template renders it, and 3 steps train."""

@@ -140,6 +140,7 @@ def _forced_first_token(model, prompt_ids: list[int], token: int) -> None:
 
 
 @pytest.mark.parametrize("stop_token", ["<|im_end|>", "<|endoftext|>"])
+@pytest.mark.slow
 def test_eos_and_the_generation_configs_eos_stop_the_engine(folder, tokenizer, stop_token):
     model = load_model(folder).eval().requires_grad_(False)
     prompt = tokenizer.encode("12+35=", add_special_tokens=False)  # no special token: its embedding changes below
@@ -171,6 +172,7 @@ def test_padding_side_and_batched_prompts_of_different_lengths(tokenizer, model)
         assert alone.response_ids == together[i]
 
 
+@pytest.mark.slow
 def test_the_training_prompt_is_what_serve_renders(folder, tokenizer):
     openai = pytest.importorskip("openai")
     pytest.importorskip("fastapi")

@@ -38,6 +38,7 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
         resolve_model_path("preset:huge")
 
 
+@pytest.mark.slow
 def test_batched_logprobs_equal_one_by_one(tiny_llama_path):
     model = load_model(tiny_llama_path)
     samples = [TrainSample([1, 5, 6, 7], [8, 9, 2]), TrainSample([1, 5], [3]), TrainSample([1, 9, 9], [4, 4])]

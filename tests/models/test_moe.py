@@ -33,6 +33,7 @@ def test_load_balancing_loss_hand_computed():
     assert float(load_balancing_loss(both_to_one * 2, top_k=1)) == pytest.approx(1.5)
 
 
+@pytest.mark.slow
 def test_the_preset_is_qwen3_moe_and_its_routers_are_found(moe_path):
     model = load_model(moe_path)
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
@@ -47,6 +48,7 @@ def test_the_preset_is_qwen3_moe_and_its_routers_are_found(moe_path):
     assert router_loss(load_model(resolve_model_path("preset:tiny-llama")), 1.0) is None  # dense: nothing
 
 
+@pytest.mark.slow
 def test_the_load_balancing_loss_is_logged_and_trains_the_routers(moe_path):
     samples = [TrainSample([1, 5, 9], [12, 14, 3]), TrainSample([1, 7], [8, 8, 8, 2])]
 
@@ -68,6 +70,7 @@ def test_the_load_balancing_loss_is_logged_and_trains_the_routers(moe_path):
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("engine", ["torch", "fsdp2"])
+@pytest.mark.slow
 def test_grpo_on_the_moe_preset_logs_its_load_balancing_loss(tmp_path, engine, mode, one_torch_thread):
     ranks = ["train.engine=fsdp2", "train.world_size=2"] if engine == "fsdp2" else []
     code = main(["train", f"--output={tmp_path}", "model.path=preset:tiny-moe", "train.steps=3", "eval.every=0",

@@ -67,6 +67,7 @@ def loss_and_grads(model, samples, logprob_fn, temperature):
 
 @pytest.mark.parametrize("groups", [MIXED, [(11, [1] * 5)], [(4, [3])]], ids=["mixed", "len1-responses", "single"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.slow
 def test_packed_equals_unpacked(model, groups, temperature):
     samples = make_batch(groups)
     ref, ref_loss, ref_grads = loss_and_grads(model, samples, response_logprobs, temperature)
@@ -127,6 +128,7 @@ def test_adamw_step_same_parameters_with_and_without_packing(model):
 
 
 @pytest.mark.parametrize("packing", ["on", "off"])
+@pytest.mark.slow
 def test_tri_model_reference_and_old(model, packing):
     policy = copy.deepcopy(model)
     reference = make_reference(policy)

@@ -87,6 +87,7 @@ def test_replay_order_unpacked_and_packed():
         replay_order([a], packed=False, layers=2, k=1)
 
 
+@pytest.mark.slow
 def test_the_engine_records_the_routing_of_every_position_it_ran(tied_path, rollouts):
     samples, _ = rollouts
     model = load_model(tied_path)
@@ -147,6 +148,7 @@ def test_activation_checkpointing_recomputes_the_replayed_routing(tied_path, rol
     assert torch.allclose(gate_grads(True), gate_grads(False), rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_two_fsdp2_ranks_replay_and_give_the_gradients_of_one_process(tied_path, rollouts):
     """Replayed, the ranks' log-probs are the engine's, and a backward's loss and gradient are one process's (without
     replay, float order alone flips the near-tied routing between the two; the load-balancing loss, a product of batch
@@ -182,6 +184,7 @@ def test_router_replay_is_refused_where_no_routing_is_recorded():
         build_config({}, [*base, "env.name=calculator"])
 
 
+@pytest.mark.slow
 def test_a_grpo_run_with_router_replay_trains_on_the_rollouts_routing(tmp_path, tied_path, one_torch_thread):
     """The whole path: the rollout worker's rows carry the record (a queue column), the trainer replays it. The gap
     is the run's `mismatch/abs_log_ratio` (mean |log pi_train - log pi_rollout| per token) of its 2 sync steps."""

@@ -141,6 +141,7 @@ def _finished_wandb_run_file(folder, timeout_s=60.0):
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_metrics_go_to_an_offline_wandb_run_with_the_same_names(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     wandb_dir = tmp_path / "wandb_dir"

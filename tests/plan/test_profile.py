@@ -17,6 +17,7 @@ SMALL = ["rollout.max_batch_size=16", "rollout.max_new_tokens=4", "rollout.promp
 
 
 @pytest.mark.parametrize("packing", ["auto", "off"])
+@pytest.mark.slow
 def test_profile_measures_every_role(tmp_path, packing):
     out = tmp_path / "profile.yaml"
     assert main(["profile", "examples/arithmetic_grpo.yaml", *SMALL, f"train.packing={packing}", "--threads", "1",

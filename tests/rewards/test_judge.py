@@ -147,6 +147,7 @@ def test_a_judges_calls_end_within_its_budget(judge_server):
     assert time.monotonic() - start < 2.0 and slow.requests_sent == 1, "the budget cut the 2.5 s request timeout"
 
 
+@pytest.mark.slow
 def test_a_judge_is_a_reward_fns_entry_of_a_run_and_its_failures_are_counted(judge_server, tmp_path, one_torch_thread):
     url, seen = judge_server
     entry = {"kind": "judge", "base_url": url, "model": "every-other", "template": "{prompt}|{response}",

@@ -376,6 +376,7 @@ def test_thread_timeouts_keep_the_thread_count_bounded_then_stop_with_a_clear_er
     runner.close()
 
 
+@pytest.mark.slow
 def test_slow_but_finite_calls_return_their_threads():
     def slow_sometimes(completion, ground_truth, **metadata):
         if completion == "slow":
@@ -408,6 +409,7 @@ def _child_pids() -> set[int]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="counts child processes through /proc")
+@pytest.mark.slow
 def test_process_isolation_kills_hung_calls_and_leaks_nothing(user_module):
     before_threads, before_children = threading.active_count(), _child_pids()
     runner = RewardRunner(f"{user_module}:hang_or_length", timeout_s=0.5, max_workers=2, isolation="process")

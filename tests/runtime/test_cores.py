@@ -41,6 +41,7 @@ def _replica(spec, go, done):
     replica.close()
 
 
+@pytest.mark.slow
 def test_flags_cross_processes_and_only_borrowers_change_threads(one_torch_thread):
     spec, unlink = create_core_lending({"trainer": 1, "rollout_0": 1}, 2)
     ctx = mp.get_context("spawn")

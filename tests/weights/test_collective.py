@@ -53,6 +53,7 @@ def test_a_version_arrives_exactly_bucket_by_bucket():
         assert torch.equal(got[name], tensor) and got[name].dtype == tensor.dtype
 
 
+@pytest.mark.slow
 def test_timeouts_name_the_side_that_did_not_show_up():
     sender, receiver, _store = two_rank_group(1.0)
     try:

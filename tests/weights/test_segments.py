@@ -11,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 from asyncflow.runtime.cores import create_core_lending
@@ -41,6 +42,7 @@ def start_owner() -> tuple[subprocess.Popen, list[str]]:
     return proc, paths
 
 
+@pytest.mark.slow
 def test_segments_of_a_killed_process_are_removed_when_the_next_one_is_created():
     killed, dead_paths = start_owner()
     alive, live_paths = start_owner()

@@ -110,6 +110,7 @@ def test_round_trip_is_exact(kind):
 
 
 @pytest.mark.parametrize("kind", ["inprocess", "shared_memory"])
+@pytest.mark.slow
 def test_thread_reader_never_sees_a_torn_version(kind):
     publisher = make_weight_sync(kind, bucket_bytes=16 << 10)
     receiver = publisher.receiver_spec.open()

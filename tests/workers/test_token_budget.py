@@ -24,6 +24,7 @@ from asyncflow.workers.trainer import PolicyTrainer, assign_advantages, token_bu
     budget=st.integers(1, 1200),
     max_rows=st.integers(1, 16),
 )
+@pytest.mark.slow
 def test_every_micro_batch_stays_under_the_budget(groups, budget, max_rows):
     lengths = [n for group in groups for n in group]
     group_ids = [g for g, group in enumerate(groups) for _ in group]
@@ -72,6 +73,7 @@ class RecordingEngine(TorchTrainEngine):
 
 
 @pytest.mark.parametrize("packing", ["auto", "off"])
+@pytest.mark.slow
 def test_budgeted_step_has_the_gradients_of_the_unbudgeted_one(tiny_llama_path, one_torch_thread, packing):
     rows = long_tailed_rollouts(0)
     lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rows]

@@ -29,6 +29,7 @@ def example_config(tmp_path, *overrides):
                                  f"agent.chat_template={AGENT.parent / 'calculator_chat.jinja'}", *overrides])
 
 
+@pytest.mark.slow
 def test_sft_demonstrations_are_the_ids_the_server_gives_the_agents_calls(tmp_path):
     config = example_config(tmp_path)
     tokenizer = load_tokenizer(resolve_model_path(config.model.path, seed=0))

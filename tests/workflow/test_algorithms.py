@@ -60,6 +60,7 @@ def combinations() -> list[list[str]]:
 
 
 @pytest.mark.parametrize("overrides", combinations(), ids=lambda o: ",".join(x.split("=")[1] for x in o))
+@pytest.mark.slow
 def test_every_accepted_algorithm_value_trains_one_step(tmp_path, overrides):
     row = one_step(tmp_path, *overrides, "algo.kl_coef=0.1", "algo.entropy_coef=0.01")
     assert row["step"] == 1 and row["train/sequences"] + row["filtered/dropped_samples"] == 8
@@ -74,6 +75,7 @@ def test_the_combinations_cover_every_accepted_value():
         assert {f"algo.{field}={v}" for v in accepted(field)} <= used
 
 
+@pytest.mark.slow
 def test_a_combination_of_mismatch_corrections_trains_one_step(tmp_path):
     row = one_step(tmp_path, "algo.mismatch_correction=[icepop, seq_mask, m2po]")
     assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])
@@ -90,6 +92,7 @@ def test_critic_keys_without_a_critic_stop_at_config_load(key):
 
 
 @pytest.mark.parametrize("loss", ["gspo", "cispo"])
+@pytest.mark.slow
 def test_gspo_and_cispo_train_on_stale_rows_and_log_their_clip_fraction(tmp_path, loss):
     """Async with staleness 1: from step 2 on the rows were sampled by the previous weights, so the ratios differ
     from 1 and the losses' clip metrics are measured on them. (The entropy bonus moves the weights even when the

@@ -5,6 +5,7 @@ file is byte for byte what saving contiguous copies of every tensor gives. Measu
 
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -37,6 +38,7 @@ def test_views_of_one_buffer_are_written_without_a_copy_and_the_file_is_unchange
     assert load_checkpoint(checkpoint, with_weights=False)[0] == {}, "a sharded resume reads no full weights"
 
 
+@pytest.mark.slow
 def test_a_streamed_version_is_written_one_bucket_at_a_time(tmp_path):
     """A multi-rank engine's weights (a `BucketStream`) go into `model.safetensors` as they arrive: the writer holds one
     bucket at a time, never the whole version, and the file reads back as the weights."""

@@ -49,6 +49,7 @@ def fsdp2_config(tmp_path, *overrides: str):
     ])  # fmt: skip
 
 
+@pytest.mark.slow
 def test_rl_run_with_fsdp2_loads_no_policy_in_the_driver(tmp_path, driver_loads, one_torch_thread):
     config = fsdp2_config(tmp_path, "algo.kl_coef=0.01")  # a reference model too: built on the ranks
     with open_run(config) as run:
@@ -57,6 +58,7 @@ def test_rl_run_with_fsdp2_loads_no_policy_in_the_driver(tmp_path, driver_loads,
     assert len(driver_loads["rollout"]) == 1, "the inline runtime's rollout engine is the driver's one model"
 
 
+@pytest.mark.slow
 def test_sft_with_fsdp2_loads_no_policy_in_the_driver(tmp_path, driver_loads, one_torch_thread):
     from asyncflow.workflow.sft import run_sft
 

@@ -136,6 +136,7 @@ def test_ctrl_c_during_a_write_leaves_no_temp_folder(tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
 
 
+@pytest.mark.slow
 def test_an_export_whose_write_fails_is_one_line_and_leaves_no_temp_folder(run_copy, tmp_path, capsys, monkeypatch):
     import asyncflow.workflow.export
 
@@ -222,6 +223,7 @@ def resume(run_dir: Path, *extra: str) -> int:
 
 
 @pytest.mark.parametrize("damage", ["cut in half", "garbage"])
+@pytest.mark.slow
 def test_a_damaged_timeline_is_set_aside_and_the_run_resumes(run_copy, caplog, damage):
     timeline = run_copy / "timeline.json"
     text = timeline.read_text()
@@ -234,6 +236,7 @@ def test_a_damaged_timeline_is_set_aside_and_the_run_resumes(run_copy, caplog, d
     assert [r["step"] for r in rows(run_copy)] == [0, 1, 2, 3]
 
 
+@pytest.mark.slow
 def test_a_damaged_newest_checkpoint_without_manifest_is_set_aside_for_the_older_one(run_copy, caplog):
     newest = run_copy / "checkpoints" / "step_2"
     (newest / "manifest.json").unlink()
@@ -255,6 +258,7 @@ def test_the_fixed_settings_check_reads_the_checkpoints_record_when_config_yaml_
     assert "--resume: train.lora.rank was" in err and "is 4 now" in err, err
 
 
+@pytest.mark.slow
 def test_a_damaged_config_yaml_is_set_aside_and_written_again(run_copy, caplog):
     path = run_copy / "config.yaml"
     path.write_text("model: [unclosed\n")
@@ -266,6 +270,7 @@ def test_a_damaged_config_yaml_is_set_aside_and_written_again(run_copy, caplog):
     assert load_config(path).train.steps == 3
 
 
+@pytest.mark.slow
 def test_a_deleted_metrics_file_resumes_with_a_warning_that_earlier_rows_are_gone(run_copy, caplog):
     (run_copy / "metrics.jsonl").unlink()
     assert resume(run_copy) == 0
@@ -394,6 +399,7 @@ def test_eval_of_a_run_whose_config_yaml_is_damaged_is_one_line_naming_it(run_co
 
 
 # ---------------------------------------------------------------- an interrupted SFT's checkpoints
+@pytest.mark.slow
 def test_an_interrupted_sft_skips_a_damaged_checkpoint_and_starts_over_when_its_settings_changed(tmp_path, caplog):
     run_dir = tmp_path / "run"
     argv = ["sft", EXAMPLE, "run.progress=false", "sft.steps=3", "sft.batch_size=4", "train.micro_batch_size=4",

@@ -64,6 +64,7 @@ def trained(tmp_path_factory, one_torch_thread):
     return run_dir, tiny_run(run_dir)
 
 
+@pytest.mark.slow
 def test_final_export_loads_in_transformers_and_gives_the_trainers_logprobs(trained):
     run_dir, run = trained
     out = run_dir / "export"
@@ -136,6 +137,7 @@ def test_lora_run_resumes_exactly_and_exports_the_adapter_and_the_merged_model(t
 
 
 @pytest.mark.parametrize("kind", ["head", "separate"])
+@pytest.mark.slow
 def test_a_ppo_run_exports_a_plain_policy_and_keeps_its_critic_in_the_checkpoint(tmp_path, kind, one_torch_thread):
     """With a critic (`algo.advantage=gae`) the export is the policy alone (transformers loads it with no unused
     weight, and it gives the trainer's log-probs); the critic's weights are in `training_state.pt` only."""

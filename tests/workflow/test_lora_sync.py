@@ -10,6 +10,7 @@ pytest.importorskip("peft")
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("sync", ["adapter", "merged"])
+@pytest.mark.slow
 def test_each_version_reaches_the_rollout_engine_as_chosen(tmp_path, one_torch_thread, mode, sync):
     run = tiny_run(tmp_path / "run", "train.lora.rank=4", f"train.lora.sync={sync}", f"workflow.mode={mode}",
                    "checkpoint.every=0", "train.steps=3")

@@ -54,6 +54,7 @@ def check_history(history, mode):
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.slow
 def test_multiturn_run_inline(tmp_path, mode, one_torch_thread):
     config = multiturn_config(tmp_path, f"workflow.mode={mode}", "runtime.kind=inline")
     with open_run(config) as run:

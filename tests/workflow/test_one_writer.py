@@ -91,6 +91,7 @@ def alive(pid: int) -> bool:
 
 
 # ---------------------------------------------------------------- the lock
+@pytest.mark.slow
 def test_a_live_run_refuses_a_second_writer_and_sigterm_stops_it_with_a_checkpoint(tmp_path, capsys):
     run_dir = tmp_path / "run"
     process = start_training(run_dir)
@@ -118,6 +119,7 @@ def test_a_live_run_refuses_a_second_writer_and_sigterm_stops_it_with_a_checkpoi
     assert [r["step"] for r in rows(run_dir)][-2:] == [last, last + 1]
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_at_the_next_step_and_a_second_one_at_once(tmp_path):
     run_dir = tmp_path / "run"
     process = start_training(run_dir)
@@ -144,6 +146,7 @@ def test_ctrl_c_stops_at_the_next_step_and_a_second_one_at_once(tmp_path):
     assert process.returncode == 143 and "SIGTERM again: stopped at once" in err, err[-2000:]
 
 
+@pytest.mark.slow
 def test_a_lock_left_by_a_killed_process_never_blocks(tmp_path):
     run_dir = tmp_path / "run"
     holder = subprocess.Popen(
@@ -199,6 +202,7 @@ def resume_on(run_dir: Path, data: Path, *extra: str) -> int:
 
 
 @pytest.mark.parametrize("change", ["appended", "shortened", "replaced"])
+@pytest.mark.slow
 def test_a_resume_refuses_changed_data_unless_told_to_continue(copies, capsys, change):
     run_dir, data = copies
     lines = data.read_text().splitlines(keepends=True)
@@ -216,6 +220,7 @@ def test_a_resume_refuses_changed_data_unless_told_to_continue(copies, capsys, c
     assert [r["step"] for r in rows(run_dir)] == [0, 1, 2, 3]
 
 
+@pytest.mark.slow
 def test_the_same_data_resumes_without_a_word(copies, capsys):
     run_dir, data = copies
     assert resume_on(run_dir, data) == 0
@@ -230,6 +235,7 @@ def test_a_setting_the_checkpoints_depend_on_cannot_change_on_resume(copies, cap
     assert f"--resume: {key} was" in error_line(capsys)
 
 
+@pytest.mark.slow
 def test_resuming_a_run_killed_after_its_last_checkpoint_writes_the_missing_outputs(copies, caplog):
     """kill -9 between the final checkpoint and the outputs: export, plots and timeline charts were never written."""
     run_dir, data = copies
@@ -255,6 +261,7 @@ def test_export_names_the_checkpoint_it_used_and_the_damaged_one_it_skipped(copi
 
 
 # ---------------------------------------------------------------- SFT
+@pytest.mark.slow
 def test_a_cut_off_sft_folder_is_redone_not_taken_as_finished(tmp_path, caplog):
     run_dir = tmp_path / "run"
     cut_off = run_dir / "sft"

@@ -26,6 +26,7 @@ def reward_from_prompt(completion: str, ground_truth: str, **metadata) -> float:
 
 
 @pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.slow
 def test_explained_variance_rises(tmp_path, mode, one_torch_thread):
     rng = random.Random(0)
     data = tmp_path / "xy.jsonl"

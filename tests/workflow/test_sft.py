@@ -82,6 +82,7 @@ def test_stops_at_the_first_check_reaching_the_target(tmp_path, tiny, monkeypatc
     assert "SFT stopped at step 9" in caplog.text and not any(r.levelno >= logging.WARNING for r in caplog.records)
 
 
+@pytest.mark.slow
 def test_max_steps_bound_a_run_that_misses_the_target_with_a_warning(tmp_path, tiny, caplog):
     config = load_config(EXAMPLE, tiny + ["sft.steps=7", "sft.check_every=3", "sft.stop_accuracy=1.0"])
     with caplog.at_level(logging.INFO, logger="asyncflow"):
@@ -99,6 +100,7 @@ def test_without_a_target_sft_runs_all_steps(tmp_path, tiny):
     assert result["steps"] == 4 and result["checks"] == [] and result["reached"] is None
 
 
+@pytest.mark.slow
 def test_train_reports_the_sft_stop(tmp_path, tiny, monkeypatch, capsys):
     scripted_accuracy(monkeypatch, [0.0, 0.8])
     code = main([

@@ -71,6 +71,7 @@ def test_stage_config_errors_name_the_key(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["sync", "stream", "async"])
+@pytest.mark.slow
 def test_stage_column_reaches_the_trainer_inline(tmp_path, one_torch_thread, mode):
     plain = train(stage_config(tmp_path / "plain", f"workflow.mode={mode}", "runtime.kind=inline")).history
     with open_run(stage_config(tmp_path / "staged", f"workflow.mode={mode}", "runtime.kind=inline",

@@ -45,6 +45,7 @@ def scrape(port: int) -> dict[str, float]:
             if line and not line.startswith("#")}
 
 
+@pytest.mark.slow
 def test_metrics_scraped_during_a_run_move(tmp_path, one_torch_thread):
     run_dir = tmp_path / "run"
     scrapes = []
@@ -74,6 +75,7 @@ def test_metrics_scraped_during_a_run_move(tmp_path, one_torch_thread):
     assert any(name.startswith("asyncflow_replica_weight_version{") for name in last)
 
 
+@pytest.mark.slow
 def test_a_blocked_reward_is_named_by_the_watchdog_and_ends_the_run(tmp_path, one_torch_thread):
     stall_s = 3.0
     config = tiny_config(tmp_path / "run", "train.steps=3", "workflow.mode=stream",

@@ -78,6 +78,7 @@ class GuardedState(RunState):
 
 
 @pytest.mark.parametrize("mode", ["sync", "stream", "async"])
+@pytest.mark.slow
 def test_only_the_step_loop_changes_run_state(tmp_path, monkeypatch, one_torch_thread, mode):
     monkeypatch.setattr(run_module, "RunState", GuardedState)
     config = wiring_config(tmp_path, f"workflow.mode={mode}", "runtime.kind=inline", "eval.every=0")
@@ -156,6 +157,7 @@ def test_evaluation_generates_with_the_trainers_policy_not_a_copy(tmp_path, ray_
         assert [h["step"] for h in history if "eval/accuracy" in h] == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_sync_evaluates_on_its_idle_rollout_engine(tmp_path, one_torch_thread):
     count_file = tmp_path / "engines.txt"
     config = wiring_config(tmp_path, "workflow.mode=sync", "rollout.engine=test_wiring:counting_engine",
@@ -165,6 +167,7 @@ def test_sync_evaluates_on_its_idle_rollout_engine(tmp_path, one_torch_thread):
     assert builders(count_file) == [os.getpid()], "one engine: generation and evaluation share it"
 
 
+@pytest.mark.slow
 def test_eval_command_builds_no_trainer(tmp_path, one_torch_thread, monkeypatch, capsys):
     config_args = [f"run.output_dir={tmp_path / 'run'}", "run.progress=false", "model.path=preset:tiny-llama",
                    "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4", "train.steps=1",
@@ -185,6 +188,7 @@ def test_eval_command_builds_no_trainer(tmp_path, one_torch_thread, monkeypatch,
     assert built == [], f"eval built optimizers: {built}"
 
 
+@pytest.mark.slow
 def test_ray_is_an_extra_named_when_missing(tmp_path, monkeypatch):
     from asyncflow.config import ConfigError
     from asyncflow.runtime.factory import require_ray

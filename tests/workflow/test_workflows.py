@@ -286,6 +286,7 @@ def test_separated_stream_trainer_borrows_the_waiting_replicas_core(tmp_path, ra
     ("policy", 0, False),  # stale row trained as if on-policy: ratio 1
     ("rollout", 1, False),  # fresh row: always the current policy
 ])  # fmt: skip
+@pytest.mark.slow
 def test_stale_rows_use_their_behaviour_policy(tiny_llama_path, setting, row_version, clipped):
     from asyncflow.workers.rollout import Rollout
     from asyncflow.workers.trainer import assign_advantages
