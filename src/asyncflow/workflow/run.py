@@ -41,6 +41,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -61,6 +62,7 @@ from asyncflow.rewards import RewardHealth
 from asyncflow.rewards.health import counter_growth
 from asyncflow.runtime.base import Runtime, build_generating_worker
 from asyncflow.runtime.factory import make_runtime
+from asyncflow.weights.buckets import Weights
 from asyncflow.weights.segments import sweep_dead_segments
 from asyncflow.workers.loops import check_updates_in_flight
 from asyncflow.workers.multiturn import make_rollout_worker
@@ -168,7 +170,9 @@ class RLRun:
             if config.rollout.on_weight_update == "resume" and self.runtime.local_rollout is not None:
                 check_updates_in_flight(self.runtime.local_rollout.engine)
             self.resume_state = self._resume(plan.checkpoint) if plan.checkpoint is not None else None
-            policy_weights, weights_to_publish = self.train_engine.state_dict, self.train_engine.weight_stream
+            policy_weights = self.train_engine.state_dict
+            weights_to_publish: Callable[[], Weights] = functools.partial(self.train_engine.weight_stream,
+                                                                           distinct=True)
             if self.spec.adapter is not None:  # LoRA adapter sync: a version is the adapter alone
                 policy_weights = weights_to_publish = cast(TorchTrainEngine, self.train_engine).adapter_weights
             self._workflow = PipelineWorkflow(
