@@ -365,7 +365,7 @@ class RayRuntime:
             backend = "nccl" if self.config.runtime.rollout_gpus > 0 else "gloo"
             host = "127.0.0.1" if self.config.runtime.address is None else ray.util.get_node_ip_address()
             return {"num_receivers": self.config.rollout.replicas, "timeout_s": self.timeout, "backend": backend,
-                    "host": host}
+                    "host": host, "forward_streams": not self.config.weights.stage_on_driver}
         return {}
 
     def start_rollout(self, queue, receiver_spec, steps, *, max_staleness: int, timeline, sampler_states=None) -> None:
