@@ -6,9 +6,13 @@ step of generate / train / weight update / checkpoint, weight-update bytes and s
 export's bytes and the export's own seconds and peak memory (a separate `asyncflow export` of the last checkpoint).
 
     .venv-vllm/bin/python benchmarks/bench_scale.py --sizes 30m,166m          # 0.5b: ~12 GB free and a long time
+    .venv-vllm/bin/python benchmarks/bench_scale.py --sizes 166m \
+        --variant weights.stage_on_driver=true --variant weights.stage_on_driver=false   # each size once per variant
 
 Sizes: `30m` (preset:qwen2.5-small, 30.7M parameters), `166m` (qwen2.5-0.5b-2l), `0.5b` (qwen2.5-0.5b). CONFIG
-overrides follow the options. A guard stops a size when the machine's available memory falls under `--min-free-gb`.
+overrides follow the options; each `--variant` (space-separated overrides) runs every size once more with its own
+overrides added, one after the other in the same invocation. A guard stops a size when the machine's available
+memory falls under `--min-free-gb`.
 """
 
 from __future__ import annotations
@@ -91,6 +95,7 @@ def export_once(run_dir: Path, out: Path) -> dict[str, float]:
 
 
 def measure(size: str, overrides: list[str], output: Path, min_free_gb: float) -> dict[str, Any]:
+    """One run of the rehearsal at `size` with `overrides`, in `output / size`; its figures."""
     from asyncflow.config import load_config
 
     model = SIZES[size]
@@ -122,7 +127,8 @@ def measure(size: str, overrides: list[str], output: Path, min_free_gb: float) -
     updates = [r for r in logged if isinstance(r.get("weights/update_bytes"), (int, float))
                and r["weights/update_bytes"] == r["weights/update_bytes"]]  # NaN (null) before a replica took one
     result = {
-        "size": size, "model": model, "parameters": theory.pop("parameters"), "wall_s": round(time.monotonic() - t0),
+        "size": size, "model": model, "overrides": overrides, "parameters": theory.pop("parameters"),
+        "wall_s": round(time.monotonic() - t0),
         "lowest_available_gb": round(lowest[0], 1), "peak_rss_mb": summary["peak_rss_mb"],
         "process_peak_mb": summary["process_peak_mb"], "theoretical_mb": {k: round(v) for k, v in theory.items()},
         "seconds_per_step": summary["seconds_per_step"],
@@ -141,14 +147,21 @@ def main() -> None:
     parser.add_argument("--sizes", default="30m,166m", help=f"comma-separated, of {', '.join(SIZES)}")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--min-free-gb", type=float, default=3.0)
+    parser.add_argument("--variant", action="append", default=[],
+                        help="space-separated CONFIG overrides; every size runs once per variant")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
     output = args.output or Path(tempfile.mkdtemp(prefix="bench-scale-"))
-    for size in args.sizes.split(","):
+    sizes = args.sizes.split(",")
+    for size in sizes:
         if size not in SIZES:
             raise SystemExit(f"--sizes: unknown size {size!r} (one of {', '.join(SIZES)})")
-        print(json.dumps(measure(size, [f"train.steps={args.steps}", *args.overrides], output, args.min_free_gb)),
-              flush=True)
+    variants = [variant.split() for variant in args.variant] or [[]]
+    for size in sizes:
+        for index, variant in enumerate(variants):
+            folder = output if len(variants) == 1 else output / f"variant{index}"
+            overrides = [f"train.steps={args.steps}", *args.overrides, *variant]
+            print(json.dumps(measure(size, overrides, folder, args.min_free_gb)), flush=True)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ def test_defaults_and_overrides(tmp_path):
         ("nosection.key=1", "nosection: unknown key"),
         ("data.task=null", "data.task is null and data.path is not set"),
         ("train=3", "train: Input should be a valid dictionary"),
+        ("weights.stage_on_driver=false", "weights.stage_on_driver: false needs runtime.kind: ray"),
     ],
 )
 def test_bad_values_name_the_key(override, fragment):

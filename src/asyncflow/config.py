@@ -829,6 +829,11 @@ class WeightsConfig(Section):
     restart and after a resume. `runtime.weight_sync` inprocess, shared_memory or ray (not torch_distributed)."""
     delta_max_fraction: float = Field(0.5, gt=0, le=1)
     """A delta larger than this fraction of the full version's bytes is not sent: the full version is."""
+    stage_on_driver: bool = True
+    """`true`: the driver stages each version whole in the rollout dtype and sends it in the background, so the
+    trainer steps on while the replicas take it (the async overlap); `false` (`runtime.weight_sync:
+    torch_distributed` with `train.engine: fsdp2`): the driver forwards the ranks' stream to the replicas one bucket
+    at a time and never holds a version, but each publish waits until every replica took it."""
     publish_timeout_s: float | None = Field(None, gt=0)
     """Deadline of the trainer's side of a version: its publish and the wait for it to reach the replicas;
     `null`: `runtime.call_timeout_s`."""
@@ -992,6 +997,10 @@ class Config(Section):
         if self.weights.delta and self.runtime.weight_sync == "torch_distributed" and self.runtime.kind != "inline":
             raise ValueError("weights.delta: true needs runtime.weight_sync inprocess, shared_memory or ray: "
                              "torch_distributed broadcasts every version to every receiver (docs/weight-updates.md)")
+        if not self.weights.stage_on_driver and (self.runtime.kind != "ray"
+                                                 or self.runtime.weight_sync != "torch_distributed"):
+            raise ValueError("weights.stage_on_driver: false needs runtime.kind: ray with runtime.weight_sync: "
+                             "torch_distributed (the transport that forwards a version bucket by bucket)")
         return self
 
     @model_validator(mode="after")

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from asyncflow.engines.fsdp2_train import FSDP2TrainEngine
+from asyncflow.engines.torch_inference import load_tied_once
 from asyncflow.models.loading import load_model
 from asyncflow.models.logprobs import TrainSample
 from asyncflow.runtime.inline import ProcessRanks
 from asyncflow.weights import BucketStream, make_weight_sync
+from asyncflow.weights.buckets import materialize
 
 BUCKET_BYTES = 64 << 10  # several buckets even for the tiny model
 
@@ -83,7 +85,7 @@ def test_each_rank_reports_its_peak_memory(engine):
 def test_ranks_load_one_tensor_at_a_time_and_tied_embeddings_stay_tied(tiny_qwen2_path, one_torch_thread):
     """Each rank builds the model on the meta device and receives its weights one tensor at a time: no rank holds more
     than the largest tensor whole (never the whole model), the weights are the folder's, and a tied embedding is
-    still one parameter after a training step."""
+    still one parameter after a training step, sent to a weight channel once (the receiving engine ties it again)."""
     initial = load_model(tiny_qwen2_path).state_dict()
     engine = FSDP2TrainEngine(model_path=tiny_qwen2_path, ranks_device="cpu", world_size=2, lr=1e-2,
                               launcher=ProcessRanks, bucket_bytes=BUCKET_BYTES)
@@ -94,9 +96,14 @@ def test_ranks_load_one_tensor_at_a_time_and_tied_embeddings_stay_tied(tiny_qwen
         loaded = {k: v.clone() for k, v in engine.state_dict().items()}
         assert all(torch.equal(loaded[k], initial[k]) for k in initial), "the folder's weights, bit for bit"
         train_one_step(engine)
+        sent = materialize(engine.weight_stream(distinct=True))  # what a weight channel sends
         trained = engine.state_dict()
         embed = trained["model.embed_tokens.weight"]
         assert not torch.equal(embed, initial["model.embed_tokens.weight"])
-        assert torch.equal(trained.get("lm_head.weight", embed), embed), "the tie holds after a step"
+        assert torch.equal(trained["lm_head.weight"], embed), "the tie holds after a step"
+        assert sent.keys() == trained.keys() - {"lm_head.weight"}, "the tied embedding is sent once"
+        receiving = load_model(tiny_qwen2_path)
+        load_tied_once(receiving, sent)
+        assert torch.equal(receiving.lm_head.weight, embed), "and the receiving engine ties it again"
     finally:
         engine.close()

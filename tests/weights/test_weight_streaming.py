@@ -1,10 +1,13 @@
-"""Weights move bucket by bucket end to end: a `torch_distributed` receiver hands a version out as a `BucketStream`
-and holds one received bucket at a time (never the whole version), remote transports carry floating tensors in the
-engine's dtype when it is narrower (a bf16 engine receives half the bytes of fp32), and a stream written to a
-safetensors file reads back as the state dict it streams."""
+"""Weights move bucket by bucket end to end: a `torch_distributed` publisher with `forward_streams` forwards a streamed
+version (a multi-rank trainer's) one bucket at a time without staging it whole (without, it stages it), a
+`torch_distributed` receiver hands a version out as a `BucketStream` and holds one received bucket at a time (never
+the whole version), remote transports carry floating tensors in the engine's dtype when it is narrower (a bf16 engine
+receives half the bytes of fp32), and a stream written to a safetensors file reads back as the state dict it
+streams."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import socket
 import threading
@@ -15,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from asyncflow.observe.memory import peak_rss_mb, reset_peak_rss, rss_mb
 from asyncflow.weights import make_weight_sync
 from asyncflow.weights.buckets import (
     BucketStream,
@@ -83,6 +87,62 @@ def test_a_torch_distributed_receiver_holds_one_bucket_at_a_time():
         thread.join(30)
         receiver.close()
         box["p"].close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("forward", [True, False], ids=["forwarded", "staged"])
+def test_a_streamed_version_is_forwarded_one_bucket_at_a_time_or_staged_whole(forward):
+    """The driver of an FSDP2 run publishes the ranks' stream. Forwarded (`weights.stage_on_driver: false`), its peak
+    grows by about a bucket while a version goes out (the stream's bucket, its bf16 copy, and here the receiver's
+    bucket too); staged (the default), by the whole version in bf16, which `publish` returns before sending."""
+    if not reset_peak_rss():
+        pytest.skip("needs /proc/self/clear_refs to measure one phase's peak")
+    # glibc keeps freed buckets resident and raises its mmap threshold as they are freed, which the peak would count
+    # as held: a fixed threshold returns each freed bucket to the kernel
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD
+    count, bucket_mib = 32, 4  # fp32: 128 MiB in all; in bf16: 64 MiB staged whole, 2 MiB a bucket
+    side = 1024 * (bucket_mib >> 2)
+    shapes = {f"layers.{i}.weight": torch.empty(side, 1024, device="meta") for i in range(count)}
+    manifest = plan_buckets(shapes, bucket_mib << 20)
+    assert len(manifest.buckets) == count
+
+    def buckets():
+        for i in range(count):
+            yield [torch.full((side, 1024), float(i))]  # a fresh bucket each time, as the ranks gather them
+
+    publisher = make_weight_sync("torch_distributed", num_receivers=1, port=free_port(), bucket_bytes=bucket_mib << 20,
+                                 timeout_s=30, dtype=torch.bfloat16, forward_streams=forward)
+    joined, sums = threading.Event(), []
+
+    def receive():
+        receiver = publisher.receiver_spec.for_rank(1).open()
+        joined.set()
+        try:
+            _, stream = receiver.wait_for(1, timeout=30)
+            sums.extend(float(members[0].float().mean()) for members in stream.buckets())
+        finally:
+            receiver.close()
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    try:
+        assert joined.wait(30)
+        gc.collect()
+        reset_peak_rss()
+        before = rss_mb()
+        assert before is not None
+        publisher.publish(BucketStream(manifest, buckets), 1)
+        publisher.wait_published(30)
+        thread.join(30)
+        grown = peak_rss_mb() - before
+        assert sums == [float(i) for i in range(count)], "every bucket arrived, in order"
+        if forward:
+            assert grown < 32, f"the driver grew {grown:.1f} MiB for a 64 MiB version: it staged the version whole"
+        else:
+            assert grown >= 64, f"the driver grew {grown:.1f} MiB: a staged 64 MiB version was not held whole"
+    finally:
+        thread.join(30)
+        publisher.close()
 
 
 @pytest.mark.slow

@@ -1,10 +1,12 @@
 """Runs with `train.engine=fsdp2 train.world_size=2`: `sync` (ranks as local processes) survives a rank killed
 mid-run: the run stops with an error naming the rank, `--resume` finishes it from the last checkpoint and every
-prompt is trained exactly once; `async` on the Ray runtime (ranks as Ray actors) trains within its staleness bound."""
+prompt is trained exactly once; `async` on the Ray runtime (ranks as Ray actors) trains within its staleness bound,
+its versions staged on the driver or forwarded from the ranks."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import threading
@@ -68,10 +70,16 @@ def test_sync_rank_killed_then_resumed_trains_every_prompt_once(tmp_path, one_to
 
 
 @pytest.mark.slow
-def test_async_on_ray_with_rank_actors(tmp_path, ray_cluster, one_torch_thread):
+@pytest.mark.parametrize(
+    "weight_path", [[], ["runtime.weight_sync=torch_distributed", "weights.stage_on_driver=false"]],
+    ids=["staged", "forwarded"],
+)
+def test_async_on_ray_with_rank_actors(tmp_path, ray_cluster, one_torch_thread, weight_path):
+    """Staged (the default) or forwarded bucket by bucket from the ranks (`weights.stage_on_driver: false`, whose
+    publish waits for the replica: it must be started before the first one), each version reaches the replica."""
     config = fsdp2_config(
         tmp_path, "workflow.mode=async", "workflow.max_staleness=1", "runtime.kind=ray", "train.steps=3",
-        "checkpoint.every=0",
+        "checkpoint.every=0", *weight_path,
     )
     with open_run(config) as run:
         assert type(run.train_engine.ranks).__name__ == "RayRanks"
@@ -80,6 +88,7 @@ def test_async_on_ray_with_rank_actors(tmp_path, ray_cluster, one_torch_thread):
     assert [h["step"] for h in rows] == [1, 2, 3] and run.version == 3
     assert all(h["rollout/samples"] == PROMPTS * GROUP and 0 <= h["staleness/max"] <= 1 for h in rows)
     assert all(h["grad_norm"] > 0 for h in rows)
+    assert any(not math.isnan(h["weights/update_bytes"]) for h in rows), "the replica took a version"
 
 
 def test_ppo_with_a_critic_on_two_ranks_resumes_from_its_sharded_checkpoint_exactly(tmp_path, one_torch_thread):

@@ -25,7 +25,8 @@ Invariants:
   ends the call with `RankFailedError` naming the rank, and the other ranks are stopped.
 - Weights leave the ranks one bucket at a time (`weight_stream`: the ranks all-gather one parameter at a
   time, rank 0 hands over one bucket's tensors and frees them): no rank holds more than one bucket of
-  gathered tensors (`weights/gather_peak_bytes`). A publisher copies the stream into its own snapshot;
+  gathered tensors (`weights/gather_peak_bytes`). A `torch_distributed` publisher forwards the stream bucket by
+  bucket, the others copy it into their own snapshot; a tied embedding goes to a publisher once (`distinct`);
   `state_dict` (checkpoints, evaluation) builds this process's copy once per version and caches it until
   the next `optimizer_step` or load.
 - No rank holds the whole model at start: each builds it on the meta device, shards it, and the weights arrive one
@@ -346,14 +347,20 @@ class RankTrainer:
         self.nonfinite = False
         return stats
 
-    def weights_manifest(self, bucket_bytes: int) -> Manifest | None:
+    def weights_manifest(self, bucket_bytes: int, distinct: bool = False) -> Manifest | None:
         """Plan this version's weight stream: the layout (`plan_buckets`) of the full policy state dict, from the
         shards' global shapes, nothing gathered; -> the manifest on rank 0, None elsewhere. Every rank keeps it
-        (and the sharded state dict) for `gathered_bucket`."""
+        (and the sharded state dict) for `gathered_bucket`. `distinct`: a tied parameter under its first name only."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         # the sharded state dict: DTensors under the names of the full one (checkpoint wrappers' prefixes removed)
         self._sharded = policy_weights(cast("dict[str, torch.Tensor]", get_model_state_dict(self.model)))
+        if distinct:  # a tied parameter is one module parameter under two names, on every rank alike
+            first: dict[int, str] = {}
+            tied = {name.replace("_checkpoint_wrapped_module.", "")
+                    for name, p in self.model.named_parameters(remove_duplicate=False)
+                    if first.setdefault(id(p), name) != name}
+            self._sharded = {name: t for name, t in self._sharded.items() if name not in tied}
         shapes = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in self._sharded.items()}
         self._manifest = plan_buckets(shapes, bucket_bytes)
         self._gather_peak_bytes = 0
@@ -565,14 +572,14 @@ class FSDP2TrainEngine(TrainEngineBase):
         stats: dict[str, float] = self._all("step", grad_scale)[0]
         return stats
 
-    def weight_stream(self) -> Mapping[str, torch.Tensor] | BucketStream:
-        """This version's full policy weights for a consumer that copies them in bucket by bucket (a weight
-        publisher: `asyncflow.weights.write_weights`): streamed from the ranks one bucket at a time, so no process
-        holds them whole (rank 0 one bucket; this process the bucket being copied); the `state_dict` when it is
-        already here."""
+    def weight_stream(self, distinct: bool = False) -> Mapping[str, torch.Tensor] | BucketStream:
+        """This version's full policy weights for a consumer that copies or forwards them bucket by bucket (a weight
+        publisher, a checkpoint): streamed from the ranks one bucket at a time, so no process holds them whole (rank
+        0 one bucket; this process the bucket in transit); the `state_dict` when it is already here. `distinct`: a
+        tied embedding gathered and sent once, under its first name."""
         if self._weights is not None:
             return self._weights
-        manifest: Manifest = self._all("weights_manifest", self.bucket_bytes)[0]
+        manifest: Manifest = self._all("weights_manifest", self.bucket_bytes, distinct)[0]
 
         def buckets() -> Iterator[list[torch.Tensor]]:
             for index in range(len(manifest.buckets)):

@@ -259,6 +259,18 @@ class _Slot:
             self.finish_reason = "length"
 
 
+def load_tied_once(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """`model.load_state_dict(state_dict)`, strict but for a tied parameter that came once under another of its
+    names (an FSDP2 run's weight channel sends a tied embedding once): loading it through one name loads the other."""
+    result = model.load_state_dict(state_dict, strict=False)
+    params = model.state_dict(keep_vars=True)
+    loaded = {id(params[name]) for name in state_dict if name in params}
+    missing = [name for name in result.missing_keys if id(params[name]) not in loaded]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"weights do not match the model: missing {missing[:3]}, "
+                           f"unexpected {list(result.unexpected_keys)[:3]}")
+
+
 class TorchInferenceEngine(InferenceEngineBase):
     """Continuous-batching sampler around a Hugging Face causal LM (full attention), CPU or one GPU."""
 
@@ -352,7 +364,7 @@ class TorchInferenceEngine(InferenceEngineBase):
         """Load a version; -> whether requests in flight run on other weights now (their keys/values are stale)."""
         self.weight_version = version
         if not self._adapters:
-            self.model.load_state_dict(state_dict)
+            load_tied_once(self.model, state_dict)
             return True
         from asyncflow.engines.peft_lora import copy_adapter
 

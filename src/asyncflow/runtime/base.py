@@ -150,12 +150,13 @@ class Runtime(Protocol):
         ...
 
     def __init__(self, config, spec: RolloutSpec, scorer: RewardWorker) -> None:
-        """Place the replicas of `spec`; `scorer` is the driver's reward worker (used where the driver scores)."""
+        """Place the replicas of `spec` (they may start building at once, beside the trainer's set-up); `scorer` is
+        the driver's reward worker (used where the driver scores)."""
 
     @staticmethod
     def rank_launcher(config) -> Callable:
         """Where a multi-rank training engine's ranks run: the `Launcher` (`asyncflow.engines.fsdp2_train`) that
-        starts them, on this runtime's machines. Static: the trainer is built before the runtime."""
+        starts them, on this runtime's machines. Static: the trainer is built without the runtime at hand."""
         ...
 
     def make_queue(self, tasks: list[str]): ...

@@ -21,6 +21,8 @@ Invariants:
   row is lost, and a row is written (hence trained) once: the queue refuses a second write. (With
   `torch_distributed` weight sync a dead replica ends the run with a clear error instead: a new
   process cannot rejoin the existing process group.)
+- The replicas start building when the runtime is made (before a run sets up its trainer, so vLLM starts beside
+  the FSDP2 ranks); `start_rollout` waits for them (`runtime.start_timeout_s`) and then starts their loops.
 - A replica starts a partition only with weights of version >= step - k (see `workers.loops`).
 - A replica records its sampling generator after each partition (`sampler_states`), and a resumed run
   hands each replica the state it had in the checkpointed run (`start_rollout(sampler_states=...)`).
@@ -329,6 +331,11 @@ class RayRuntime:
         self._supervisor: threading.Thread | None = None
         self._lock = threading.Lock()
         self.nodes: dict[str, Node] = {}  # replica -> the node it first started on
+        try:
+            self._spawn_replicas()
+        except BaseException:
+            self.close()
+            raise
 
     @staticmethod
     def rank_launcher(config):
@@ -365,21 +372,27 @@ class RayRuntime:
             backend = "nccl" if self.config.runtime.rollout_gpus > 0 else "gloo"
             host = "127.0.0.1" if self.config.runtime.address is None else ray.util.get_node_ip_address()
             return {"num_receivers": self.config.rollout.replicas, "timeout_s": self.timeout, "backend": backend,
-                    "host": host}
+                    "host": host, "forward_streams": not self.config.weights.stage_on_driver}
         return {}
 
-    def start_rollout(self, queue, receiver_spec, steps, *, max_staleness: int, timeline, sampler_states=None) -> None:
-        """Start one actor per replica running the rollout loop over `steps`; `sampler_states` (replica name
-        -> generator state, from `sampler_states` of an earlier run) sets each engine's sampling generator."""
-        cfg, rt = self.config, self.config.runtime
+    def _spawn_replicas(self) -> None:
+        """Create one actor per replica, without waiting: they build (imports, model load, engine start) in
+        parallel with each other and with whatever the driver sets up next (the trainer's ranks);
+        `start_rollout` waits for them."""
+        rt = self.config.runtime
         actor_cls = ray.remote(RolloutActor).options(
             num_cpus=rt.rollout_cpus, num_gpus=rt.rollout_gpus, resources=rt.rollout_resources or None,
             max_restarts=rt.max_restarts, max_concurrency=2,
         )
-        for r in range(cfg.rollout.replicas):  # built in parallel; then placed and checked, then started
+        for r in range(self.config.rollout.replicas):
             spec = replace(self.spec, seed=self.spec.seed + 1000 * r, threads=max(1, int(rt.rollout_cpus)),
                            device="cuda" if rt.rollout_gpus > 0 else "cpu")
             self.actors[f"rollout_{r}"] = _spawn(actor_cls, spec, f"rollout_{r}")
+
+    def start_rollout(self, queue, receiver_spec, steps, *, max_staleness: int, timeline, sampler_states=None) -> None:
+        """Run the rollout loop over `steps` on each replica (created with the runtime, placed and checked here);
+        `sampler_states` (replica name -> generator state, from `sampler_states` of an earlier run) sets each
+        engine's sampling generator."""
         self._place()
         for r, name in enumerate(self.actors):
             spec_r = receiver_spec.for_rank(r + 1) if self.weight_sync == "torch_distributed" else receiver_spec

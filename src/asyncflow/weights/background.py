@@ -102,6 +102,14 @@ class BackgroundSender:
             self.last_version = version
             self._cond.notify_all()
 
+    def sent_directly(self, version: int) -> None:
+        """Record `version` as published by the caller itself, after `wait_published` (a version forwarded bucket by
+        bucket, never staged): later publishes must be newer."""
+        with self._cond:
+            self._raise_if_unusable()
+            check_increasing(self.transport, self.last_version, version)
+            self.last_version = version
+
     def wait_published(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         with self._cond:

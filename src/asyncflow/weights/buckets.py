@@ -5,8 +5,8 @@ tensor gets a bucket of its own), `allocate_payload` / `bucket_views` (one align
 version, viewed as typed buckets), `pack` (copy a state dict in) and `unpack` (views back out), and
 `BucketStream`: a version whose tensors are produced one bucket at a time (a multi-rank trainer gathers
 them so), which `write_weights` copies in bucket by bucket wherever a state dict could go, `save_safetensors`
-writes to a file and `materialize` makes a state dict of; `cast_manifest`: the same layout in a narrower dtype
-(what a bf16 engine receives).
+writes to a file, `filled_buckets` forwards one buffer at a time and `materialize` makes a state dict of;
+`cast_manifest`: the same layout in a narrower dtype (what a bf16 engine receives).
 
 Invariants:
 - `unpack(manifest, buckets)` after `pack(sd, manifest, buckets)` gives tensors equal to `sd` (names,
@@ -195,6 +195,22 @@ def write_weights(weights: Weights, manifest: Manifest, buckets: list[torch.Tens
         written += 1
     if written != len(buckets):
         raise ValueError(f"a weight stream ended after {written} of {len(buckets)} buckets")
+
+
+def filled_buckets(stream: BucketStream, manifest: Manifest, device: torch.device | str = "cpu"
+                   ) -> Iterator[torch.Tensor]:
+    """Each bucket of `stream` as a fresh 1-D buffer laid out by `manifest` (the stream's own or `cast_manifest` of
+    it), one at a time: what forwards a version without staging it whole (the consumer drops each buffer before
+    asking for the next)."""
+    if not same_layout(stream.manifest, manifest):
+        raise ValueError("a weight stream's manifest differs from the layout it is forwarded in")
+    for index, members in enumerate(stream.buckets()):
+        layout = manifest.buckets[index]
+        bucket = torch.empty(layout.numel, dtype=layout.dtype, device=device)
+        _fill(bucket, [t.detach().reshape(-1) for t in members])
+        del members
+        yield bucket
+        del bucket
 
 
 def materialize(weights: Weights) -> Mapping[str, torch.Tensor]:

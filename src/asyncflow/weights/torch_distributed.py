@@ -1,9 +1,15 @@
 """The `torch_distributed` transport: rank 0 publishes, ranks 1..N receive, over gloo or NCCL.
 
-Owns: `TorchDistributedPublisher` (broadcasts buckets from a background thread over a private
-TCPStore and process group that never touches the default process group) and its receiver.
+Owns: `TorchDistributedPublisher` (broadcasts buckets over a private TCPStore and process group that never
+touches the default process group: a version staged whole and sent from a background thread, or, with
+`forward_streams`, a `BucketStream` forwarded bucket by bucket from the caller's thread) and its receiver.
 
-Invariant: a receiver holds one bucket at a time. `poll` hands the newest version out as a `BucketStream`
+Invariants: a staged version is one copy in the engine's dtype and `publish` returns at once (the trainer steps on
+while the replicas poll). A forwarded `BucketStream` (a multi-rank trainer's weights, `weights.stage_on_driver:
+false`) is held one bucket at a time, never whole; its `publish` returns once every receiver has taken the version
+(a broadcast is collective), so the trainer waits for the replicas to poll instead of keeping a copy.
+
+A receiver holds one bucket at a time. `poll` hands the newest version out as a `BucketStream`
 whose buckets are received as its consumer asks for them (an engine that streams weights loads each as it
 arrives; `asyncflow.weights.materialize` builds a state dict for one that does not), and receives every
 superseded version bucket by bucket without keeping it.
@@ -15,7 +21,7 @@ import datetime
 import pickle
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -23,7 +29,14 @@ import torch
 
 from asyncflow.weights.background import BackgroundPublisher, BackgroundSender
 from asyncflow.weights.base import PollingReceiver, Received, WeightSyncError, WeightSyncTimeout
-from asyncflow.weights.buckets import DEFAULT_BUCKET_BYTES, BucketStream, Manifest
+from asyncflow.weights.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    BucketStream,
+    Manifest,
+    Weights,
+    cast_manifest,
+    filled_buckets,
+)
 
 
 # ------------------------------------------------------------------------- torch.distributed
@@ -54,13 +67,13 @@ def _store_set(store: Any, key: str, value: bytes) -> None:
     store.set(key, value)
 
 
-def _broadcast(group: Any, buckets: list[torch.Tensor], timeout_s: float, version: int, first: int = 0,
-               count: int | None = None) -> None:
+def _broadcast(group: Any, buckets: Iterable[torch.Tensor], timeout_s: float, version: int, count: int, first: int = 0
+               ) -> None:
     """Broadcast every bucket from rank 0, in order; each waits at most `timeout_s`. Errors name bucket
-    `first + i + 1` of `count` (default: of these)."""
+    `first + i + 1` of `count`."""
     timeout = datetime.timedelta(seconds=timeout_s)
     for i, bucket in enumerate(buckets):
-        what = f"broadcast of bucket {first + i + 1}/{count or len(buckets)}"
+        what = f"broadcast of bucket {first + i + 1}/{count}"
         try:
             group.broadcast(bucket, 0, timeout).wait(timeout)
         except RuntimeError as err:
@@ -69,6 +82,7 @@ def _broadcast(group: Any, buckets: list[torch.Tensor], timeout_s: float, versio
                     "torch_distributed", version, f"{what} (every receiver must poll)", timeout_s
                 ) from err
             raise WeightSyncError(f"torch_distributed: {what} of version {version} failed: {err}") from err
+        del bucket  # a forwarded bucket is freed before the next one is built
 
 
 @dataclass(frozen=True)
@@ -103,6 +117,7 @@ class TorchDistributedPublisher(BackgroundPublisher):
         device: str = "cpu",
         timeout_s: float = 60.0,
         dtype: torch.dtype | None = None,
+        forward_streams: bool = False,
     ):
         import torch.distributed as dist
 
@@ -117,12 +132,15 @@ class TorchDistributedPublisher(BackgroundPublisher):
         self.receiver_spec = TorchDistributedSpec(host, self._store.port, num_receivers + 1, backend, device, timeout_s)
         self._group: Any = None
         self._closed = threading.Event()
+        self._connected = threading.Event()
+        self._broken: WeightSyncError | None = None  # a forwarded version failed part-way: the group is out of step
         self._sends = 0
         self._manifests: dict[Manifest, int] = {}
         self._sender = BackgroundSender(
             self.transport, self._send, bucket_bytes=bucket_bytes, staging_device=device, connect=self._connect,
             dtype=dtype,
         )
+        self._device, self.forward_streams = device, forward_streams
 
     def _connect(self) -> None:
         import torch.distributed as dist
@@ -142,15 +160,43 @@ class TorchDistributedPublisher(BackgroundPublisher):
         self._group = make_group(
             dist.PrefixStore("group", self._store), 0, self.num_receivers + 1, self.backend, self.timeout_s
         )
+        self._connected.set()
 
-    def _send(self, version: int, manifest: Manifest, buckets: list[torch.Tensor]) -> None:
+    def _announce(self, version: int, manifest: Manifest) -> None:
         manifest_id = self._manifests.get(manifest)
         if manifest_id is None:
             manifest_id = self._manifests[manifest] = len(self._manifests)
             _store_set(self._store, f"manifest/{manifest_id}", pickle.dumps(manifest))
         self._sends += 1
         _store_set(self._store, f"announce/{self._sends}", pickle.dumps((version, manifest_id)))
-        _broadcast(self._group, buckets, self.timeout_s, version)
+
+    def _send(self, version: int, manifest: Manifest, buckets: list[torch.Tensor]) -> None:
+        self._announce(version, manifest)
+        _broadcast(self._group, buckets, self.timeout_s, version, len(buckets))
+
+    def publish(self, state_dict: Weights, version: int) -> None:
+        """Staged in the engine's dtype and sent in the background (returns at once); with `forward_streams`, a
+        `BucketStream` is forwarded bucket by bucket instead, each cast into a buffer of its own and broadcast before
+        the next is read, so this returns once every receiver has taken the version (each broadcast waits at most
+        `timeout_s`)."""
+        if self._broken is not None:
+            raise self._broken
+        if not (self.forward_streams and isinstance(state_dict, BucketStream)):
+            self._sender.publish(state_dict, version)
+            return
+        self._sender.wait_published(self.timeout_s)  # a staged version still being sent goes first
+        if not self._connected.wait(self.timeout_s):
+            raise WeightSyncTimeout(self.transport, version, f"{self.num_receivers} receivers to join",
+                                    self.timeout_s)
+        self._sender.sent_directly(version)
+        manifest = cast_manifest(state_dict.manifest, self._sender.dtype)
+        self._announce(version, manifest)
+        try:
+            _broadcast(self._group, filled_buckets(state_dict, manifest, self._device), self.timeout_s, version,
+                       len(manifest.buckets))
+        except WeightSyncError as err:
+            self._broken = err
+            raise
 
     def close(self) -> None:
         self._closed.set()
@@ -202,7 +248,7 @@ class TorchDistributedReceiver(PollingReceiver):
         count = len(manifest.buckets)
         for index, bucket in enumerate(manifest.buckets):
             buffer = torch.empty(bucket.numel, dtype=bucket.dtype, device=self._spec.device)
-            _broadcast(self._group, [buffer], self._spec.timeout_s, version, first=index, count=count)
+            _broadcast(self._group, [buffer], self._spec.timeout_s, version, count, first=index)
             yield [buffer[e.offset : e.offset + e.numel].view(e.shape) for e in manifest.tensors if e.bucket == index]
             del buffer
 

@@ -326,7 +326,10 @@ class PipelineWorkflow:
         # so how fast the replicas start cannot change which weights generate it.
         last = max(replayed, default=-1)
         self.hold_before = last if self.k > 0 and 0 <= last < cfg.train.steps - 1 else None
-        self._publish(version)
+        # a forwarded version (weights.stage_on_driver: false) is published once the replicas took it: they start first
+        publish_first = cfg.weights.stage_on_driver
+        if publish_first:
+            self._publish(version)
         self.runtime.start_rollout(self.queue, self.weight_channel.receiver_spec, steps, max_staleness=self.k,
                                    timeline=self.timeline, sampler_states=samplers)
         if not self.scored_in_rollout:
@@ -340,6 +343,8 @@ class PipelineWorkflow:
             for stage in self.stages
         ]
         self.started = True
+        if not publish_first:
+            self._publish(version)
 
     def step(self, step: int, version: int) -> StepResult:
         """Train step `step` with the policy at `version`; publishes and returns version + 1."""

@@ -41,6 +41,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -61,6 +62,7 @@ from asyncflow.rewards import RewardHealth
 from asyncflow.rewards.health import counter_growth
 from asyncflow.runtime.base import Runtime, build_generating_worker
 from asyncflow.runtime.factory import make_runtime
+from asyncflow.weights.buckets import Weights
 from asyncflow.weights.segments import sweep_dead_segments
 from asyncflow.workers.loops import check_updates_in_flight
 from asyncflow.workers.multiturn import make_rollout_worker
@@ -135,8 +137,6 @@ class RLRun:
 
         model_path = resolve_model_path(config.model.path, seed=config.run.seed)
         self.tokenizer = load_tokenizer(model_path)
-        self.train_engine = make_train_engine(config.train.engine, **rl_engine_options(config, model_path,
-                                                                                       self.tokenizer))
         # built below; `close` stops what was built when the constructor fails part way
         self._runtime: Runtime | None = None
         self._workflow: PipelineWorkflow | None = None
@@ -154,6 +154,11 @@ class RLRun:
             self.rewards = RewardWorker(build_reward_runner(config), self.tokenizer)
             self.reward_health = RewardHealth(config.reward.max_error_fraction, config.reward.max_error_steps)
             self.spec = rollout_spec(config, model_path, self.tokenizer)
+            sweep_dead_segments()  # shared-memory segments that killed runs left behind (`asyncflow.weights.segments`)
+            # before the trainer: Ray replicas start (imports, model load, engine start) while its ranks load
+            self._runtime = make_runtime(config, self.spec, self.rewards)
+            self.train_engine = make_train_engine(config.train.engine, **rl_engine_options(config, model_path,
+                                                                                           self.tokenizer))
             self.trainer = PolicyTrainer(
                 self.train_engine, config.algo, micro_batch_size=config.train.micro_batch_size,
                 temperature=config.rollout.temperature, row_columns=row_columns(self.spec),
@@ -163,12 +168,12 @@ class RLRun:
             self.test_set = checked.test_set
             inputs = run_inputs(config, self.tokenizer, checked.train_set)
             self.prompts, self.eval_encoder, self.eval_params = inputs.prompts, inputs.eval_encoder, inputs.eval_params
-            sweep_dead_segments()  # shared-memory segments that killed runs left behind (`asyncflow.weights.segments`)
-            self._runtime = make_runtime(config, self.spec, self.rewards)
             if config.rollout.on_weight_update == "resume" and self.runtime.local_rollout is not None:
                 check_updates_in_flight(self.runtime.local_rollout.engine)
             self.resume_state = self._resume(plan.checkpoint) if plan.checkpoint is not None else None
-            policy_weights, weights_to_publish = self.train_engine.state_dict, self.train_engine.weight_stream
+            policy_weights = self.train_engine.state_dict
+            weights_to_publish: Callable[[], Weights] = functools.partial(self.train_engine.weight_stream,
+                                                                           distinct=True)
             if self.spec.adapter is not None:  # LoRA adapter sync: a version is the adapter alone
                 policy_weights = weights_to_publish = cast(TorchTrainEngine, self.train_engine).adapter_weights
             self._workflow = PipelineWorkflow(
@@ -366,7 +371,8 @@ class RLRun:
         if self.closed:
             return
         self.closed = True
-        for part in (self.watchdog, self.live, self._workflow, self.eval_worker, self.train_engine, self._runtime):
+        train_engine = getattr(self, "train_engine", None)  # absent when the constructor failed before building it
+        for part in (self.watchdog, self.live, self._workflow, self.eval_worker, train_engine, self._runtime):
             if part is not None:
                 part.close()
         rewards = getattr(self, "rewards", None)  # absent when the constructor failed before building it
