@@ -19,6 +19,9 @@ warm-up, by quarter of the run and at the end. A head trickled a byte at a time 
 is slow by design): the partial-head flood trickles one on each of its connections.
 
     .venv/bin/python benchmarks/soak_server.py --requests 3000 --concurrency 16 --flood-heads 1100 --flood-bodies 1100
+
+`--asyncio-loop` serves on asyncio's event loop instead of uvloop (the server as installed without the `serve` extra's
+uvloop): the two side by side, with the same seed, measure what uvloop does under the floods.
 """
 
 from __future__ import annotations
@@ -51,6 +54,11 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     return 0
+
+
+def event_loop(pid: int) -> str:
+    """The server's event loop: uvloop if its extension module is mapped in the process, else asyncio's."""
+    return "uvloop" if "/uvloop/loop." in Path(f"/proc/{pid}/maps").read_text() else "asyncio"
 
 
 def text(rng: random.Random, words: int) -> str:
@@ -283,7 +291,7 @@ async def soak(args, port: int, pid: int) -> dict:
                     "growth": round((rss_kib(pid) - rss_start) / 1024, 1),
                     "by_quarter_of_the_run": [round(rss_samples[min(len(rss_samples) - 1, q * len(rss_samples) // 4)]
                                                     / 1024, 1) for q in (1, 2, 3, 4)] if rss_samples else []},
-        "health_at_end": health, "normal_request_at_end": final,
+        "health_at_end": health, "normal_request_at_end": final, "server_event_loop": event_loop(pid),
     }
 
 
@@ -295,6 +303,7 @@ def main() -> int:
     parser.add_argument("--model", default="preset:tiny-llama")
     parser.add_argument("--flood-heads", type=int, default=1100, help="connections sending part of a head, no key")
     parser.add_argument("--flood-bodies", type=int, default=1100, help="connections trickling a body, with the key")
+    parser.add_argument("--asyncio-loop", action="store_true", help="hide uvloop from the server: asyncio's loop")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         template, port_file = Path(tmp) / "template.jinja", Path(tmp) / "port"
@@ -302,8 +311,12 @@ def main() -> int:
         cli = [sys.executable, "-m", "asyncflow.cli", "serve", args.model, "--port", "0", "--port-file", str(port_file),
                "--name", NAME, "--chat-template", str(template), "--threads", "1", "--header-timeout-s", "5",
                "--body-timeout-s", "5"]
-        server = subprocess.Popen(cli, env={**os.environ, "ASYNCFLOW_API_KEY": KEY}, stdout=subprocess.DEVNULL,
-                                  stderr=open(Path(tmp) / "server.log", "w"))
+        env = {**os.environ, "ASYNCFLOW_API_KEY": KEY}
+        if args.asyncio_loop:  # an import of uvloop that fails: uvicorn's "auto" loop falls back to asyncio's
+            (Path(tmp) / "no_uvloop").mkdir()
+            (Path(tmp) / "no_uvloop" / "uvloop.py").write_text("raise ImportError('hidden by --asyncio-loop')\n")
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(tmp) / "no_uvloop"), env.get("PYTHONPATH")]))
+        server = subprocess.Popen(cli, env=env, stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / "server.log", "w"))
         try:
             deadline = time.monotonic() + 180
             while not port_file.exists():

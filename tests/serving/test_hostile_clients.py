@@ -351,3 +351,26 @@ def test_a_closed_connection_leaves_no_garbage_for_the_collector():
     finally:
         gc.enable()
         server.stop()
+
+
+def test_the_server_runs_on_uvloop_where_installed():
+    """uvloop (the `serve` extra) is the server's event loop: under the soak's connection floods `/health` answered
+    several times sooner on it than on asyncio's loop (BENCHMARKS.md)."""
+    import asyncio
+
+    from asyncflow.serving.server import ServerThread
+
+    uvloop = pytest.importorskip("uvloop")
+    loops = []
+
+    async def app(scope, receive, send):
+        loops.append(type(asyncio.get_running_loop()))
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    server = ServerThread(app).start()
+    try:
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    finally:
+        server.stop()
+    assert loops == [uvloop.Loop], loops
