@@ -61,6 +61,14 @@ def event_loop(pid: int) -> str:
     return "uvloop" if "/uvloop/loop." in Path(f"/proc/{pid}/maps").read_text() else "asyncio"
 
 
+def without_uvloop(env: dict[str, str], tmp: Path) -> dict[str, str]:
+    """`env` with a module `uvloop` first on PYTHONPATH whose import fails (written under `tmp`): uvicorn's "auto"
+    loop then falls back to asyncio's, as on a server installed without the `serve` extra's uvloop."""
+    (tmp / "no_uvloop").mkdir(exist_ok=True)
+    (tmp / "no_uvloop" / "uvloop.py").write_text("raise ImportError('uvloop hidden: the asyncio loop')\n")
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp / "no_uvloop"), env.get("PYTHONPATH")]))}
+
+
 def text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
@@ -312,10 +320,8 @@ def main() -> int:
                "--name", NAME, "--chat-template", str(template), "--threads", "1", "--header-timeout-s", "5",
                "--body-timeout-s", "5"]
         env = {**os.environ, "ASYNCFLOW_API_KEY": KEY}
-        if args.asyncio_loop:  # an import of uvloop that fails: uvicorn's "auto" loop falls back to asyncio's
-            (Path(tmp) / "no_uvloop").mkdir()
-            (Path(tmp) / "no_uvloop" / "uvloop.py").write_text("raise ImportError('hidden by --asyncio-loop')\n")
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(tmp) / "no_uvloop"), env.get("PYTHONPATH")]))
+        if args.asyncio_loop:
+            env = without_uvloop(env, Path(tmp))
         server = subprocess.Popen(cli, env=env, stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / "server.log", "w"))
         try:
             deadline = time.monotonic() + 180
