@@ -19,7 +19,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from soak_server import KEY, event_loop, run_floods, without_uvloop  # noqa: E402
+from soak_server import KEY, event_loop, health_latency, run_floods, without_uvloop  # noqa: E402
 
 
 def cpu_seconds(pid: int) -> float:
@@ -39,12 +38,7 @@ def cpu_seconds(pid: int) -> float:
 
 def probe(port: int, stop: threading.Event, latencies: list[float]) -> None:
     while not stop.is_set():
-        started = time.perf_counter()
-        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            if not sock.recv(100).startswith(b"HTTP/1.1 200"):
-                raise AssertionError("/health did not answer 200")
-        latencies.append(time.perf_counter() - started)
+        latencies.append(health_latency(port))
         stop.wait(0.05)
 
 
