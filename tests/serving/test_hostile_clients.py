@@ -356,8 +356,8 @@ def test_a_closed_connection_leaves_no_garbage_for_the_collector():
 
 
 def test_the_server_runs_on_uvloop_where_installed():
-    """uvloop (the `serve` extra) is the server's event loop: under the soak's connection floods `/health` answered
-    several times sooner on it than on asyncio's loop (BENCHMARKS.md)."""
+    """uvloop (the `serve` extra) is the server's event loop: under the soak's connection floods alone, `/health`
+    answered 3-15x sooner at the p99 on it than on asyncio's loop (benchmarks/flood_server.py, BENCHMARKS.md)."""
     import asyncio
 
     from asyncflow.serving.server import ServerThread
