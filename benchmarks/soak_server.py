@@ -10,8 +10,9 @@ a chat whose `tool_calls` the template renders to 1.8 million characters).
 Throughout, from another process, two floods hold more connections than the server's whole limit, each
 reopened as soon as the server closes it: `--flood-heads` connections sending part of a request head without
 the key, and `--flood-bodies` sending a request with the key whose body trickles a byte a second.
-Meanwhile a probe asks `GET /health` every 50 ms: its slowest answer bounds how long any request held the event
-loop (and so every other client); the slowest three are listed with the kinds of request in flight then.
+Meanwhile a probe on a thread of its own asks `GET /health` every 50 ms on a new connection: its slowest answer
+bounds how long any request held the event loop (and so every other client); the slowest three are listed with the
+kinds of request in flight then.
 Prints one JSON object: status counts per kind ("closed": closed by the server without an answer), valid requests
 answered 5xx or failed (must be 0), hostile requests answered other than 4xx or closed (must be 0), what the
 server did to the flood connections, probe latency (max, p99), resident memory of the server process after
@@ -19,6 +20,9 @@ warm-up, by quarter of the run and at the end. A head trickled a byte at a time 
 is slow by design): the partial-head flood trickles one on each of its connections.
 
     .venv/bin/python benchmarks/soak_server.py --requests 3000 --concurrency 16 --flood-heads 1100 --flood-bodies 1100
+
+`--asyncio-loop` serves on asyncio's event loop instead of uvloop (the server as installed without the `serve` extra's
+uvloop): the two side by side, with the same seed, measure what uvloop does under the floods.
 """
 
 from __future__ import annotations
@@ -29,10 +33,12 @@ import json
 import multiprocessing
 import os
 import random
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -51,6 +57,30 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     return 0
+
+
+def event_loop(pid: int) -> str:
+    """The server's event loop: uvloop if its extension module is mapped in the process, else asyncio's."""
+    return "uvloop" if "/uvloop/loop." in Path(f"/proc/{pid}/maps").read_text() else "asyncio"
+
+
+def health_latency(port: int) -> float:
+    """Seconds from connecting to the answer of one `GET /health` on a new connection (which waits in the listen
+    queue behind any connections a flood reopened); raises unless it is a 200."""
+    started = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        if not sock.recv(100).startswith(b"HTTP/1.1 200"):
+            raise AssertionError("/health did not answer 200")
+    return time.perf_counter() - started
+
+
+def without_uvloop(env: dict[str, str], tmp: Path) -> dict[str, str]:
+    """`env` with a module `uvloop` first on PYTHONPATH whose import fails (written under `tmp`): uvicorn's "auto"
+    loop then falls back to asyncio's, as on a server installed without the `serve` extra's uvloop."""
+    (tmp / "no_uvloop").mkdir(exist_ok=True)
+    (tmp / "no_uvloop" / "uvloop.py").write_text("raise ImportError('uvloop hidden: the asyncio loop')\n")
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp / "no_uvloop"), env.get("PYTHONPATH")]))}
 
 
 def text(rng: random.Random, words: int) -> str:
@@ -209,22 +239,19 @@ async def soak(args, port: int, pid: int) -> dict:
         slowest: list[tuple[float, list[str]]] = []  # the slowest probes and the kinds in flight when they began
         in_flight: Counter = Counter()
         rss_samples: list[int] = []
-        done = asyncio.Event()
+        done = threading.Event()
 
-        async def probe():
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as own:
-                while not done.is_set():
-                    kinds = sorted(k for k, v in in_flight.items() if v)
-                    started = time.perf_counter()
-                    assert (await own.get("/health")).status_code == 200
-                    latency = time.perf_counter() - started
-                    probe_latencies.append(latency)
-                    slowest.append((round(latency, 3), kinds))
-                    slowest.sort(key=lambda item: -item[0])
-                    del slowest[3:]
-                    if len(probe_latencies) % 20 == 0:
-                        rss_samples.append(rss_kib(pid))
-                    await asyncio.sleep(0.05)
+        def probe():  # on a thread of its own: the clients' event loop, busy with their bodies, does not delay it
+            while not done.is_set():
+                kinds = sorted(k for k, v in dict(in_flight).items() if v)
+                latency = health_latency(port)
+                probe_latencies.append(latency)
+                slowest.append((round(latency, 3), kinds))
+                slowest.sort(key=lambda item: -item[0])
+                del slowest[3:]
+                if len(probe_latencies) % 20 == 0:
+                    rss_samples.append(rss_kib(pid))
+                done.wait(0.05)
 
         queue: asyncio.Queue = asyncio.Queue()
         huge = huge_arrays()
@@ -256,11 +283,12 @@ async def soak(args, port: int, pid: int) -> dict:
         flooder.start()
         await asyncio.sleep(5)  # the floods open their connections (and the server closes the first of them)
         started = time.monotonic()
-        prober = asyncio.create_task(probe())
+        prober = threading.Thread(target=probe, daemon=True)
+        prober.start()
         await asyncio.gather(*(client() for _ in range(args.concurrency)))
         elapsed = time.monotonic() - started
         done.set()
-        await prober
+        await asyncio.to_thread(prober.join, 120)
         stop_floods.set()
         floods = await asyncio.to_thread(flood_results.get, timeout=120)
         flooder.join(30)
@@ -283,7 +311,7 @@ async def soak(args, port: int, pid: int) -> dict:
                     "growth": round((rss_kib(pid) - rss_start) / 1024, 1),
                     "by_quarter_of_the_run": [round(rss_samples[min(len(rss_samples) - 1, q * len(rss_samples) // 4)]
                                                     / 1024, 1) for q in (1, 2, 3, 4)] if rss_samples else []},
-        "health_at_end": health, "normal_request_at_end": final,
+        "health_at_end": health, "normal_request_at_end": final, "server_event_loop": event_loop(pid),
     }
 
 
@@ -295,6 +323,7 @@ def main() -> int:
     parser.add_argument("--model", default="preset:tiny-llama")
     parser.add_argument("--flood-heads", type=int, default=1100, help="connections sending part of a head, no key")
     parser.add_argument("--flood-bodies", type=int, default=1100, help="connections trickling a body, with the key")
+    parser.add_argument("--asyncio-loop", action="store_true", help="hide uvloop from the server: asyncio's loop")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         template, port_file = Path(tmp) / "template.jinja", Path(tmp) / "port"
@@ -302,8 +331,10 @@ def main() -> int:
         cli = [sys.executable, "-m", "asyncflow.cli", "serve", args.model, "--port", "0", "--port-file", str(port_file),
                "--name", NAME, "--chat-template", str(template), "--threads", "1", "--header-timeout-s", "5",
                "--body-timeout-s", "5"]
-        server = subprocess.Popen(cli, env={**os.environ, "ASYNCFLOW_API_KEY": KEY}, stdout=subprocess.DEVNULL,
-                                  stderr=open(Path(tmp) / "server.log", "w"))
+        env = {**os.environ, "ASYNCFLOW_API_KEY": KEY}
+        if args.asyncio_loop:
+            env = without_uvloop(env, Path(tmp))
+        server = subprocess.Popen(cli, env=env, stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / "server.log", "w"))
         try:
             deadline = time.monotonic() + 180
             while not port_file.exists():

@@ -16,11 +16,11 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 # what the default suite imports; a missing one fails the setup here rather than skipping its tests
-imports="asyncflow, torch, transformers, ray, pytest, xdist, hypothesis, importlinter, ruff, mypy, wandb, peft, fastapi, uvicorn, openai, httpx, reasoning_gym, verifiers, pyseccomp"
+imports="asyncflow, torch, transformers, ray, pytest, xdist, hypothesis, importlinter, ruff, mypy, wandb, peft, fastapi, uvicorn, uvloop, openai, httpx, reasoning_gym, verifiers, pyseccomp"
 if ! .venv/bin/python -c "import $imports" 2>/dev/null; then
   .venv/bin/pip install -q -c constraints.txt "torch==2.13.0"
   # the extras whose tests run in the default suite: ray (separated deployment), wandb (~10 s), lora (peft),
-  # serve (fastapi/uvicorn), judge (httpx), reasoning-gym (~20 s, small pure-Python packages), verifiers (~30
+  # serve (fastapi/uvicorn/uvloop), judge (httpx), reasoning-gym (~20 s, small pure-Python packages), verifiers (~30
   # pure-Python packages; no version of anything above changes)
   .venv/bin/pip install -q -c constraints.txt -e ".[test,ray,wandb,lora,serve,judge,reasoning-gym,verifiers]"
   .venv/bin/python -c "import $imports"

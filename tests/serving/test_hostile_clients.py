@@ -1,9 +1,9 @@
 """Hostile clients against the real `asyncflow serve` (its own process, small limits), while a second client is served:
 each attack runs for a few seconds and meanwhile every valid completion of the bystander must get 200 and
-`GET /health` must answer within 0.5 s (`assert_bystander_served`). The attacks: huge arrays of bad items under the
-body limit (validation time and memory), partial request heads without the key and trickled bodies with it on more
-connections than the server allows, oversized heads sent in one write, a chat whose `tool_calls` the template
-renders at length. Also: the connection budget's bookkeeping, 503 beyond `max_connections`, and `--port 0
+`GET /health` must answer within 0.5 s (95% of probes; `assert_bystander_served`). The attacks: huge arrays of bad
+items under the body limit (validation time and memory), partial request heads without the key and trickled bodies
+with it on more connections than the server allows, oversized heads sent in one write, a chat whose `tool_calls` the
+template renders at length. Also: the connection budget's bookkeeping, 503 beyond `max_connections`, and `--port 0
 --port-file`."""
 
 import json
@@ -83,9 +83,11 @@ def while_attacked(port: int, attack, seconds: float = 4.0) -> tuple[list, list[
     def probes():
         while not stop.is_set():
             started = time.perf_counter()
-            try:
-                ok = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
-            except httpx.HTTPError:
+            try:  # a plain socket: a new httpx client per probe spent ~0.5 s of a loaded machine on its own setup
+                with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    ok = sock.recv(100).startswith(b"HTTP/1.1 200")
+            except OSError:
                 ok = False
             latencies.append(time.perf_counter() - started if ok else float("inf"))
             stop.wait(0.05)
@@ -104,13 +106,13 @@ def while_attacked(port: int, attack, seconds: float = 4.0) -> tuple[list, list[
 
 
 def assert_bystander_served(statuses: list, latencies: list[float]) -> None:
-    """Every valid completion answered 200; `/health` within 5 s (95% of probes) and never over 10 s (the probe's
-    timeout): a request that held the event loop froze the old server for up to 27 s, while a loaded machine (a
-    2-core CPU running ten times its cores in other jobs) delays a probe by up to ~2 s, which no server change can
-    help."""
+    """Every valid completion answered 200; `/health` within 0.5 s for 95% of probes and within 2 s for every one.
+    A request that held the event loop froze the old server for up to 27 s. Measured on the shared 2-core machine at
+    load average 11-12 with a soak running beside: p95 0.03-0.14 s, slowest 0.07-0.29 s per attack; the slowest
+    probe gets 2 s, for a loaded machine that deschedules the server for a moment, which no server change can help."""
     assert statuses and all(s == 200 for s in statuses), statuses
     slowest = sorted(latencies)
-    assert slowest and slowest[int(0.95 * (len(slowest) - 1))] < 5.0 and slowest[-1] < 10.0, slowest[-5:]
+    assert slowest and slowest[int(0.95 * (len(slowest) - 1))] < 0.5 and slowest[-1] < 2.0, slowest[-5:]
 
 
 def hold_connections(port: int, count: int, opening: bytes, trickle: bytes, stop: threading.Event) -> None:
@@ -351,3 +353,26 @@ def test_a_closed_connection_leaves_no_garbage_for_the_collector():
     finally:
         gc.enable()
         server.stop()
+
+
+def test_the_server_runs_on_uvloop_where_installed():
+    """uvloop (the `serve` extra) is the server's event loop: under the soak's connection floods alone, `/health`
+    answered 3-15x sooner at the p99 on it than on asyncio's loop (benchmarks/flood_server.py, BENCHMARKS.md)."""
+    import asyncio
+
+    from asyncflow.serving.server import ServerThread
+
+    uvloop = pytest.importorskip("uvloop")
+    loops = []
+
+    async def app(scope, receive, send):
+        loops.append(type(asyncio.get_running_loop()))
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    server = ServerThread(app).start()
+    try:
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    finally:
+        server.stop()
+    assert loops == [uvloop.Loop], loops

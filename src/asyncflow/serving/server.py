@@ -5,7 +5,8 @@ Owns: `ServerThread` (start with a bounded wait, the bound port, stop), `serve_f
 bound before the model loads, listening once the server starts), and the connection limits of `ServingLimits`:
 uvicorn's keep-alive timeout, and what uvicorn lacks, in `_GuardedProtocol` (its h11 protocol, extended): a
 deadline for the whole request head, a head size limit however the head arrives, and `ConnectionBudget`, which
-keeps the connections still sending a request apart from those that hold one.
+keeps the connections still sending a request apart from those that hold one. The event loop is uvloop where it is
+installed (the `serve` extra; else asyncio's): under connection floods it answers the others several times sooner.
 
 Invariants:
 - A started server listens on `host` only (loopback unless asked otherwise); `start` returns only once it
@@ -225,7 +226,7 @@ def _server(app, limits: ServingLimits | None) -> uvicorn.Server:
     limits = limits or ServingLimits()
     protocol = functools.partial(_GuardedProtocol, limits=limits, budget=ConnectionBudget(limits))
     return uvicorn.Server(uvicorn.Config(
-        app, log_level="warning", access_log=False, lifespan="off", ws="none",
+        app, log_level="warning", access_log=False, lifespan="off", ws="none", loop="auto",
         http=protocol,  # type: ignore[arg-type]  # uvicorn calls it like a protocol class
         timeout_keep_alive=limits.keep_alive_s, h11_max_incomplete_event_size=limits.max_header_bytes,
     ))
