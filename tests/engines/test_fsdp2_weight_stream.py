@@ -35,6 +35,7 @@ def train_one_step(engine: FSDP2TrainEngine) -> None:
     engine.optimizer_step(grad_scale=1 / 8)
 
 
+@pytest.mark.slow
 def test_the_stream_is_the_state_dict_and_no_rank_holds_more_than_a_bucket(engine, tiny_llama_path):
     stream = engine.weight_stream()
     assert isinstance(stream, BucketStream), "nothing cached: streamed from the ranks"
@@ -54,6 +55,7 @@ def test_the_stream_is_the_state_dict_and_no_rank_holds_more_than_a_bucket(engin
 
 
 @pytest.mark.parametrize("kind", ["inprocess", "shared_memory"])
+@pytest.mark.slow
 def test_a_transport_publishes_the_stream_bit_identically(engine, kind):
     train_one_step(engine)
     stream = engine.weight_stream()
@@ -82,6 +84,7 @@ def test_each_rank_reports_its_peak_memory(engine):
         assert metrics[f"memory/peak_rss_mb/rank_{rank}"] > 50, "a rank with torch and a model loaded"
 
 
+@pytest.mark.slow
 def test_ranks_load_one_tensor_at_a_time_and_tied_embeddings_stay_tied(tiny_qwen2_path, one_torch_thread):
     """Each rank builds the model on the meta device and receives its weights one tensor at a time: no rank holds more
     than the largest tensor whole (never the whole model), the weights are the folder's, and a tied embedding is

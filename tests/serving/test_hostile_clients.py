@@ -170,6 +170,7 @@ def huge_arrays() -> list[tuple[str, bytes]]:
     ]
 
 
+@pytest.mark.slow
 def test_huge_arrays_of_bad_items_are_small_400s_and_nobody_waits(served):
     port, server, _ = served
     requests, refused = huge_arrays(), []
@@ -198,6 +199,7 @@ def test_huge_arrays_of_bad_items_are_small_400s_and_nobody_waits(served):
 
 
 # ---------------------------------------------------------------- V2, V3: more connections than the server allows
+@pytest.mark.slow
 def test_partial_heads_without_the_key_take_no_place_of_a_valid_request(served):
     port, _, _ = served
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -206,6 +208,7 @@ def test_partial_heads_without_the_key_take_no_place_of_a_valid_request(served):
     assert_bystander_served(statuses, latencies)
 
 
+@pytest.mark.slow
 def test_trickled_bodies_with_the_key_take_no_place_of_a_valid_request(served):
     port, _, _ = served
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
@@ -215,6 +218,7 @@ def test_trickled_bodies_with_the_key_take_no_place_of_a_valid_request(served):
     assert_bystander_served(statuses, latencies)
 
 
+@pytest.mark.slow
 def test_a_trickled_body_gets_408_at_its_deadline_however_steadily_it_trickles(served):
     port, _, _ = served
     sock = socket.create_connection(("127.0.0.1", port))
@@ -257,6 +261,7 @@ def test_requests_beyond_max_connections_get_503_and_pending_connections_do_not_
 
 
 # ---------------------------------------------------------------- V4: oversized heads in one write
+@pytest.mark.slow
 def test_a_head_over_max_header_bytes_gets_431_in_one_write_too(served):
     port, _, _ = served
     answers = []
@@ -275,6 +280,7 @@ def test_a_head_over_max_header_bytes_gets_431_in_one_write_too(served):
 
 
 # ---------------------------------------------------------------- V5: a prompt that is not in `content`
+@pytest.mark.slow
 def test_the_prompt_limit_counts_every_field_the_template_renders_before_tokenising(served):
     port, _, _ = served
     calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "x " * 900_000}}]
@@ -322,6 +328,7 @@ def test_the_connection_budget_closes_the_oldest_pending_that_had_its_grace():
     assert not budget.full() and budget.pending("c", "1.1.1.1", 10.0) == []  # "c" sends its next request
 
 
+@pytest.mark.slow
 def test_a_closed_connection_leaves_no_garbage_for_the_collector():
     """A closed connection is freed by reference counting, whether it sent part of a head or a whole request: a flood
     of closed connections leaves no cycles for the collector, whose full passes hold the event loop (with 20 objects

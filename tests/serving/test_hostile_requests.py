@@ -222,6 +222,7 @@ def test_a_kept_alive_connection_that_trickles_its_next_head_is_disconnected(ser
     assert_serving(http)
 
 
+@pytest.mark.slow
 def test_a_stalled_body_gets_408(server):
     thread, _, http = server
     sock = socket.create_connection(("127.0.0.1", thread.port))

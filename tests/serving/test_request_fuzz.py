@@ -84,6 +84,7 @@ def normal_request_succeeds(http) -> None:
 
 @FUZZ
 @given(body=completion_bodies)
+@pytest.mark.slow
 def test_generated_completion_bodies(http, body):
     check(http.post("/v1/completions", content=json.dumps(body)))  # json.dumps writes NaN / Infinity as such
     normal_request_succeeds(http)
@@ -91,6 +92,7 @@ def test_generated_completion_bodies(http, body):
 
 @FUZZ
 @given(body=chat_bodies)
+@pytest.mark.slow
 def test_generated_chat_bodies(http, body):
     check(http.post("/v1/chat/completions", content=json.dumps(body)))
     normal_request_succeeds(http)
@@ -99,6 +101,7 @@ def test_generated_chat_bodies(http, body):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(raw=st.one_of(st.binary(max_size=300), st.text(max_size=300).map(str.encode)),
        path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/models", "/episodes/x/v1/completions"]))
+@pytest.mark.slow
 def test_generated_raw_bodies(http, raw, path):
     response = http.post(path, content=raw)
     assert response.status_code < 500 and "error" in response.json(), response.text

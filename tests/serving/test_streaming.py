@@ -183,6 +183,7 @@ def test_the_first_chunk_leaves_while_the_engine_is_still_generating(paused):
     assert delivered_when_read == 1 < total == 32
 
 
+@pytest.mark.slow
 def test_a_failure_after_the_start_ends_the_stream_with_an_error_event(paused):
     thread, engine, service = paused
     client = client_of(thread.url)

@@ -94,6 +94,7 @@ def ask(client, user: str, **fields):
                                           **{"temperature": 0, "max_tokens": 40, **fields})
 
 
+@pytest.mark.slow
 def test_tools_are_rendered_and_a_call_is_parsed_into_tool_calls(client):
     out = ask(client, "call", tools=TOOLS)
     choice = out.choices[0]

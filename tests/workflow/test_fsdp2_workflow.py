@@ -37,6 +37,7 @@ def fsdp2_config(tmp_path, *overrides: str):
     ])  # fmt: skip
 
 
+@pytest.mark.slow
 def test_sync_rank_killed_then_resumed_trains_every_prompt_once(tmp_path, one_torch_thread):
     config = fsdp2_config(tmp_path, "workflow.mode=sync", "runtime.kind=inline")
     killed = {}
@@ -91,6 +92,7 @@ def test_async_on_ray_with_rank_actors(tmp_path, ray_cluster, one_torch_thread, 
     assert any(not math.isnan(h["weights/update_bytes"]) for h in rows), "the replica took a version"
 
 
+@pytest.mark.slow
 def test_ppo_with_a_critic_on_two_ranks_resumes_from_its_sharded_checkpoint_exactly(tmp_path, one_torch_thread):
     """PPO (`algo.advantage=gae`, a value head) on 2 FSDP2 ranks: the critic trains (value metrics every step) and
     lives in the sharded checkpoint; resuming from step 2 retrains steps 3..5 to bit-identical policy weights and
