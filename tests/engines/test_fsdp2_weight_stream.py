@@ -78,6 +78,7 @@ def test_a_transport_publishes_the_stream_bit_identically(engine, kind):
     assert all(torch.equal(from_stream[k], whole[k]) for k in whole)
 
 
+@pytest.mark.slow
 def test_each_rank_reports_its_peak_memory(engine):
     metrics = engine.metrics()
     for rank in (0, 1):

@@ -240,6 +240,7 @@ def test_a_trickled_body_gets_408_at_its_deadline_however_steadily_it_trickles(s
     assert b" 408 " in answer.split(b"\r\n")[0] and time.monotonic() - started < TIMEOUT_S + 2, answer
 
 
+@pytest.mark.slow
 def test_requests_beyond_max_connections_get_503_and_pending_connections_do_not_count(served):
     port, _, _ = served
     held = []
@@ -301,6 +302,7 @@ def test_the_prompt_limit_counts_every_field_the_template_renders_before_tokenis
 
 
 # ---------------------------------------------------------------- V6: --port 0
+@pytest.mark.slow
 def test_port_0_prints_and_writes_the_port_it_listens_on(served):
     port, _, printed = served
     announced = re.search(r"serving .* at http://127\.0\.0\.1:(\d+)/v1", printed.read_text())

@@ -109,6 +109,7 @@ def test_tools_are_rendered_and_a_call_is_parsed_into_tool_calls(client):
     assert decode(choice.token_ids) == REPLIES["call"] + "</s>"
 
 
+@pytest.mark.slow
 def test_streaming_sends_the_call_as_delta_tool_calls_and_the_same_ids(client):
     whole = ask(client, "call", tools=TOOLS).choices[0]
     chunks = list(ask(client, "call", tools=TOOLS, stream=True))
@@ -122,6 +123,7 @@ def test_streaming_sends_the_call_as_delta_tool_calls_and_the_same_ids(client):
     assert streamed_ids == whole.token_ids
 
 
+@pytest.mark.slow
 def test_a_malformed_call_comes_back_as_text(client):
     for stream in (False, True):
         if stream:
@@ -136,12 +138,14 @@ def test_a_malformed_call_comes_back_as_text(client):
         assert content == REPLIES["bad"] and finish == "stop"
 
 
+@pytest.mark.slow
 def test_tool_choice_none_renders_and_parses_no_tools(client):
     choice = ask(client, "call", tools=TOOLS, tool_choice="none").choices[0]
     assert not decode(choice.prompt_token_ids).startswith("<s>system: Tools")
     assert choice.message.tool_calls is None and choice.finish_reason != "tool_calls"
 
 
+@pytest.mark.slow
 def test_required_and_named_choices_parse_calls_and_return_text_when_there_is_none(client):
     named = {"type": "function", "function": {"name": "calculator"}}
     for tool_choice in ("required", named):
@@ -163,6 +167,7 @@ def test_required_and_named_choices_parse_calls_and_return_text_when_there_is_no
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "python"}}}, "tool_choice"),
 ])
+@pytest.mark.slow
 def test_bad_tools_and_tool_choice_get_400_naming_the_field(client, fields, param):
     with pytest.raises(openai.BadRequestError) as caught:
         ask(client, "call", **fields)
@@ -171,6 +176,7 @@ def test_bad_tools_and_tool_choice_get_400_naming_the_field(client, fields, para
     assert param.split(".")[0] in error["message"]
 
 
+@pytest.mark.slow
 def test_a_role_tool_follow_up_renders_the_call_and_the_result(client):
     first = ask(client, "call", tools=TOOLS).choices[0].message
     messages = [{"role": "user", "content": "call"},
@@ -195,6 +201,7 @@ def test_a_template_without_tools_is_a_400_not_a_silent_drop(tiny_llama_path, on
 
 
 @pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.slow
 def test_an_episode_trains_the_ids_sampled_for_a_tool_calling_turn(server, stream):
     thread, _, recorder = server
     episode = f"ep-tools-{stream}"
@@ -226,6 +233,7 @@ def test_an_episode_trains_the_ids_sampled_for_a_tool_calling_turn(server, strea
     assert row.prompt_ids + row.response_ids == second.prompt_token_ids + second.token_ids
 
 
+@pytest.mark.slow
 def test_an_episode_turn_the_agent_changed_is_rendered_as_given(server):
     thread, _, recorder = server
     recorder.open("ep-changed")
