@@ -183,3 +183,38 @@ def test_handed_out_versions_are_never_written_and_superseded_ones_keep_the_base
     finally:
         receiver.close()
         publisher.close()
+
+
+def test_a_released_version_is_patched_in_place_and_a_held_one_is_never_written(tiny_llama_path):
+    """No copy per version on the receiver: once the consumer lets a handed-out version go, the next delta patches
+    its buffer; while the consumer holds it, the delta goes into another buffer and the held tensors keep their bits."""
+    publisher = make_weight_sync("shared_memory", delta=True, dtype=torch.bfloat16)
+    receiver = publisher.receiver_spec.open()
+    versions = list(trained_versions(tiny_llama_path, 4, lr=1e-6))
+    expected = [engine_weights(w, v, torch.bfloat16) for v, w in enumerate(versions, start=1)]
+
+    def take(version):
+        publisher.publish(versions[version - 1], version)
+        publisher.wait_published(60)
+        got = receiver.wait_for(version, 60)
+        assert got[0] == version
+        return got[1]
+
+    def bits(state_dict):
+        return {k: v.view(torch.int16).clone() for k, v in state_dict.items() if v.dtype == torch.bfloat16}
+
+    try:
+        kept = take(1)
+        kept_bits = bits(kept)
+        second = take(2)  # `kept` is still held: the delta went elsewhere
+        assert receiver.received_kind == "delta"
+        assert all(torch.equal(kept[k].view(torch.int16), v) for k, v in kept_bits.items())
+        address = next(iter(second.values())).data_ptr()
+        del second
+        third = take(3)  # released: patched in place
+        assert receiver.received_kind == "delta" and next(iter(third.values())).data_ptr() == address
+        want = unpack(expected[2].manifest, expected[2].buckets)
+        assert all(torch.equal(third[k].view(torch.int16), want[k].view(torch.int16)) for k in bits(want))
+    finally:
+        receiver.close()
+        publisher.close()

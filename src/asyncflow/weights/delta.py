@@ -137,24 +137,35 @@ def _index_dtype(bucket: torch.Tensor) -> torch.dtype:
     return torch.int32 if bucket.numel() < 2**31 else torch.int64
 
 
-def encode_delta(base: Packed, new: Packed, max_bytes: int) -> torch.Tensor | None:
+def changed_positions(old: torch.Tensor, new: torch.Tensor) -> np.ndarray:
+    """Positions [k] (int64, ascending) of the elements of `new` whose bit pattern differs from `old`'s (both [n],
+    one dtype): one compare of the integer views and one `flatnonzero` (numpy's: several times faster than torch's
+    `nonzero` on a CPU)."""
+    return np.flatnonzero(_bits(old) != _bits(new))
+
+
+def encode_delta(base: Packed, new: Packed, max_bytes: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """The blob taking `base` to `new` (same manifest), or None where it would exceed `max_bytes` or the layouts
     differ. Shapes: each bucket [n_i] -> indices [k_i] int32/int64 and values [k_i] of the bucket's dtype.
+    `out`: a uint8 buffer of at least `max_bytes` the blob is written into (it is then a view of its prefix), so a
+    channel of one fixed layout is written once, not through a blob copied into it.
 
-    Per bucket one compare of the integer views and one `flatnonzero` (numpy's: several times faster than
-    torch's `nonzero` on a CPU); indices and values are then written straight into the blob (a cast and a
+    Per bucket `changed_positions`; indices and values are then written straight into the blob (a cast and a
     `take`), no intermediate tensors per tensor or per section."""
     if base.manifest != new.manifest:
         return None
     changed: list[np.ndarray] = []
     total = align(8 * (_HEADER + len(new.buckets)))
     for old, fresh in zip(base.buckets, new.buckets, strict=True):
-        index = np.flatnonzero(_bits(old) != _bits(fresh))
+        index = changed_positions(old, fresh)
         total += align(index.size * _index_dtype(fresh).itemsize) + align(index.size * fresh.element_size())
         if total > max_bytes:
             return None
         changed.append(index)
-    blob = torch.zeros(total, dtype=torch.uint8)
+    if out is not None and out.numel() < total:
+        raise ValueError(f"delta: the output buffer holds {out.numel()} bytes, the blob needs {total}")
+    # the padding between sections is never read
+    blob = torch.empty(total, dtype=torch.uint8) if out is None else out[:total]
     header = blob[: 8 * (_HEADER + len(changed))].view(torch.int64)
     header[:_HEADER] = torch.tensor([MAGIC, base.version, new.version, len(changed)])
     header[_HEADER:] = torch.tensor([index.size for index in changed], dtype=torch.int64)
@@ -255,13 +266,15 @@ class DeltaPublisher:
         """On the sender thread: the delta (when it pays), then the full version, then the base moves on."""
         new = Packed(version, manifest, buckets)
         capacity = align(int(self.max_fraction * new.nbytes))
-        blob = None if self._base is None else encode_delta(self._base, new, capacity)
+        out = None
+        if self.fixed_capacity:  # one layout: the blob is encoded into it, and only its own bytes are read
+            if self._padded is None or self._padded.numel() != capacity:
+                self._padded = torch.zeros(capacity, dtype=torch.uint8)
+            out = self._padded
+        blob = None if self._base is None else encode_delta(self._base, new, capacity, out=out)
         if blob is not None:
-            if self.fixed_capacity:  # one layout: padded, and only the blob's own bytes are read
-                if self._padded is None or self._padded.numel() != capacity:
-                    self._padded = torch.zeros(capacity, dtype=torch.uint8)
-                self._padded[: blob.numel()].copy_(blob)
-                self.delta.publish({DELTA_KEY: self._padded}, version, used_bytes=blob.numel())
+            if out is not None:
+                self.delta.publish({DELTA_KEY: out}, version, used_bytes=blob.numel())
             else:
                 self.delta.publish({DELTA_KEY: blob}, version)
             # a channel may send in the background (ray): the delta must reach receivers before the full version
@@ -287,12 +300,28 @@ class DeltaPublisher:
             self.full.close()
 
 
+def in_use(packed: Packed) -> bool:
+    """Whether a tensor other than `packed`'s own bucket views still shares its memory (a version `poll` handed out
+    whose consumer still holds it), by torch's count of the references to the payload's storage. True where that
+    count is not available: the caller then copies instead of writing."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None or not packed.buckets:
+        return count is None
+    storage = packed.buckets[0].untyped_storage()
+    return bool(count(storage._cdata) > len(packed.buckets) + 1)  # the bucket views and `storage` itself
+
+
 class DeltaReceiver(PollingReceiver):
     """Follows the delta channel on a thread (every `FOLLOW_S`), applying each delta whose base is the version it
     holds, so a replica that takes versions only now and then (between partitions) still has the base of the
     next delta; `poll` returns the newest version held, or takes the full one when the deltas do not reach it.
     `received_bytes` counts every byte taken since the previous version `poll` returned; `received_kind` is
-    "delta" when no full version was among them."""
+    "delta" when no full version was among them.
+
+    Buffers: the version held is handed out as it is (no copy). The next delta patches it in place once no tensor
+    outside the receiver shares its memory (`in_use`: the consumer loaded it and let it go); while one does, the
+    held version is copied into the spare buffer (the one handed out before, once released), so a handed-out
+    version is never written and, in the steady state, no buffer is allocated."""
 
     collective = False
     FOLLOW_S = 0.05
@@ -301,7 +330,8 @@ class DeltaReceiver(PollingReceiver):
         self.full, self.delta, self.bucket_bytes = full, delta, bucket_bytes
         self.transport = full.transport
         self._held: Packed | None = None
-        self._handed_out = False  # `_held`'s tensors were returned by `poll`: never written again (copy first)
+        self._handed_out = False  # `_held`'s tensors were returned by `poll`: written only once `in_use` is False
+        self._spare: Packed | None = None  # a buffer handed out before: reused once released
         self._taken_bytes, self._took_full = 0, False  # since the last version `poll` returned
         self._lock = threading.Lock()  # the follower, the rollout thread and an in-flight watcher
         self._error: BaseException | None = None
@@ -318,16 +348,29 @@ class DeltaReceiver(PollingReceiver):
                 self._error = err
                 return
 
+    def _free(self, manifest: Manifest) -> Packed | None:
+        """A buffer of `manifest`'s layout that nothing outside the receiver reads (its contents may be lost)."""
+        for candidate, handed_out in ((self._held, self._handed_out), (self._spare, True)):
+            if candidate is not None and candidate.manifest == manifest and not (handed_out and in_use(candidate)):
+                return candidate
+        return None
+
+    def _writable(self, held: Packed) -> Packed:
+        """The held version in a buffer that may be written: itself unless a consumer still reads it, else a copy."""
+        if self._handed_out and in_use(held):
+            spare = self._spare if self._spare is not None and not in_use(self._spare) else None
+            self._held, self._spare = held.copy(into=spare), held
+            held = self._held
+        self._handed_out = False
+        return held
+
     def _take_delta(self) -> None:
         held = self._held
         if held is None:
             return
         delta = self.delta.poll(held.version)
         if delta is not None and delta_versions(delta[1][DELTA_KEY])[0] == held.version:
-            if self._handed_out:
-                self._held, self._handed_out = apply_delta(delta[1][DELTA_KEY], held), False
-            else:
-                patch(delta[1][DELTA_KEY], held)
+            patch(delta[1][DELTA_KEY], self._writable(held))
             self._taken_bytes += self.delta.received_bytes
 
     def poll(self, have_version: int) -> Received | None:
@@ -339,8 +382,7 @@ class DeltaReceiver(PollingReceiver):
             # with no base yet, take the version there even if the engine has it (it started from those weights)
             newest = self.full.poll(-1 if held is None else max(have_version, held.version))
             if newest is not None:
-                held, self._handed_out = self._pack(newest), False
-                self._held = held
+                held = self._take_full(newest)
                 self._taken_bytes += self.full.received_bytes
                 self._took_full = True
             if held is None or held.version <= have_version:
@@ -350,12 +392,19 @@ class DeltaReceiver(PollingReceiver):
             self._handed_out = True
             return held.version, unpack(held.manifest, held.buckets)
 
-    def _pack(self, received: Received) -> Packed:
+    def _take_full(self, received: Received) -> Packed:
+        """The received full version copied into a free buffer (the channel's tensors are not this receiver's)."""
         version, state_dict = received
         manifest = manifest_of(state_dict, self.bucket_bytes)
-        buckets = bucket_views(manifest, allocate_payload(manifest))
-        write_weights(state_dict, manifest, buckets)
-        return Packed(version, manifest, buckets)
+        into = self._free(manifest)
+        if into is None:
+            into = Packed(version, manifest, bucket_views(manifest, allocate_payload(manifest)))
+        if into is not self._held:  # the spare or a fresh buffer: the held version is the spare now, if handed out
+            self._spare = self._held if self._handed_out else None
+        write_weights(state_dict, manifest, into.buckets)
+        into.version = version
+        self._held, self._handed_out = into, False
+        return into
 
     def close(self) -> None:
         self._stop.set()

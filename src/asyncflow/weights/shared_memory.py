@@ -30,6 +30,7 @@ from asyncflow.weights.buckets import (
     allocate_payload,
     bucket_views,
     manifest_of,
+    materialize,
     unpack,
     write_weights,
 )
@@ -107,8 +108,8 @@ class SharedMemoryPublisher:
         self._manifest = manifest
 
     def publish(self, state_dict: Weights, version: int, *, used_bytes: int | None = None) -> None:
-        """`used_bytes`: only this prefix of the payload matters (a delta blob padded to the fixed layout):
-        receivers copy only it."""
+        """`used_bytes`: only this prefix of the payload matters (a delta blob padded to the fixed layout, the state
+        dict's one uint8 tensor): only it is copied in, and receivers copy only it out."""
         check_increasing(self.transport, self._last_version, version)
         manifest = manifest_of(state_dict, self.bucket_bytes)
         first = self._mm is None
@@ -130,7 +131,11 @@ class SharedMemoryPublisher:
         used = manifest.payload_bytes if used_bytes is None else min(used_bytes, manifest.payload_bytes)
         _SLOT.pack_into(mm, start, seq, version, used)
         payload = data[start + _SLOT_HEADER : start + _SLOT_HEADER + manifest.payload_bytes]
-        write_weights(state_dict, manifest, bucket_views(manifest, payload))
+        if used_bytes is None:
+            write_weights(state_dict, manifest, bucket_views(manifest, payload))
+        else:  # one uint8 tensor (a padded blob): its meaningful prefix only
+            (blob,) = materialize(state_dict).values()
+            payload[:used].copy_(blob.reshape(-1).view(torch.uint8)[:used])
         del payload
         _SLOT.pack_into(mm, start, seq + 1, version, used)
         magic, _, closed, manifest_len, stride = _CONTROL.unpack_from(mm, 0)
