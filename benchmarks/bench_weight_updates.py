@@ -139,6 +139,7 @@ def bench(preset: str, lr: float, args) -> list[dict]:
                 t2 = time.perf_counter()
                 mode.apply(engine, got[0], got[1])
                 t3 = time.perf_counter()
+                del got  # a consumer lets the version go once loaded (the rollout loop does)
                 if version:
                     samples[mode.name].append({"bytes": receiver.received_bytes, "kind": receiver.received_kind,
                                                "publish": t1 - t0, "transfer": t2 - t1, "apply": t3 - t2})

@@ -826,7 +826,7 @@ class WeightsConfig(Section):
     """Lossless delta updates: a replica holding the previous version receives only the elements whose bits
     changed in the rollout engine's dtype (`rollout.dtype`), bit-exact with a full update; a full version when the
     delta is larger than `delta_max_fraction` of it, at a replica's first version, after it skipped one, after a
-    restart and after a resume. `runtime.weight_sync` inprocess, shared_memory or ray (not torch_distributed)."""
+    restart and after a resume. Every `runtime.weight_sync` (docs/weight-updates.md)."""
     delta_max_fraction: float = Field(0.5, gt=0, le=1)
     """A delta larger than this fraction of the full version's bytes is not sent: the full version is."""
     publish_timeout_s: float | None = Field(None, gt=0)
@@ -986,13 +986,6 @@ class Config(Section):
             if isinstance(data, dict) and isinstance(data.get(section), dict) and key in data[section]:
                 raise ValueError(f"{old} has moved: write {new}")
         return data
-
-    @model_validator(mode="after")
-    def _check_weights(self) -> Config:
-        if self.weights.delta and self.runtime.weight_sync == "torch_distributed" and self.runtime.kind != "inline":
-            raise ValueError("weights.delta: true needs runtime.weight_sync inprocess, shared_memory or ray: "
-                             "torch_distributed broadcasts every version to every receiver (docs/weight-updates.md)")
-        return self
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> Config:

@@ -4,6 +4,8 @@ engine, never applied to the wrong base, full where a delta does not pay or cann
 Real optimizer steps on a real tiny model, real transports (in-process, shared memory, Ray); no mocks.
 """
 
+import hashlib
+import multiprocessing as mp
 import time
 
 import pytest
@@ -13,6 +15,8 @@ from asyncflow.engines.torch_inference import TorchInferenceEngine
 from asyncflow.models.loading import load_model
 from asyncflow.weights import WeightSyncError, make_weight_sync, unpack
 from asyncflow.weights.delta import DELTA_KEY, apply_delta, encode_delta, engine_weights
+
+SPAWN = mp.get_context("spawn")
 
 
 def trained_versions(model_path, steps: int, lr: float, seed: int = 0):
@@ -145,9 +149,50 @@ def test_delta_updates_through_ray(tiny_llama_path, ray_cluster):
         publisher.close()
 
 
-def test_torch_distributed_refuses_delta():
-    with pytest.raises(ValueError, match="weights.delta.*torch_distributed"):
-        make_weight_sync("torch_distributed", delta=True, num_receivers=1)
+def _digests(state_dict) -> dict[str, str]:
+    return {k: hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            for k, v in state_dict.items()}
+
+
+def _collective_delta_child(spec, last, results):
+    """Rank 1: takes every version (the engine's loop: poll, load, let go) and reports its bits and how it came."""
+    try:
+        receiver = spec.for_rank(1).open()
+        have = 0
+        while have < last:
+            version, weights = receiver.wait_for(have + 1, timeout=60)
+            results.put((version, receiver.received_kind, receiver.received_bytes, _digests(weights)))
+            have = version
+            del weights
+        receiver.close()
+    except BaseException as err:  # surface the child's failure in the parent's assertion
+        results.put(("error", repr(err), 0, {}))
+
+
+@pytest.mark.slow
+def test_deltas_over_torch_distributed_are_bit_exact_on_two_gloo_processes(tiny_llama_path):
+    publisher = make_weight_sync("torch_distributed", delta=True, dtype=torch.bfloat16, num_receivers=1,
+                                 bucket_bytes=1 << 16, timeout_s=60)
+    results = SPAWN.Queue()
+    child = SPAWN.Process(target=_collective_delta_child, args=(publisher.receiver_spec, 20, results))
+    child.start()
+    try:
+        for version, weights in enumerate(trained_versions(tiny_llama_path, 20, lr=1e-5), start=1):
+            publisher.publish(weights, version)
+            publisher.wait_published(60)
+            expected = engine_weights(weights, version, torch.bfloat16)
+            got, kind, nbytes, digests = results.get(timeout=60)
+            assert got == version, kind
+            assert digests == _digests(unpack(expected.manifest, expected.buckets)), version
+            assert kind == ("delta" if publisher.last_kind == "delta" else "full")
+            assert kind == "full" or nbytes < 0.5 * expected.nbytes
+            if version == 1:
+                assert kind == "full"
+    finally:
+        publisher.close()
+    child.join(30)
+    assert child.exitcode == 0
+    assert publisher.last_kind == "delta"  # AdamW's later steps move few bf16 values
 
 
 def test_blob_marks_itself(tiny_llama_path):

@@ -60,6 +60,7 @@ from asyncflow.weights.buckets import (
     allocate_payload,
     bucket_views,
     manifest_of,
+    materialize,
     plan_buckets,
     unpack,
     write_weights,
@@ -234,15 +235,20 @@ class DeltaSpec:
 class DeltaPublisher:
     """Publishes each version on `full` and, when small enough, its delta against the previous one on `delta`
     (first: a receiver that sees the full version of v has the delta of v already, or never will).
-    `fixed_capacity`: the delta channel keeps one layout (`shared_memory`): every blob is padded to
-    `max_fraction` of the full bytes, and published with `used_bytes`, so receivers copy only the blob.
+    `fixed_capacity`: the delta channel keeps one layout (`shared_memory`): every blob is encoded into a buffer of
+    `max_fraction` of the full bytes, and published with `used_bytes`, so only the blob is copied either way.
+
+    `delta=None`: one collective channel (`torch_distributed`), whose every send every receiver takes in order:
+    each version goes on it once, as a delta when it pays, else in full, and the next is encoded only after that
+    send completed (`wait_published`), so every receiver holds the base of each delta it receives. Blob sizes are
+    rounded up to 1/64 of the capacity: a channel that announces each new layout sees at most 64 of them.
 
     `publish` casts the version into a staging payload in the engine's dtype on the caller's thread (the
     snapshot) and returns; a `BackgroundSender` thread encodes it against the base, publishes both channels
     and patches the base in place, so the trainer steps while the delta is encoded. The base is the last
     version sent (a superseded one never is), and only that thread touches it. `timeout_s` bounds `close`."""
 
-    def __init__(self, full: WeightPublisher, delta: Any, *, dtype: torch.dtype | None,
+    def __init__(self, full: WeightPublisher, delta: Any | None, *, dtype: torch.dtype | None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, max_fraction: float = 0.5, fixed_capacity: bool = False,
                  timeout_s: float = 60.0):
         if not 0 < max_fraction <= 1:
@@ -251,9 +257,11 @@ class DeltaPublisher:
         self.transport = full.transport
         self.dtype, self.bucket_bytes = dtype, bucket_bytes
         self.max_fraction, self.fixed_capacity, self.timeout_s = max_fraction, fixed_capacity, timeout_s
-        self.receiver_spec = DeltaSpec(full.receiver_spec, delta.receiver_spec, bucket_bytes)
+        self.receiver_spec: DeltaSpec | CollectiveDeltaSpec = \
+            CollectiveDeltaSpec(full.receiver_spec) if delta is None \
+            else DeltaSpec(full.receiver_spec, delta.receiver_spec, bucket_bytes)
         self._base: Packed | None = None
-        self._padded: torch.Tensor | None = None  # `fixed_capacity`: the delta channel's one layout
+        self._out: torch.Tensor | None = None  # what blobs are encoded into (`fixed_capacity`, one channel)
         self.last_kind = "full"  # of the last version sent: "full" or "delta"
         self.last_delta_bytes = 0
         self._sender = BackgroundSender(f"{self.transport} (delta)", self._send, bucket_bytes=bucket_bytes,
@@ -263,23 +271,30 @@ class DeltaPublisher:
         self._sender.publish(taken_in_full(state_dict), version)
 
     def _send(self, version: int, manifest: Manifest, buckets: list[torch.Tensor]) -> None:
-        """On the sender thread: the delta (when it pays), then the full version, then the base moves on."""
+        """On the sender thread: the delta (when it pays), then the full version (one of them on one collective
+        channel), then the base moves on."""
         new = Packed(version, manifest, buckets)
         capacity = align(int(self.max_fraction * new.nbytes))
-        out = None
-        if self.fixed_capacity:  # one layout: the blob is encoded into it, and only its own bytes are read
-            if self._padded is None or self._padded.numel() != capacity:
-                self._padded = torch.zeros(capacity, dtype=torch.uint8)
-            out = self._padded
+        if (self.fixed_capacity or self.delta is None) and (self._out is None or self._out.numel() != capacity):
+            self._out = torch.zeros(capacity, dtype=torch.uint8)
+        out = self._out if self.fixed_capacity or self.delta is None else None
         blob = None if self._base is None else encode_delta(self._base, new, capacity, out=out)
-        if blob is not None:
-            if out is not None:
-                self.delta.publish({DELTA_KEY: out}, version, used_bytes=blob.numel())
+        if self.delta is None:
+            if blob is not None and out is not None:
+                granule = align(max(1, capacity // 64))
+                self.full.publish({DELTA_KEY: out[: min(capacity, -(-blob.numel() // granule) * granule)]}, version)
             else:
-                self.delta.publish({DELTA_KEY: blob}, version)
-            # a channel may send in the background (ray): the delta must reach receivers before the full version
-            self.delta.wait_published(self.timeout_s)
-        self.full.publish(unpack(manifest, buckets), version)
+                self.full.publish(unpack(manifest, buckets), version)
+            self.full.wait_published(self.timeout_s)  # every receiver took it: the next delta's base
+        else:
+            if blob is not None:
+                if out is not None:
+                    self.delta.publish({DELTA_KEY: out}, version, used_bytes=blob.numel())
+                else:
+                    self.delta.publish({DELTA_KEY: blob}, version)
+                # a channel may send in the background (ray): the delta must reach receivers before the full one
+                self.delta.wait_published(self.timeout_s)
+            self.full.publish(unpack(manifest, buckets), version)
         if blob is not None and self._base is not None:
             patch(blob, self._base)
         else:  # the staging payload goes back to the sender: the base is a copy of its own
@@ -289,13 +304,15 @@ class DeltaPublisher:
     def wait_published(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         self._sender.wait_published(timeout)
-        self.delta.wait_published(max(0.0, deadline - time.monotonic()))
-        self.full.wait_published(max(0.0, deadline - time.monotonic()))
+        for channel in (self.delta, self.full):
+            if channel is not None:
+                channel.wait_published(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         try:
             self._sender.close(self.timeout_s)
-            self.delta.close()
+            if self.delta is not None:
+                self.delta.close()
         finally:
             self.full.close()
 
@@ -311,17 +328,76 @@ def in_use(packed: Packed) -> bool:
     return bool(count(storage._cdata) > len(packed.buckets) + 1)  # the bucket views and `storage` itself
 
 
+class HeldVersion:
+    """The version a delta receiver holds, and how it is handed out without a copy.
+
+    The held version is handed out as it is. The next delta patches it in place once no tensor outside the
+    receiver shares its memory (`in_use`: the consumer loaded it and let it go); while one does, the held version
+    is copied into the spare buffer (the one handed out before, once released), so a handed-out version is never
+    written and, in the steady state, no buffer is allocated. `taken_bytes` / `took_full`: what reached the
+    receiver since the last version handed out."""
+
+    def __init__(self) -> None:
+        self.packed: Packed | None = None
+        self.handed_out = False  # `packed`'s tensors were handed out: written only once `in_use` is False
+        self.spare: Packed | None = None  # a buffer handed out before: reused once released
+        self.taken_bytes, self.took_full = 0, False
+
+    @property
+    def version(self) -> int | None:
+        return None if self.packed is None else self.packed.version
+
+    def _free(self, manifest: Manifest) -> Packed | None:
+        """A buffer of `manifest`'s layout that nothing outside the receiver reads (its contents may be lost)."""
+        for candidate, handed_out in ((self.packed, self.handed_out), (self.spare, True)):
+            if candidate is not None and candidate.manifest == manifest and not (handed_out and in_use(candidate)):
+                return candidate
+        return None
+
+    def apply(self, blob: torch.Tensor, nbytes: int) -> None:
+        """Patch the held version with a delta blob (`WeightSyncError` if it is not the delta's base)."""
+        held = self.packed
+        if held is None:
+            raise WeightSyncError("delta: a delta arrived before any full version")
+        delta_versions(blob)  # a bad blob fails before a copy
+        if self.handed_out and in_use(held):
+            spare = self.spare if self.spare is not None and not in_use(self.spare) else None
+            held, self.spare = held.copy(into=spare), held
+            self.packed = held
+        self.handed_out = False
+        patch(blob, held)
+        self.taken_bytes += nbytes
+
+    def take_full(self, version: int, weights: Weights, manifest: Manifest, nbytes: int) -> None:
+        """Hold a full version (laid out by `manifest`), copied into a free buffer: the channel's are not ours."""
+        into = self._free(manifest)
+        if into is None:
+            into = Packed(version, manifest, bucket_views(manifest, allocate_payload(manifest)))
+        if into is not self.packed:  # the spare or a fresh buffer: the held version is the spare now, if handed out
+            self.spare = self.packed if self.handed_out else None
+        write_weights(weights, manifest, into.buckets)
+        into.version = version
+        self.packed, self.handed_out = into, False
+        self.taken_bytes += nbytes
+        self.took_full = True
+
+    def hand_out(self, receiver: PollingReceiver, have_version: int) -> Received | None:
+        """The held version if newer than `have_version`, its bytes and kind recorded on `receiver`."""
+        held = self.packed
+        if held is None or held.version <= have_version:
+            return None
+        receiver.received_bytes, receiver.received_kind = self.taken_bytes, "full" if self.took_full else "delta"
+        self.taken_bytes, self.took_full = 0, False
+        self.handed_out = True
+        return held.version, unpack(held.manifest, held.buckets)
+
+
 class DeltaReceiver(PollingReceiver):
     """Follows the delta channel on a thread (every `FOLLOW_S`), applying each delta whose base is the version it
     holds, so a replica that takes versions only now and then (between partitions) still has the base of the
-    next delta; `poll` returns the newest version held, or takes the full one when the deltas do not reach it.
-    `received_bytes` counts every byte taken since the previous version `poll` returned; `received_kind` is
-    "delta" when no full version was among them.
-
-    Buffers: the version held is handed out as it is (no copy). The next delta patches it in place once no tensor
-    outside the receiver shares its memory (`in_use`: the consumer loaded it and let it go); while one does, the
-    held version is copied into the spare buffer (the one handed out before, once released), so a handed-out
-    version is never written and, in the steady state, no buffer is allocated."""
+    next delta; `poll` returns the newest version held (`HeldVersion`: no copy), or takes the full one when the
+    deltas do not reach it. `received_bytes` counts every byte taken since the previous version `poll` returned;
+    `received_kind` is "delta" when no full version was among them."""
 
     collective = False
     FOLLOW_S = 0.05
@@ -329,10 +405,7 @@ class DeltaReceiver(PollingReceiver):
     def __init__(self, full: Any, delta: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.full, self.delta, self.bucket_bytes = full, delta, bucket_bytes
         self.transport = full.transport
-        self._held: Packed | None = None
-        self._handed_out = False  # `_held`'s tensors were returned by `poll`: written only once `in_use` is False
-        self._spare: Packed | None = None  # a buffer handed out before: reused once released
-        self._taken_bytes, self._took_full = 0, False  # since the last version `poll` returned
+        self._held = HeldVersion()
         self._lock = threading.Lock()  # the follower, the rollout thread and an in-flight watcher
         self._error: BaseException | None = None
         self._stop = threading.Event()
@@ -348,63 +421,27 @@ class DeltaReceiver(PollingReceiver):
                 self._error = err
                 return
 
-    def _free(self, manifest: Manifest) -> Packed | None:
-        """A buffer of `manifest`'s layout that nothing outside the receiver reads (its contents may be lost)."""
-        for candidate, handed_out in ((self._held, self._handed_out), (self._spare, True)):
-            if candidate is not None and candidate.manifest == manifest and not (handed_out and in_use(candidate)):
-                return candidate
-        return None
-
-    def _writable(self, held: Packed) -> Packed:
-        """The held version in a buffer that may be written: itself unless a consumer still reads it, else a copy."""
-        if self._handed_out and in_use(held):
-            spare = self._spare if self._spare is not None and not in_use(self._spare) else None
-            self._held, self._spare = held.copy(into=spare), held
-            held = self._held
-        self._handed_out = False
-        return held
-
     def _take_delta(self) -> None:
-        held = self._held
+        held = self._held.version
         if held is None:
             return
-        delta = self.delta.poll(held.version)
-        if delta is not None and delta_versions(delta[1][DELTA_KEY])[0] == held.version:
-            patch(delta[1][DELTA_KEY], self._writable(held))
-            self._taken_bytes += self.delta.received_bytes
+        delta = self.delta.poll(held)
+        if delta is not None and delta_versions(delta[1][DELTA_KEY])[0] == held:
+            self._held.apply(delta[1][DELTA_KEY], self.delta.received_bytes)
 
     def poll(self, have_version: int) -> Received | None:
         with self._lock:
             if self._error is not None:
                 raise WeightSyncError(f"delta: following the delta channel failed: {self._error!r}") from self._error
             self._take_delta()
-            held = self._held
+            held = self._held.version
             # with no base yet, take the version there even if the engine has it (it started from those weights)
-            newest = self.full.poll(-1 if held is None else max(have_version, held.version))
+            newest = self.full.poll(-1 if held is None else max(have_version, held))
             if newest is not None:
-                held = self._take_full(newest)
-                self._taken_bytes += self.full.received_bytes
-                self._took_full = True
-            if held is None or held.version <= have_version:
-                return None
-            self.received_bytes, self.received_kind = self._taken_bytes, "full" if self._took_full else "delta"
-            self._taken_bytes, self._took_full = 0, False
-            self._handed_out = True
-            return held.version, unpack(held.manifest, held.buckets)
-
-    def _take_full(self, received: Received) -> Packed:
-        """The received full version copied into a free buffer (the channel's tensors are not this receiver's)."""
-        version, state_dict = received
-        manifest = manifest_of(state_dict, self.bucket_bytes)
-        into = self._free(manifest)
-        if into is None:
-            into = Packed(version, manifest, bucket_views(manifest, allocate_payload(manifest)))
-        if into is not self._held:  # the spare or a fresh buffer: the held version is the spare now, if handed out
-            self._spare = self._held if self._handed_out else None
-        write_weights(state_dict, manifest, into.buckets)
-        into.version = version
-        self._held, self._handed_out = into, False
-        return into
+                version, state_dict = newest
+                self._held.take_full(version, state_dict, manifest_of(state_dict, self.bucket_bytes),
+                                     self.full.received_bytes)
+            return self._held.hand_out(self, have_version)
 
     def close(self) -> None:
         self._stop.set()
@@ -414,6 +451,52 @@ class DeltaReceiver(PollingReceiver):
                 self.delta.close()
             finally:
                 self.full.close()
+
+
+# ------------------------------------------------------------------- one collective channel (torch_distributed)
+@dataclass(frozen=True)
+class CollectiveDeltaSpec:
+    """A `torch_distributed` channel carrying both kinds: every receiver takes every send, in order."""
+
+    channel: Any  # TorchDistributedSpec
+
+    def for_rank(self, rank: int) -> CollectiveDeltaSpec:
+        return CollectiveDeltaSpec(self.channel.for_rank(rank))
+
+    def open(self) -> CollectiveDeltaReceiver:
+        return CollectiveDeltaReceiver(self.channel.open())
+
+
+class CollectiveDeltaReceiver(PollingReceiver):
+    """Takes every send of a collective channel in order (`TorchDistributedReceiver.sends`): a delta patches the
+    version held (every receiver took the version before, which is the one the sender encoded against), a full
+    version replaces it; `poll` hands out the newest (`HeldVersion`: no copy)."""
+
+    collective = True
+
+    def __init__(self, channel: Any):
+        self.channel = channel
+        self.transport = channel.transport
+        self._held = HeldVersion()
+
+    def poll(self, have_version: int) -> Received | None:
+        for version, stream in self.channel.sends():
+            if is_delta(stream.manifest):
+                self._held.apply(materialize(stream)[DELTA_KEY], stream.manifest.payload_bytes)
+            else:
+                self._held.take_full(version, stream, stream.manifest, stream.manifest.payload_bytes)
+        received = self._held.hand_out(self, have_version)
+        if received is None and self.channel.closed():
+            raise WeightSyncError("torch_distributed: publisher closed")
+        return received
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def is_delta(manifest: Manifest) -> bool:
+    """Whether a version's layout is a delta blob's (one uint8 tensor named `DELTA_KEY`)."""
+    return len(manifest.tensors) == 1 and manifest.tensors[0].name == DELTA_KEY
 
 
 def state_dict_bytes(state_dict: Mapping[str, torch.Tensor] | StateDict) -> int:

@@ -15,7 +15,7 @@ import datetime
 import pickle
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -218,6 +218,33 @@ class TorchDistributedReceiver(PollingReceiver):
         if taking is not None:
             for _ in taking:
                 pass
+
+    def sends(self) -> Iterator[tuple[int, BucketStream]]:
+        """Every announced send not taken yet, in order, as (version, a `BucketStream` received as it is read): read
+        each before asking for the next, or what is left of it is received and dropped (`asyncflow.weights.delta`
+        takes every send: a delta needs the one before)."""
+        self._finish_taking()
+        while self._store_call(lambda: self._announced(self._taken + 1)):
+            version, manifest = self._store_call(lambda: self._announcement(self._taken + 1))
+            self._taken += 1
+            self._taking = self._members(manifest, version)
+            self.received_bytes = manifest.payload_bytes
+            yield version, BucketStream(manifest, self._taken_by)
+            self._finish_taking()
+
+    def closed(self) -> bool:
+        """Whether the publisher closed (its last send may still be announced)."""
+        return bool(self._store_call(lambda: self._store.check(["closed"])))
+
+    def _store_call(self, call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except RuntimeError as err:
+            if isinstance(err, WeightSyncError):
+                raise
+            raise WeightSyncError(
+                f"torch_distributed: store at {self._spec.host}:{self._spec.port} failed: {err}"
+            ) from err
 
     def poll(self, have_version: int) -> Received | None:
         """The newest announced version, if newer than `have_version`, as a `BucketStream` whose buckets are received
