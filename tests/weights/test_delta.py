@@ -86,9 +86,11 @@ def test_a_receiver_that_skipped_a_version_or_joined_late_takes_the_full_one(tin
         publisher.wait_published(60)
         publisher.publish(next(versions), 3)  # the delta 2 -> 3 is not for a replica holding 1
         publisher.wait_published(60)
-    assert early.poll(1)[0] == 3 and early.received_kind == "full"
+    # the full channel holds an older version: each asks for a full one, which the publisher's thread sends
+    assert publisher.full_version < 3
+    assert early.wait_for(3, 60)[0] == 3 and early.received_kind == "full"
     late = publisher.receiver_spec.open()  # a replica that joins (or restarts) holds no base
-    assert late.poll(-1)[0] == 3 and late.received_kind == "full"
+    assert late.wait_for(3, 60)[0] == 3 and late.received_kind == "full"
     publisher.publish(next(versions), 4)
     publisher.wait_published(60)
     for receiver in (early, late):
@@ -216,8 +218,8 @@ def test_handed_out_versions_are_never_written_and_superseded_ones_keep_the_base
             if version in (3, 5):  # 3 and 5 may be superseded by 4 and 6 before they are sent
                 continue
             publisher.wait_published(60)
-            got = receiver.poll(version - 1)
-            assert got is not None and got[0] == version
+            got = receiver.wait_for(version, 60)
+            assert got[0] == version
             handed_out[version] = got[1]
             kinds.append(receiver.received_kind)
         assert "delta" in kinds, kinds  # (a receiver that missed a superseded version's delta takes the full one)

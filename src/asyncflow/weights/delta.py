@@ -246,7 +246,13 @@ class DeltaPublisher:
     `publish` casts the version into a staging payload in the engine's dtype on the caller's thread (the
     snapshot) and returns; a `BackgroundSender` thread encodes it against the base, publishes both channels
     and patches the base in place, so the trainer steps while the delta is encoded. The base is the last
-    version sent (a superseded one never is), and only that thread touches it. `timeout_s` bounds `close`."""
+    version sent (a superseded one never is), and only that thread touches it. `timeout_s` bounds `close`.
+
+    Two channels: the full channel gets a version only when no delta is sent (the first version, a delta over
+    `max_fraction`) or when a receiver asked for one (`request_full`: it holds no base, or missed a delta); the
+    sender thread then publishes its base, at the next send or within `REQUEST_POLL_S` while idle."""
+
+    REQUEST_POLL_S = 0.05
 
     def __init__(self, full: WeightPublisher, delta: Any | None, *, dtype: torch.dtype | None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, max_fraction: float = 0.5, fixed_capacity: bool = False,
@@ -264,8 +270,12 @@ class DeltaPublisher:
         self._out: torch.Tensor | None = None  # what blobs are encoded into (`fixed_capacity`, one channel)
         self.last_kind = "full"  # of the last version sent: "full" or "delta"
         self.last_delta_bytes = 0
+        self.full_version: int | None = None  # the newest version on the full channel (two channels)
+        self._requests_seen = 0  # the full channel's `full_requests` at the last look
         self._sender = BackgroundSender(f"{self.transport} (delta)", self._send, bucket_bytes=bucket_bytes,
-                                        layout=lambda weights: engine_manifest(weights, dtype, bucket_bytes))
+                                        layout=lambda weights: engine_manifest(weights, dtype, bucket_bytes),
+                                        idle=None if delta is None else self._serve_requests,
+                                        idle_s=self.REQUEST_POLL_S)
 
     def publish(self, state_dict: Weights, version: int) -> None:
         self._sender.publish(taken_in_full(state_dict), version)
@@ -286,20 +296,38 @@ class DeltaPublisher:
             else:
                 self.full.publish(unpack(manifest, buckets), version)
             self.full.wait_published(self.timeout_s)  # every receiver took it: the next delta's base
+        elif blob is not None:
+            if out is not None:
+                self.delta.publish({DELTA_KEY: out}, version, used_bytes=blob.numel())
+            else:
+                self.delta.publish({DELTA_KEY: blob}, version)
         else:
-            if blob is not None:
-                if out is not None:
-                    self.delta.publish({DELTA_KEY: out}, version, used_bytes=blob.numel())
-                else:
-                    self.delta.publish({DELTA_KEY: blob}, version)
-                # a channel may send in the background (ray): the delta must reach receivers before the full one
-                self.delta.wait_published(self.timeout_s)
-            self.full.publish(unpack(manifest, buckets), version)
+            self._publish_full(new)
         if blob is not None and self._base is not None:
             patch(blob, self._base)
         else:  # the staging payload goes back to the sender: the base is a copy of its own
             self._base = new.copy(into=self._base)
         self.last_kind, self.last_delta_bytes = ("delta", blob.numel()) if blob is not None else ("full", 0)
+        if self.delta is not None:
+            self._serve_requests()
+
+    def _publish_full(self, version: Packed) -> None:
+        """`version` on the full channel, after the delta channel's send (ray sends in the background: a receiver
+        must not see a full version before the delta that preceded it)."""
+        if self.delta is not None:
+            self.delta.wait_published(self.timeout_s)
+        self.full.publish(unpack(version.manifest, version.buckets), version.version)
+        self.full_version = version.version
+
+    def _serve_requests(self) -> None:
+        """On the sender thread (after each send, and every `REQUEST_POLL_S` while idle): the base in full when a
+        receiver asked for a full version since the last look, and the full channel does not hold it yet."""
+        if self._base is None or self.full_version == self._base.version:
+            return
+        requests = self.full.full_requests()
+        if requests != self._requests_seen:
+            self._requests_seen = requests
+            self._publish_full(self._base)
 
     def wait_published(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -426,8 +454,11 @@ class DeltaReceiver(PollingReceiver):
         if held is None:
             return
         delta = self.delta.poll(held)
-        if delta is not None and delta_versions(delta[1][DELTA_KEY])[0] == held:
-            self._held.apply(delta[1][DELTA_KEY], self.delta.received_bytes)
+        if delta is not None:
+            if delta_versions(delta[1][DELTA_KEY])[0] == held:
+                self._held.apply(delta[1][DELTA_KEY], self.delta.received_bytes)
+            else:  # a delta was missed: the deltas no longer reach the version held
+                self.full.request_full()
 
     def poll(self, have_version: int) -> Received | None:
         with self._lock:
@@ -441,6 +472,8 @@ class DeltaReceiver(PollingReceiver):
                 version, state_dict = newest
                 self._held.take_full(version, state_dict, manifest_of(state_dict, self.bucket_bytes),
                                      self.full.received_bytes)
+            elif held is None:
+                self.full.request_full()
             return self._held.hand_out(self, have_version)
 
     def close(self) -> None:
