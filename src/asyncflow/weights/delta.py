@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from asyncflow.weights.background import BackgroundSender
-from asyncflow.weights.base import PollingReceiver, Received, WeightPublisher, WeightSyncError
+from asyncflow.weights.base import PollingReceiver, Received, WeightSyncError
 from asyncflow.weights.buckets import (
     DEFAULT_BUCKET_BYTES,
     BucketStream,
@@ -254,7 +254,7 @@ class DeltaPublisher:
 
     REQUEST_POLL_S = 0.05
 
-    def __init__(self, full: WeightPublisher, delta: Any | None, *, dtype: torch.dtype | None,
+    def __init__(self, full: Any, delta: Any | None, *, dtype: torch.dtype | None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, max_fraction: float = 0.5, fixed_capacity: bool = False,
                  timeout_s: float = 60.0):
         if not 0 < max_fraction <= 1:
