@@ -3,8 +3,9 @@ elements whose bits changed, in the engine's dtype, between `b` and the new vers
 
 Owns: `engine_manifest` / `engine_weights` (the trainer's weights cast to the engine's dtype, packed: what a
 full update loads, and the base a delta is taken against), `encode_delta` / `patch` / `apply_delta` (the
-encoding), and `DeltaPublisher` / `DeltaReceiver`, which carry full versions and deltas over two channels of
-one transport.
+encoding), `DeltaPublisher` with `DeltaReceiver` (two channels of one transport: full versions and deltas) or
+`CollectiveDeltaReceiver` (one `torch_distributed` channel carrying both), and `HeldVersion` (a receiver's
+version and buffers).
 
 Encoding: sparse indices + values, one blob per version. For each bucket of the version's `Manifest` the
 int32 positions (int64 for a bucket of 2**31 elements or more) of the elements whose bit pattern differs from
@@ -18,23 +19,33 @@ Blob layout (uint8, every section 64-byte aligned): an int64 header `[MAGIC, bas
 count_0 .. count_{B-1}]`, then per bucket its indices and its values.
 
 Where the time goes (`benchmarks/bench_weight_updates.py`): the trainer's thread only casts the version into a
-staging payload; compare, encode and both channels' copies run on the publisher's sender thread, and both
-sides keep their base in place (`patch`), so no full-size buffer is allocated per delta on the publisher (fresh
-multi-hundred-MB buffers cost more in page faults than the copy into them).
+staging payload; compare and encode run on the publisher's sender thread, which writes the blob straight into
+the channel's buffer where it has one layout (`shared_memory`: only the blob's bytes are copied) and patches its
+base in place. No full version is copied per delta: the full channel gets one only when no delta is sent, or when a
+receiver asks. A receiver hands out the version it holds without a copy and patches it in place once released
+(`HeldVersion`), so in the steady state no full-size buffer is allocated or copied on either side (fresh
+multi-hundred-MB buffers cost more in page faults than a copy into them).
 
-Two channels: `DeltaPublisher` publishes each version's delta against the version before (when it is at most
-`max_fraction` of the full bytes) on one publisher, then the full version on another. A `DeltaReceiver` takes
-the delta only when its base is the version it holds, and the full version otherwise (its first version, one
-after a skipped delta, after a restart or a resume: a new publisher starts with a full version). Bytes reach a
-replica only when it reads them, so a full version costs the replica nothing while deltas apply.
+Two channels (`inprocess`, `shared_memory`, `ray`): `DeltaPublisher` publishes each version's delta against
+the version before (when it is at most `max_fraction` of the full bytes) on one publisher, or else the full
+version on the other. A `DeltaReceiver` takes a delta only when its base is the version it holds. When it holds
+no base (its first version, after a restart or a resume: a new publisher starts with a full version) or missed
+a delta, it takes the full channel's version and asks for a full one (`request_full`, a counter on the full
+channel), which the publisher's sender thread sends from its base at the next send or within
+`DeltaPublisher.REQUEST_POLL_S` while idle. One collective channel (`torch_distributed`): every receiver takes
+every send in order, so each version goes once, as a delta or in full, and the next is encoded only after that
+send reached every receiver.
 
 Invariants:
-- A delta is applied only to the version it was taken against: `apply_delta` checks the base version and the
-  layout and raises `WeightSyncError` naming both otherwise; the receiver never calls it on another base.
+- A delta is applied only to the version it was taken against: `patch` checks the base version and the
+  layout and raises `WeightSyncError` naming both otherwise; the receivers never call it on another base.
 - Applying a delta gives, bit for bit, the full version it was taken from (indices and values are exact copies
   of the engine-dtype tensors, compared by bit pattern so -0.0 / +0.0 and NaN payloads travel too).
-- Tensors `poll` handed out are never written again (the package invariant on received tensors): the receiver
-  patches its held version in place only until it hands it out, and copies it before the next delta after.
+- The publisher's base is the last version it sent; a receiver's is the last it applied; the full channel holds
+  the publisher's base or an older version, never a newer one than a delta already sent.
+- Tensors `poll` handed out are never written while anything outside the receiver references them (the package
+  invariant on received tensors): `in_use` counts the references to their memory, and while any remain the
+  next delta is applied to a copy.
 """
 
 from __future__ import annotations
