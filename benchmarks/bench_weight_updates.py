@@ -81,7 +81,8 @@ def _load(engine: TorchInferenceEngine, version: int, weights: dict) -> None:
 
 
 MODES = [
-    Mode("full", lambda transport, dtype: make_weight_sync(transport, **_options(transport)), _load),
+    # as a run builds it: `ray` stages and sends the engine's dtype, the local transports the trainer's own
+    Mode("full", lambda transport, dtype: make_weight_sync(transport, dtype=dtype, **_options(transport)), _load),
     Mode("delta", lambda transport, dtype: make_weight_sync(transport, delta=True, dtype=dtype,
                                                             **_options(transport)), _load),
 ]
