@@ -13,7 +13,7 @@ the base, then their new values, in the bucket's dtype. Measured against XOR enc
 bits, zlib-compressed) on the weights of real training steps (`benchmarks/bench_weight_updates.py
 --encodings`, table in BENCHMARKS.md): sparse moves fewer or comparable bytes at the 1-3% changed fraction of
 an RL step and encodes and applies an order of magnitude faster (a compare, a `flatnonzero`, a `take` and an
-`index_put_` instead of a compressor over every byte), so sparse is kept.
+`np.put` instead of a compressor over every byte), so sparse is kept.
 
 Blob layout (uint8, every section 64-byte aligned): an int64 header `[MAGIC, base version, version, buckets,
 count_0 .. count_{B-1}]`, then per bucket its indices and its values.
@@ -202,7 +202,7 @@ def delta_versions(blob: torch.Tensor) -> tuple[int, int]:
 
 
 def patch(blob: torch.Tensor, held: Packed) -> None:
-    """Turn `held` into the version `blob` encodes, in place (`index_put_` per bucket). `WeightSyncError` when
+    """Turn `held` into the version `blob` encodes, in place (one `np.put` per bucket). `WeightSyncError` when
     `held` is not the version (or layout) the delta was taken against; `held` is then unchanged."""
     base_version, version = delta_versions(blob)
     buckets = int(blob[8 * 3 : 8 * 4].view(torch.int64).item())
@@ -219,7 +219,7 @@ def patch(blob: torch.Tensor, held: Packed) -> None:
         offset += align(index.nbytes)
         values = blob[offset : offset + count * bucket.element_size()].view(bucket.dtype)
         offset += align(values.nbytes)
-        bucket.index_put_((index,), values)
+        np.put(_bits(bucket), index.numpy(), _bits(values))  # bit patterns; faster than `index_put_` on a CPU
     held.version = version
 
 
