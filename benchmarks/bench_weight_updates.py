@@ -157,11 +157,16 @@ def bench(preset: str, lr: float, args) -> list[dict]:
     rows = []
     for mode in MODES:
         s = samples[mode.name]
-        rows.append({
-            "preset": preset, "params": params, "lr": lr, "mode": mode.name,
-            "deltas": sum(x["kind"] == "delta" for x in s), "steps": len(s),
-            **{key: statistics.median(x[key] for x in s) for key in ("bytes", "publish", "transfer", "apply")},
-        })
+        deltas = sum(x["kind"] == "delta" for x in s)
+        # a mode whose versions came both ways gets a row per way as well: medians of a mix describe neither
+        splits = [(mode.name, s)] + ([(f"{mode.name} ({kind}s)", [x for x in s if x["kind"] == kind])
+                                      for kind in ("delta", "full")] if 0 < deltas < len(s) else [])
+        for name, part in splits:
+            rows.append({
+                "preset": preset, "params": params, "lr": lr, "mode": name,
+                "deltas": sum(x["kind"] == "delta" for x in part), "steps": len(part),
+                **{key: statistics.median(x[key] for x in part) for key in ("bytes", "publish", "transfer", "apply")},
+            })
     if encoded:
         rows.append({"preset": preset, "params": params, "lr": lr, "mode": "encodings",
                      **{k: statistics.median(e[k] for e in encoded) for k in encoded[0]}})
