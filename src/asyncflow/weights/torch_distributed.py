@@ -239,12 +239,13 @@ class TorchDistributedReceiver(PollingReceiver):
     def _store_call(self, call: Callable[[], Any]) -> Any:
         try:
             return call()
+        except WeightSyncError:
+            raise
         except RuntimeError as err:
-            if isinstance(err, WeightSyncError):
-                raise
-            raise WeightSyncError(
-                f"torch_distributed: store at {self._spec.host}:{self._spec.port} failed: {err}"
-            ) from err
+            raise self._store_failed(err) from err
+
+    def _store_failed(self, err: RuntimeError) -> WeightSyncError:
+        return WeightSyncError(f"torch_distributed: store at {self._spec.host}:{self._spec.port} failed: {err}")
 
     def poll(self, have_version: int) -> Received | None:
         """The newest announced version, if newer than `have_version`, as a `BucketStream` whose buckets are received
@@ -264,12 +265,10 @@ class TorchDistributedReceiver(PollingReceiver):
                 for _ in taking:  # superseded, or not newer: taken (a broadcast is collective), not kept
                     pass
             closed = newest is None and self._store.check(["closed"])
+        except WeightSyncError:
+            raise
         except RuntimeError as err:
-            if isinstance(err, WeightSyncError):
-                raise
-            raise WeightSyncError(
-                f"torch_distributed: store at {self._spec.host}:{self._spec.port} failed: {err}"
-            ) from err
+            raise self._store_failed(err) from err
         if newest is not None:
             self.received_bytes = newest[1].manifest.payload_bytes
             return newest
