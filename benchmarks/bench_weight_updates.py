@@ -81,7 +81,8 @@ def _load(engine: TorchInferenceEngine, version: int, weights: dict) -> None:
 
 
 MODES = [
-    Mode("full", lambda transport, dtype: make_weight_sync(transport, **_options(transport)), _load),
+    # as a run builds it: `ray` stages and sends the engine's dtype, the local transports the trainer's own
+    Mode("full", lambda transport, dtype: make_weight_sync(transport, dtype=dtype, **_options(transport)), _load),
     Mode("delta", lambda transport, dtype: make_weight_sync(transport, delta=True, dtype=dtype,
                                                             **_options(transport)), _load),
 ]
@@ -139,6 +140,7 @@ def bench(preset: str, lr: float, args) -> list[dict]:
                 t2 = time.perf_counter()
                 mode.apply(engine, got[0], got[1])
                 t3 = time.perf_counter()
+                del got  # a consumer lets the version go once loaded (the rollout loop does)
                 if version:
                     samples[mode.name].append({"bytes": receiver.received_bytes, "kind": receiver.received_kind,
                                                "publish": t1 - t0, "transfer": t2 - t1, "apply": t3 - t2})
@@ -155,11 +157,16 @@ def bench(preset: str, lr: float, args) -> list[dict]:
     rows = []
     for mode in MODES:
         s = samples[mode.name]
-        rows.append({
-            "preset": preset, "params": params, "lr": lr, "mode": mode.name,
-            "deltas": sum(x["kind"] == "delta" for x in s), "steps": len(s),
-            **{key: statistics.median(x[key] for x in s) for key in ("bytes", "publish", "transfer", "apply")},
-        })
+        deltas = sum(x["kind"] == "delta" for x in s)
+        # a mode whose versions came both ways gets a row per way as well: medians of a mix describe neither
+        splits = [(mode.name, s)] + ([(f"{mode.name} ({kind}s)", [x for x in s if x["kind"] == kind])
+                                      for kind in ("delta", "full")] if 0 < deltas < len(s) else [])
+        for name, part in splits:
+            rows.append({
+                "preset": preset, "params": params, "lr": lr, "mode": name,
+                "deltas": sum(x["kind"] == "delta" for x in part), "steps": len(part),
+                **{key: statistics.median(x[key] for x in part) for key in ("bytes", "publish", "transfer", "apply")},
+            })
     if encoded:
         rows.append({"preset": preset, "params": params, "lr": lr, "mode": "encodings",
                      **{k: statistics.median(e[k] for e in encoded) for k in encoded[0]}})

@@ -826,7 +826,7 @@ class WeightsConfig(Section):
     """Lossless delta updates: a replica holding the previous version receives only the elements whose bits
     changed in the rollout engine's dtype (`rollout.dtype`), bit-exact with a full update; a full version when the
     delta is larger than `delta_max_fraction` of it, at a replica's first version, after it skipped one, after a
-    restart and after a resume. `runtime.weight_sync` inprocess, shared_memory or ray (not torch_distributed)."""
+    restart and after a resume. Every `runtime.weight_sync` (docs/weight-updates.md)."""
     delta_max_fraction: float = Field(0.5, gt=0, le=1)
     """A delta larger than this fraction of the full version's bytes is not sent: the full version is."""
     stage_on_driver: bool = True
@@ -994,13 +994,13 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check_weights(self) -> Config:
-        if self.weights.delta and self.runtime.weight_sync == "torch_distributed" and self.runtime.kind != "inline":
-            raise ValueError("weights.delta: true needs runtime.weight_sync inprocess, shared_memory or ray: "
-                             "torch_distributed broadcasts every version to every receiver (docs/weight-updates.md)")
-        if not self.weights.stage_on_driver and (self.runtime.kind != "ray"
-                                                 or self.runtime.weight_sync != "torch_distributed"):
-            raise ValueError("weights.stage_on_driver: false needs runtime.kind: ray with runtime.weight_sync: "
-                             "torch_distributed (the transport that forwards a version bucket by bucket)")
+        if not self.weights.stage_on_driver:
+            if self.runtime.kind != "ray" or self.runtime.weight_sync != "torch_distributed":
+                raise ValueError("weights.stage_on_driver: false needs runtime.kind: ray with runtime.weight_sync: "
+                                 "torch_distributed (the transport that forwards a version bucket by bucket)")
+            if self.weights.delta:
+                raise ValueError("weights.stage_on_driver: false cannot send deltas (weights.delta: true): a delta is "
+                                 "computed against the version the driver staged")
         return self
 
     @model_validator(mode="after")

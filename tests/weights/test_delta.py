@@ -4,6 +4,8 @@ engine, never applied to the wrong base, full where a delta does not pay or cann
 Real optimizer steps on a real tiny model, real transports (in-process, shared memory, Ray); no mocks.
 """
 
+import hashlib
+import multiprocessing as mp
 import time
 
 import pytest
@@ -13,6 +15,8 @@ from asyncflow.engines.torch_inference import TorchInferenceEngine
 from asyncflow.models.loading import load_model
 from asyncflow.weights import WeightSyncError, make_weight_sync, unpack
 from asyncflow.weights.delta import DELTA_KEY, apply_delta, encode_delta, engine_weights
+
+SPAWN = mp.get_context("spawn")
 
 
 def trained_versions(model_path, steps: int, lr: float, seed: int = 0):
@@ -82,9 +86,11 @@ def test_a_receiver_that_skipped_a_version_or_joined_late_takes_the_full_one(tin
         publisher.wait_published(60)
         publisher.publish(next(versions), 3)  # the delta 2 -> 3 is not for a replica holding 1
         publisher.wait_published(60)
-    assert early.poll(1)[0] == 3 and early.received_kind == "full"
+    # the full channel holds an older version: each asks for a full one, which the publisher's thread sends
+    assert publisher.full_version < 3
+    assert early.wait_for(3, 60)[0] == 3 and early.received_kind == "full"
     late = publisher.receiver_spec.open()  # a replica that joins (or restarts) holds no base
-    assert late.poll(-1)[0] == 3 and late.received_kind == "full"
+    assert late.wait_for(3, 60)[0] == 3 and late.received_kind == "full"
     publisher.publish(next(versions), 4)
     publisher.wait_published(60)
     for receiver in (early, late):
@@ -145,9 +151,50 @@ def test_delta_updates_through_ray(tiny_llama_path, ray_cluster):
         publisher.close()
 
 
-def test_torch_distributed_refuses_delta():
-    with pytest.raises(ValueError, match="weights.delta.*torch_distributed"):
-        make_weight_sync("torch_distributed", delta=True, num_receivers=1)
+def _digests(state_dict) -> dict[str, str]:
+    return {k: hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            for k, v in state_dict.items()}
+
+
+def _collective_delta_child(spec, last, results):
+    """Rank 1: takes every version (the engine's loop: poll, load, let go) and reports its bits and how it came."""
+    try:
+        receiver = spec.for_rank(1).open()
+        have = 0
+        while have < last:
+            version, weights = receiver.wait_for(have + 1, timeout=60)
+            results.put((version, receiver.received_kind, receiver.received_bytes, _digests(weights)))
+            have = version
+            del weights
+        receiver.close()
+    except BaseException as err:  # surface the child's failure in the parent's assertion
+        results.put(("error", repr(err), 0, {}))
+
+
+@pytest.mark.slow
+def test_deltas_over_torch_distributed_are_bit_exact_on_two_gloo_processes(tiny_llama_path):
+    publisher = make_weight_sync("torch_distributed", delta=True, dtype=torch.bfloat16, num_receivers=1,
+                                 bucket_bytes=1 << 16, timeout_s=60)
+    results = SPAWN.Queue()
+    child = SPAWN.Process(target=_collective_delta_child, args=(publisher.receiver_spec, 20, results))
+    child.start()
+    try:
+        for version, weights in enumerate(trained_versions(tiny_llama_path, 20, lr=1e-5), start=1):
+            publisher.publish(weights, version)
+            publisher.wait_published(60)
+            expected = engine_weights(weights, version, torch.bfloat16)
+            got, kind, nbytes, digests = results.get(timeout=60)
+            assert got == version, kind
+            assert digests == _digests(unpack(expected.manifest, expected.buckets)), version
+            assert kind == ("delta" if publisher.last_kind == "delta" else "full")
+            assert kind == "full" or nbytes < 0.5 * expected.nbytes
+            if version == 1:
+                assert kind == "full"
+    finally:
+        publisher.close()
+    child.join(30)
+    assert child.exitcode == 0
+    assert publisher.last_kind == "delta"  # AdamW's later steps move few bf16 values
 
 
 def test_blob_marks_itself(tiny_llama_path):
@@ -171,8 +218,8 @@ def test_handed_out_versions_are_never_written_and_superseded_ones_keep_the_base
             if version in (3, 5):  # 3 and 5 may be superseded by 4 and 6 before they are sent
                 continue
             publisher.wait_published(60)
-            got = receiver.poll(version - 1)
-            assert got is not None and got[0] == version
+            got = receiver.wait_for(version, 60)
+            assert got[0] == version
             handed_out[version] = got[1]
             kinds.append(receiver.received_kind)
         assert "delta" in kinds, kinds  # (a receiver that missed a superseded version's delta takes the full one)
@@ -180,6 +227,41 @@ def test_handed_out_versions_are_never_written_and_superseded_ones_keep_the_base
             packed = expected[version - 1]
             assert all(torch.equal(state_dict[k].view(torch.int16), t.view(torch.int16))
                        for k, t in unpack(packed.manifest, packed.buckets).items() if t.dtype == torch.bfloat16)
+    finally:
+        receiver.close()
+        publisher.close()
+
+
+def test_a_released_version_is_patched_in_place_and_a_held_one_is_never_written(tiny_llama_path):
+    """No copy per version on the receiver: once the consumer lets a handed-out version go, the next delta patches
+    its buffer; while the consumer holds it, the delta goes into another buffer and the held tensors keep their bits."""
+    publisher = make_weight_sync("shared_memory", delta=True, dtype=torch.bfloat16)
+    receiver = publisher.receiver_spec.open()
+    versions = list(trained_versions(tiny_llama_path, 4, lr=1e-6))
+    expected = [engine_weights(w, v, torch.bfloat16) for v, w in enumerate(versions, start=1)]
+
+    def take(version):
+        publisher.publish(versions[version - 1], version)
+        publisher.wait_published(60)
+        got = receiver.wait_for(version, 60)
+        assert got[0] == version
+        return got[1]
+
+    def bits(state_dict):
+        return {k: v.view(torch.int16).clone() for k, v in state_dict.items() if v.dtype == torch.bfloat16}
+
+    try:
+        kept = take(1)
+        kept_bits = bits(kept)
+        second = take(2)  # `kept` is still held: the delta went elsewhere
+        assert receiver.received_kind == "delta"
+        assert all(torch.equal(kept[k].view(torch.int16), v) for k, v in kept_bits.items())
+        address = next(iter(second.values())).data_ptr()
+        del second
+        third = take(3)  # released: patched in place
+        assert receiver.received_kind == "delta" and next(iter(third.values())).data_ptr() == address
+        want = unpack(expected[2].manifest, expected[2].buckets)
+        assert all(torch.equal(third[k].view(torch.int16), want[k].view(torch.int16)) for k in bits(want))
     finally:
         receiver.close()
         publisher.close()

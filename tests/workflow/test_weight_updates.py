@@ -57,7 +57,8 @@ def test_delta_updates_through_an_async_run(tmp_path, one_torch_thread):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("transport", "delta"), [("shared_memory", "false"), ("ray", "true")])
+@pytest.mark.parametrize(("transport", "delta"),
+                         [("shared_memory", "false"), ("ray", "true"), ("torch_distributed", "true")])
 def test_every_step_reports_its_weight_update_on_ray(tmp_path, ray_cluster, transport, delta):
     history = rows(train(config(
         tmp_path, "workflow.mode=async", "runtime.kind=ray", f"runtime.weight_sync={transport}",

@@ -34,8 +34,9 @@ Invariants:
 - Versions published by one publisher strictly increase.
 - Every blocking call takes a timeout and ends in `WeightSyncTimeout` (transport, version, what was
   awaited); a closed or broken transport raises `WeightSyncError`. Nothing hangs silently.
-- Received tensors are read-only snapshots: the transport never writes them again; callers copy
-  them into their model (`load_state_dict`) and must not modify them in place.
+- Received tensors are read-only snapshots: the transport never writes them while anything outside it
+  references them (a delta receiver reuses a version's memory once its consumer let it go); callers copy them
+  into their model (`load_state_dict`) and must not modify them in place.
 - `publish` and `wait_published` are called from one thread (the trainer's).
 """
 

@@ -35,6 +35,9 @@ class _Staged:
 class BackgroundSender:
     """Double-buffered staging plus one sender thread.
 
+    `idle`: called on the sender thread every `idle_s` while nothing is to be sent (a delta publisher serves
+    receivers' requests for a full version there).
+
     `publish` packs into a free staging payload and queues it; the thread sends it with
     `send(version, manifest, buckets)`. Two payloads circulate: one being sent, the other pending
     or free. A publish while one is pending supersedes it (reuses its payload; that version is
@@ -55,10 +58,12 @@ class BackgroundSender:
         connect: Callable[[], None] | None = None,
         dtype: torch.dtype | None = None,
         layout: Layout | None = None,
+        idle: Callable[[], None] | None = None,
+        idle_s: float = 0.05,
     ):
         self.transport, self.bucket_bytes, self.dtype = transport, bucket_bytes, dtype
         self.staging_device = torch.device(staging_device)
-        self._send, self._connect = send, connect
+        self._send, self._connect, self._idle, self._idle_s = send, connect, idle, idle_s
         self._layout: Layout = layout or (lambda weights: cast_manifest(manifest_of(weights, bucket_bytes), dtype))
         self._cond = threading.Condition()
         self._free: list[_Staged] = []
@@ -128,12 +133,16 @@ class BackgroundSender:
                 self._connect()
             while True:
                 with self._cond:
-                    while self._pending is None and not self._closing:
-                        self._cond.wait()
-                    pending = self._pending
-                    if self._closing or pending is None:  # None only when closing (the wait above)
+                    if self._pending is None and not self._closing:
+                        self._cond.wait(None if self._idle is None else self._idle_s)
+                    if self._closing:
                         return
-                    staged, self._pending, self._sending = pending, None, True
+                    staged, self._pending = self._pending, None
+                    self._sending = staged is not None
+                if staged is None:  # woken with nothing to send
+                    if self._idle is not None:
+                        self._idle()
+                    continue
                 self._send(staged.version, staged.manifest, staged.buckets)
                 with self._cond:
                     self._sending = False

@@ -3,8 +3,9 @@ elements whose bits changed, in the engine's dtype, between `b` and the new vers
 
 Owns: `engine_manifest` / `engine_weights` (the trainer's weights cast to the engine's dtype, packed: what a
 full update loads, and the base a delta is taken against), `encode_delta` / `patch` / `apply_delta` (the
-encoding), and `DeltaPublisher` / `DeltaReceiver`, which carry full versions and deltas over two channels of
-one transport.
+encoding), `DeltaPublisher` with `DeltaReceiver` (two channels of one transport: full versions and deltas) or
+`CollectiveDeltaReceiver` (one `torch_distributed` channel carrying both), and `HeldVersion` (a receiver's
+version and buffers).
 
 Encoding: sparse indices + values, one blob per version. For each bucket of the version's `Manifest` the
 int32 positions (int64 for a bucket of 2**31 elements or more) of the elements whose bit pattern differs from
@@ -12,29 +13,39 @@ the base, then their new values, in the bucket's dtype. Measured against XOR enc
 bits, zlib-compressed) on the weights of real training steps (`benchmarks/bench_weight_updates.py
 --encodings`, table in BENCHMARKS.md): sparse moves fewer or comparable bytes at the 1-3% changed fraction of
 an RL step and encodes and applies an order of magnitude faster (a compare, a `flatnonzero`, a `take` and an
-`index_put_` instead of a compressor over every byte), so sparse is kept.
+`np.put` instead of a compressor over every byte), so sparse is kept.
 
 Blob layout (uint8, every section 64-byte aligned): an int64 header `[MAGIC, base version, version, buckets,
 count_0 .. count_{B-1}]`, then per bucket its indices and its values.
 
 Where the time goes (`benchmarks/bench_weight_updates.py`): the trainer's thread only casts the version into a
-staging payload; compare, encode and both channels' copies run on the publisher's sender thread, and both
-sides keep their base in place (`patch`), so no full-size buffer is allocated per delta on the publisher (fresh
-multi-hundred-MB buffers cost more in page faults than the copy into them).
+staging payload; compare and encode run on the publisher's sender thread, which writes the blob straight into
+the channel's buffer where it has one layout (`shared_memory`: only the blob's bytes are copied) and patches its
+base in place. No full version is copied per delta: the full channel gets one only when no delta is sent, or when a
+receiver asks. A receiver hands out the version it holds without a copy and patches it in place once released
+(`HeldVersion`), so in the steady state no full-size buffer is allocated or copied on either side (fresh
+multi-hundred-MB buffers cost more in page faults than a copy into them).
 
-Two channels: `DeltaPublisher` publishes each version's delta against the version before (when it is at most
-`max_fraction` of the full bytes) on one publisher, then the full version on another. A `DeltaReceiver` takes
-the delta only when its base is the version it holds, and the full version otherwise (its first version, one
-after a skipped delta, after a restart or a resume: a new publisher starts with a full version). Bytes reach a
-replica only when it reads them, so a full version costs the replica nothing while deltas apply.
+Two channels (`inprocess`, `shared_memory`, `ray`): `DeltaPublisher` publishes each version's delta against
+the version before (when it is at most `max_fraction` of the full bytes) on one publisher, or else the full
+version on the other. A `DeltaReceiver` takes a delta only when its base is the version it holds. When it holds
+no base (its first version, after a restart or a resume: a new publisher starts with a full version) or missed
+a delta, it takes the full channel's version and asks for a full one (`request_full`, a counter on the full
+channel), which the publisher's sender thread sends from its base at the next send or within
+`DeltaPublisher.REQUEST_POLL_S` while idle. One collective channel (`torch_distributed`): every receiver takes
+every send in order, so each version goes once, as a delta or in full, and the next is encoded only after that
+send reached every receiver.
 
 Invariants:
-- A delta is applied only to the version it was taken against: `apply_delta` checks the base version and the
-  layout and raises `WeightSyncError` naming both otherwise; the receiver never calls it on another base.
+- A delta is applied only to the version it was taken against: `patch` checks the base version and the
+  layout and raises `WeightSyncError` naming both otherwise; the receivers never call it on another base.
 - Applying a delta gives, bit for bit, the full version it was taken from (indices and values are exact copies
   of the engine-dtype tensors, compared by bit pattern so -0.0 / +0.0 and NaN payloads travel too).
-- Tensors `poll` handed out are never written again (the package invariant on received tensors): the receiver
-  patches its held version in place only until it hands it out, and copies it before the next delta after.
+- The publisher's base is the last version it sent; a receiver's is the last it applied; the full channel holds
+  the publisher's base or an older version, never a newer one than a delta already sent.
+- Tensors `poll` handed out are never written while anything outside the receiver references them (the package
+  invariant on received tensors): `in_use` counts the references to their memory, and while any remain the
+  next delta is applied to a copy.
 """
 
 from __future__ import annotations
@@ -49,7 +60,7 @@ import numpy as np
 import torch
 
 from asyncflow.weights.background import BackgroundSender
-from asyncflow.weights.base import PollingReceiver, Received, WeightPublisher, WeightSyncError
+from asyncflow.weights.base import PollingReceiver, Received, WeightSyncError
 from asyncflow.weights.buckets import (
     DEFAULT_BUCKET_BYTES,
     BucketStream,
@@ -60,6 +71,7 @@ from asyncflow.weights.buckets import (
     allocate_payload,
     bucket_views,
     manifest_of,
+    materialize,
     plan_buckets,
     unpack,
     write_weights,
@@ -137,24 +149,35 @@ def _index_dtype(bucket: torch.Tensor) -> torch.dtype:
     return torch.int32 if bucket.numel() < 2**31 else torch.int64
 
 
-def encode_delta(base: Packed, new: Packed, max_bytes: int) -> torch.Tensor | None:
+def changed_positions(old: torch.Tensor, new: torch.Tensor) -> np.ndarray:
+    """Positions [k] (int64, ascending) of the elements of `new` whose bit pattern differs from `old`'s (both [n],
+    one dtype): one compare of the integer views and one `flatnonzero` (numpy's: several times faster than torch's
+    `nonzero` on a CPU)."""
+    return np.flatnonzero(_bits(old) != _bits(new))
+
+
+def encode_delta(base: Packed, new: Packed, max_bytes: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """The blob taking `base` to `new` (same manifest), or None where it would exceed `max_bytes` or the layouts
     differ. Shapes: each bucket [n_i] -> indices [k_i] int32/int64 and values [k_i] of the bucket's dtype.
+    `out`: a uint8 buffer of at least `max_bytes` the blob is written into (it is then a view of its prefix), so a
+    channel of one fixed layout is written once, not through a blob copied into it.
 
-    Per bucket one compare of the integer views and one `flatnonzero` (numpy's: several times faster than
-    torch's `nonzero` on a CPU); indices and values are then written straight into the blob (a cast and a
+    Per bucket `changed_positions`; indices and values are then written straight into the blob (a cast and a
     `take`), no intermediate tensors per tensor or per section."""
     if base.manifest != new.manifest:
         return None
     changed: list[np.ndarray] = []
     total = align(8 * (_HEADER + len(new.buckets)))
     for old, fresh in zip(base.buckets, new.buckets, strict=True):
-        index = np.flatnonzero(_bits(old) != _bits(fresh))
+        index = changed_positions(old, fresh)
         total += align(index.size * _index_dtype(fresh).itemsize) + align(index.size * fresh.element_size())
         if total > max_bytes:
             return None
         changed.append(index)
-    blob = torch.zeros(total, dtype=torch.uint8)
+    if out is not None and out.numel() < total:
+        raise ValueError(f"delta: the output buffer holds {out.numel()} bytes, the blob needs {total}")
+    # the padding between sections is never read
+    blob = torch.empty(total, dtype=torch.uint8) if out is None else out[:total]
     header = blob[: 8 * (_HEADER + len(changed))].view(torch.int64)
     header[:_HEADER] = torch.tensor([MAGIC, base.version, new.version, len(changed)])
     header[_HEADER:] = torch.tensor([index.size for index in changed], dtype=torch.int64)
@@ -179,7 +202,7 @@ def delta_versions(blob: torch.Tensor) -> tuple[int, int]:
 
 
 def patch(blob: torch.Tensor, held: Packed) -> None:
-    """Turn `held` into the version `blob` encodes, in place (`index_put_` per bucket). `WeightSyncError` when
+    """Turn `held` into the version `blob` encodes, in place (one `np.put` per bucket). `WeightSyncError` when
     `held` is not the version (or layout) the delta was taken against; `held` is then unchanged."""
     base_version, version = delta_versions(blob)
     buckets = int(blob[8 * 3 : 8 * 4].view(torch.int64).item())
@@ -196,7 +219,7 @@ def patch(blob: torch.Tensor, held: Packed) -> None:
         offset += align(index.nbytes)
         values = blob[offset : offset + count * bucket.element_size()].view(bucket.dtype)
         offset += align(values.nbytes)
-        bucket.index_put_((index,), values)
+        np.put(_bits(bucket), index.numpy(), _bits(values))  # bit patterns; faster than `index_put_` on a CPU
     held.version = version
 
 
@@ -223,15 +246,26 @@ class DeltaSpec:
 class DeltaPublisher:
     """Publishes each version on `full` and, when small enough, its delta against the previous one on `delta`
     (first: a receiver that sees the full version of v has the delta of v already, or never will).
-    `fixed_capacity`: the delta channel keeps one layout (`shared_memory`): every blob is padded to
-    `max_fraction` of the full bytes, and published with `used_bytes`, so receivers copy only the blob.
+    `fixed_capacity`: the delta channel keeps one layout (`shared_memory`): every blob is encoded into a buffer of
+    `max_fraction` of the full bytes, and published with `used_bytes`, so only the blob is copied either way.
+
+    `delta=None`: one collective channel (`torch_distributed`), whose every send every receiver takes in order:
+    each version goes on it once, as a delta when it pays, else in full, and the next is encoded only after that
+    send completed (`wait_published`), so every receiver holds the base of each delta it receives. Blob sizes are
+    rounded up to 1/64 of the capacity: a channel that announces each new layout sees at most 64 of them.
 
     `publish` casts the version into a staging payload in the engine's dtype on the caller's thread (the
     snapshot) and returns; a `BackgroundSender` thread encodes it against the base, publishes both channels
     and patches the base in place, so the trainer steps while the delta is encoded. The base is the last
-    version sent (a superseded one never is), and only that thread touches it. `timeout_s` bounds `close`."""
+    version sent (a superseded one never is), and only that thread touches it. `timeout_s` bounds `close`.
 
-    def __init__(self, full: WeightPublisher, delta: Any, *, dtype: torch.dtype | None,
+    Two channels: the full channel gets a version only when no delta is sent (the first version, a delta over
+    `max_fraction`) or when a receiver asked for one (`request_full`: it holds no base, or missed a delta); the
+    sender thread then publishes its base, at the next send or within `REQUEST_POLL_S` while idle."""
+
+    REQUEST_POLL_S = 0.05
+
+    def __init__(self, full: Any, delta: Any | None, *, dtype: torch.dtype | None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, max_fraction: float = 0.5, fixed_capacity: bool = False,
                  timeout_s: float = 60.0):
         if not 0 < max_fraction <= 1:
@@ -240,59 +274,169 @@ class DeltaPublisher:
         self.transport = full.transport
         self.dtype, self.bucket_bytes = dtype, bucket_bytes
         self.max_fraction, self.fixed_capacity, self.timeout_s = max_fraction, fixed_capacity, timeout_s
-        self.receiver_spec = DeltaSpec(full.receiver_spec, delta.receiver_spec, bucket_bytes)
+        self.receiver_spec: DeltaSpec | CollectiveDeltaSpec = \
+            CollectiveDeltaSpec(full.receiver_spec) if delta is None \
+            else DeltaSpec(full.receiver_spec, delta.receiver_spec, bucket_bytes)
         self._base: Packed | None = None
-        self._padded: torch.Tensor | None = None  # `fixed_capacity`: the delta channel's one layout
+        self._out: torch.Tensor | None = None  # what blobs are encoded into (`fixed_capacity`, one channel)
         self.last_kind = "full"  # of the last version sent: "full" or "delta"
         self.last_delta_bytes = 0
+        self.full_version: int | None = None  # the newest version on the full channel (two channels)
+        self._requests_seen = 0  # the full channel's `full_requests` at the last look
         self._sender = BackgroundSender(f"{self.transport} (delta)", self._send, bucket_bytes=bucket_bytes,
-                                        layout=lambda weights: engine_manifest(weights, dtype, bucket_bytes))
+                                        layout=lambda weights: engine_manifest(weights, dtype, bucket_bytes),
+                                        idle=None if delta is None else self._serve_requests,
+                                        idle_s=self.REQUEST_POLL_S)
 
     def publish(self, state_dict: Weights, version: int) -> None:
         self._sender.publish(taken_in_full(state_dict), version)
 
     def _send(self, version: int, manifest: Manifest, buckets: list[torch.Tensor]) -> None:
-        """On the sender thread: the delta (when it pays), then the full version, then the base moves on."""
+        """On the sender thread: the delta (when it pays), then the full version (one of them on one collective
+        channel), then the base moves on."""
         new = Packed(version, manifest, buckets)
         capacity = align(int(self.max_fraction * new.nbytes))
-        blob = None if self._base is None else encode_delta(self._base, new, capacity)
-        if blob is not None:
-            if self.fixed_capacity:  # one layout: padded, and only the blob's own bytes are read
-                if self._padded is None or self._padded.numel() != capacity:
-                    self._padded = torch.zeros(capacity, dtype=torch.uint8)
-                self._padded[: blob.numel()].copy_(blob)
-                self.delta.publish({DELTA_KEY: self._padded}, version, used_bytes=blob.numel())
+        if (self.fixed_capacity or self.delta is None) and (self._out is None or self._out.numel() != capacity):
+            self._out = torch.zeros(capacity, dtype=torch.uint8)
+        out = self._out if self.fixed_capacity or self.delta is None else None
+        blob = None if self._base is None else encode_delta(self._base, new, capacity, out=out)
+        if self.delta is None:
+            if blob is not None and out is not None:
+                granule = align(max(1, capacity // 64))
+                self.full.publish({DELTA_KEY: out[: min(capacity, -(-blob.numel() // granule) * granule)]}, version)
+            else:
+                self.full.publish(unpack(manifest, buckets), version)
+            self.full.wait_published(self.timeout_s)  # every receiver took it: the next delta's base
+        elif blob is not None:
+            if out is not None:
+                self.delta.publish({DELTA_KEY: out}, version, used_bytes=blob.numel())
             else:
                 self.delta.publish({DELTA_KEY: blob}, version)
-            # a channel may send in the background (ray): the delta must reach receivers before the full version
-            self.delta.wait_published(self.timeout_s)
-        self.full.publish(unpack(manifest, buckets), version)
+        else:
+            self._publish_full(new)
         if blob is not None and self._base is not None:
             patch(blob, self._base)
         else:  # the staging payload goes back to the sender: the base is a copy of its own
             self._base = new.copy(into=self._base)
         self.last_kind, self.last_delta_bytes = ("delta", blob.numel()) if blob is not None else ("full", 0)
+        if self.delta is not None:
+            self._serve_requests()
+
+    def _publish_full(self, version: Packed) -> None:
+        """`version` on the full channel, after the delta channel's send (ray sends in the background: a receiver
+        must not see a full version before the delta that preceded it)."""
+        if self.delta is not None:
+            self.delta.wait_published(self.timeout_s)
+        self.full.publish(unpack(version.manifest, version.buckets), version.version)
+        self.full_version = version.version
+
+    def _serve_requests(self) -> None:
+        """On the sender thread (after each send, and every `REQUEST_POLL_S` while idle): the base in full when a
+        receiver asked for a full version since the last look, and the full channel does not hold it yet."""
+        if self._base is None or self.full_version == self._base.version:
+            return
+        requests = self.full.full_requests()
+        if requests != self._requests_seen:
+            self._requests_seen = requests
+            self._publish_full(self._base)
 
     def wait_published(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         self._sender.wait_published(timeout)
-        self.delta.wait_published(max(0.0, deadline - time.monotonic()))
-        self.full.wait_published(max(0.0, deadline - time.monotonic()))
+        for channel in (self.delta, self.full):
+            if channel is not None:
+                channel.wait_published(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         try:
             self._sender.close(self.timeout_s)
-            self.delta.close()
+            if self.delta is not None:
+                self.delta.close()
         finally:
             self.full.close()
+
+
+def in_use(packed: Packed) -> bool:
+    """Whether a tensor other than `packed`'s own bucket views still shares its memory (a version `poll` handed out
+    whose consumer still holds it), by torch's count of the references to the payload's storage. True where that
+    count is not available: the caller then copies instead of writing."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None or not packed.buckets:
+        return count is None
+    storage = packed.buckets[0].untyped_storage()
+    return bool(count(storage._cdata) > len(packed.buckets) + 1)  # the bucket views and `storage` itself
+
+
+class HeldVersion:
+    """The version a delta receiver holds, and how it is handed out without a copy.
+
+    The held version is handed out as it is. The next delta patches it in place once no tensor outside the
+    receiver shares its memory (`in_use`: the consumer loaded it and let it go); while one does, the held version
+    is copied into the spare buffer (the one handed out before, once released), so a handed-out version is never
+    written and, in the steady state, no buffer is allocated. `taken_bytes` / `took_full`: what reached the
+    receiver since the last version handed out."""
+
+    def __init__(self) -> None:
+        self.packed: Packed | None = None
+        self.handed_out = False  # `packed`'s tensors were handed out: written only once `in_use` is False
+        self.spare: Packed | None = None  # a buffer handed out before: reused once released
+        self.taken_bytes, self.took_full = 0, False
+
+    @property
+    def version(self) -> int | None:
+        return None if self.packed is None else self.packed.version
+
+    def _free(self, manifest: Manifest) -> Packed | None:
+        """A buffer of `manifest`'s layout that nothing outside the receiver reads (its contents may be lost)."""
+        for candidate, handed_out in ((self.packed, self.handed_out), (self.spare, True)):
+            if candidate is not None and candidate.manifest == manifest and not (handed_out and in_use(candidate)):
+                return candidate
+        return None
+
+    def apply(self, blob: torch.Tensor, nbytes: int) -> None:
+        """Patch the held version with a delta blob (`WeightSyncError` if it is not the delta's base)."""
+        held = self.packed
+        if held is None:
+            raise WeightSyncError("delta: a delta arrived before any full version")
+        delta_versions(blob)  # a bad blob fails before a copy
+        if self.handed_out and in_use(held):
+            spare = self.spare if self.spare is not None and not in_use(self.spare) else None
+            held, self.spare = held.copy(into=spare), held
+            self.packed = held
+        self.handed_out = False
+        patch(blob, held)
+        self.taken_bytes += nbytes
+
+    def take_full(self, version: int, weights: Weights, manifest: Manifest, nbytes: int) -> None:
+        """Hold a full version (laid out by `manifest`), copied into a free buffer: the channel's are not ours."""
+        into = self._free(manifest)
+        if into is None:
+            into = Packed(version, manifest, bucket_views(manifest, allocate_payload(manifest)))
+        if into is not self.packed:  # the spare or a fresh buffer: the held version is the spare now, if handed out
+            self.spare = self.packed if self.handed_out else None
+        write_weights(weights, manifest, into.buckets)
+        into.version = version
+        self.packed, self.handed_out = into, False
+        self.taken_bytes += nbytes
+        self.took_full = True
+
+    def hand_out(self, receiver: PollingReceiver, have_version: int) -> Received | None:
+        """The held version if newer than `have_version`, its bytes and kind recorded on `receiver`."""
+        held = self.packed
+        if held is None or held.version <= have_version:
+            return None
+        receiver.received_bytes, receiver.received_kind = self.taken_bytes, "full" if self.took_full else "delta"
+        self.taken_bytes, self.took_full = 0, False
+        self.handed_out = True
+        return held.version, unpack(held.manifest, held.buckets)
 
 
 class DeltaReceiver(PollingReceiver):
     """Follows the delta channel on a thread (every `FOLLOW_S`), applying each delta whose base is the version it
     holds, so a replica that takes versions only now and then (between partitions) still has the base of the
-    next delta; `poll` returns the newest version held, or takes the full one when the deltas do not reach it.
-    `received_bytes` counts every byte taken since the previous version `poll` returned; `received_kind` is
-    "delta" when no full version was among them."""
+    next delta; `poll` returns the newest version held (`HeldVersion`: no copy), or takes the full one when the
+    deltas do not reach it. `received_bytes` counts every byte taken since the previous version `poll` returned;
+    `received_kind` is "delta" when no full version was among them."""
 
     collective = False
     FOLLOW_S = 0.05
@@ -300,9 +444,7 @@ class DeltaReceiver(PollingReceiver):
     def __init__(self, full: Any, delta: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.full, self.delta, self.bucket_bytes = full, delta, bucket_bytes
         self.transport = full.transport
-        self._held: Packed | None = None
-        self._handed_out = False  # `_held`'s tensors were returned by `poll`: never written again (copy first)
-        self._taken_bytes, self._took_full = 0, False  # since the last version `poll` returned
+        self._held = HeldVersion()
         self._lock = threading.Lock()  # the follower, the rollout thread and an in-flight watcher
         self._error: BaseException | None = None
         self._stop = threading.Event()
@@ -319,43 +461,31 @@ class DeltaReceiver(PollingReceiver):
                 return
 
     def _take_delta(self) -> None:
-        held = self._held
+        held = self._held.version
         if held is None:
             return
-        delta = self.delta.poll(held.version)
-        if delta is not None and delta_versions(delta[1][DELTA_KEY])[0] == held.version:
-            if self._handed_out:
-                self._held, self._handed_out = apply_delta(delta[1][DELTA_KEY], held), False
-            else:
-                patch(delta[1][DELTA_KEY], held)
-            self._taken_bytes += self.delta.received_bytes
+        delta = self.delta.poll(held)
+        if delta is not None:
+            if delta_versions(delta[1][DELTA_KEY])[0] == held:
+                self._held.apply(delta[1][DELTA_KEY], self.delta.received_bytes)
+            else:  # a delta was missed: the deltas no longer reach the version held
+                self.full.request_full()
 
     def poll(self, have_version: int) -> Received | None:
         with self._lock:
             if self._error is not None:
                 raise WeightSyncError(f"delta: following the delta channel failed: {self._error!r}") from self._error
             self._take_delta()
-            held = self._held
+            held = self._held.version
             # with no base yet, take the version there even if the engine has it (it started from those weights)
-            newest = self.full.poll(-1 if held is None else max(have_version, held.version))
+            newest = self.full.poll(-1 if held is None else max(have_version, held))
             if newest is not None:
-                held, self._handed_out = self._pack(newest), False
-                self._held = held
-                self._taken_bytes += self.full.received_bytes
-                self._took_full = True
-            if held is None or held.version <= have_version:
-                return None
-            self.received_bytes, self.received_kind = self._taken_bytes, "full" if self._took_full else "delta"
-            self._taken_bytes, self._took_full = 0, False
-            self._handed_out = True
-            return held.version, unpack(held.manifest, held.buckets)
-
-    def _pack(self, received: Received) -> Packed:
-        version, state_dict = received
-        manifest = manifest_of(state_dict, self.bucket_bytes)
-        buckets = bucket_views(manifest, allocate_payload(manifest))
-        write_weights(state_dict, manifest, buckets)
-        return Packed(version, manifest, buckets)
+                version, state_dict = newest
+                self._held.take_full(version, state_dict, manifest_of(state_dict, self.bucket_bytes),
+                                     self.full.received_bytes)
+            elif held is None:
+                self.full.request_full()
+            return self._held.hand_out(self, have_version)
 
     def close(self) -> None:
         self._stop.set()
@@ -365,6 +495,52 @@ class DeltaReceiver(PollingReceiver):
                 self.delta.close()
             finally:
                 self.full.close()
+
+
+# ------------------------------------------------------------------- one collective channel (torch_distributed)
+@dataclass(frozen=True)
+class CollectiveDeltaSpec:
+    """A `torch_distributed` channel carrying both kinds: every receiver takes every send, in order."""
+
+    channel: Any  # TorchDistributedSpec
+
+    def for_rank(self, rank: int) -> CollectiveDeltaSpec:
+        return CollectiveDeltaSpec(self.channel.for_rank(rank))
+
+    def open(self) -> CollectiveDeltaReceiver:
+        return CollectiveDeltaReceiver(self.channel.open())
+
+
+class CollectiveDeltaReceiver(PollingReceiver):
+    """Takes every send of a collective channel in order (`TorchDistributedReceiver.sends`): a delta patches the
+    version held (every receiver took the version before, which is the one the sender encoded against), a full
+    version replaces it; `poll` hands out the newest (`HeldVersion`: no copy)."""
+
+    collective = True
+
+    def __init__(self, channel: Any):
+        self.channel = channel
+        self.transport = channel.transport
+        self._held = HeldVersion()
+
+    def poll(self, have_version: int) -> Received | None:
+        for version, stream in self.channel.sends():
+            if is_delta(stream.manifest):
+                self._held.apply(materialize(stream)[DELTA_KEY], stream.manifest.payload_bytes)
+            else:
+                self._held.take_full(version, stream, stream.manifest, stream.manifest.payload_bytes)
+        received = self._held.hand_out(self, have_version)
+        if received is None and self.channel.closed():
+            raise WeightSyncError("torch_distributed: publisher closed")
+        return received
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def is_delta(manifest: Manifest) -> bool:
+    """Whether a version's layout is a delta blob's (one uint8 tensor named `DELTA_KEY`)."""
+    return len(manifest.tensors) == 1 and manifest.tensors[0].name == DELTA_KEY
 
 
 def state_dict_bytes(state_dict: Mapping[str, torch.Tensor] | StateDict) -> int:

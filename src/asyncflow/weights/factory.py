@@ -15,7 +15,7 @@ TransportKind = Literal["inprocess", "shared_memory", "ray", "torch_distributed"
 
 def make_weight_sync(
     kind: TransportKind, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, delta: bool = False,
-    dtype: torch.dtype | None = None, **options: Any
+    delta_max_fraction: float = 0.5, dtype: torch.dtype | None = None, **options: Any
 ) -> WeightPublisher:
     """A publisher of the given transport; receivers: `publisher.receiver_spec.open()` (for
     `torch_distributed`, `receiver_spec.for_rank(r).open()` with r in 1..num_receivers).
@@ -24,8 +24,9 @@ def make_weight_sync(
     tensors wider than it in it (a bf16 engine receives bf16), the local ones send the trainer's own.
 
     `delta`: lossless delta updates (`asyncflow.weights.delta`), versions cast to `dtype` (the engine's) first:
-    a `DeltaPublisher` over two publishers of `kind` (a full channel and a delta channel). Not for
-    `torch_distributed`, whose every publish is a broadcast every receiver takes (docs/weight-updates.md).
+    a `DeltaPublisher` over two publishers of `kind` (a full channel and a delta channel), or for `torch_distributed`,
+    whose every publish is a broadcast every receiver takes, over one (each version once, as a delta or in full);
+    a delta larger than `delta_max_fraction` of the full bytes goes in full.
 
     options: inprocess: `device`; shared_memory: `path`; ray: `store_name`, `namespace`, `timeout_s`;
     torch_distributed: `num_receivers` (required), `host`, `port`, `backend`, `device`, `timeout_s`.
@@ -33,9 +34,10 @@ def make_weight_sync(
     if delta:
         from asyncflow.weights.delta import DeltaPublisher
 
-        if kind == "torch_distributed":
-            raise ValueError("weights.delta needs runtime.weight_sync inprocess, shared_memory or ray: "
-                             "torch_distributed broadcasts every version to every receiver")
+        if kind == "torch_distributed":  # one channel: every receiver takes every send
+            collective = make_weight_sync(kind, bucket_bytes=bucket_bytes, dtype=dtype, **options)
+            return DeltaPublisher(collective, None, dtype=dtype, bucket_bytes=bucket_bytes,
+                                  max_fraction=delta_max_fraction, timeout_s=options.get("timeout_s", 60.0))
         channels = []
         for channel in ("full", "delta"):
             named = dict(options)
@@ -44,7 +46,8 @@ def make_weight_sync(
                     named[key] = f"{named[key]}-delta"
             channels.append(make_weight_sync(kind, bucket_bytes=bucket_bytes, **named))
         return DeltaPublisher(channels[0], channels[1], dtype=dtype, bucket_bytes=bucket_bytes,
-                              fixed_capacity=kind == "shared_memory")
+                              max_fraction=delta_max_fraction, fixed_capacity=kind == "shared_memory",
+                              timeout_s=options.get("timeout_s", 60.0))
     if kind == "inprocess":
         from asyncflow.weights.inprocess import InProcessPublisher
 

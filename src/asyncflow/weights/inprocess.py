@@ -30,6 +30,7 @@ class InProcessSpec:
         self.lock = threading.Lock()
         self.latest: tuple[int, Manifest, list[torch.Tensor]] | None = None
         self.closed = False
+        self.full_requests = 0  # receivers' asks for a full version (`asyncflow.weights.delta`)
 
     def open(self) -> InProcessReceiver:
         return InProcessReceiver(self)
@@ -57,6 +58,9 @@ class InProcessPublisher:
     def wait_published(self, timeout: float) -> None:
         """A publish is visible when it returns."""
 
+    def full_requests(self) -> int:
+        return self._slot.full_requests
+
     def close(self) -> None:
         with self._slot.lock:
             self._slot.closed = True
@@ -77,6 +81,10 @@ class InProcessReceiver(PollingReceiver):
         if closed:
             raise WeightSyncError("inprocess: publisher closed")
         return None
+
+    def request_full(self) -> None:
+        with self._slot.lock:
+            self._slot.full_requests += 1
 
     def close(self) -> None:
         """Nothing to release."""

@@ -35,6 +35,13 @@ class WeightStore:
 
     def __init__(self) -> None:
         self._latest: tuple[int, bytes, list[ray.ObjectRef[Any]]] | None = None
+        self._full_requests = 0  # receivers' asks for a full version (`asyncflow.weights.delta`)
+
+    def request_full(self) -> None:
+        self._full_requests += 1
+
+    def full_requests(self) -> int:
+        return self._full_requests
 
     def put(self, version: int, manifest: bytes, refs: list[ray.ObjectRef[Any]]) -> None:
         if self._latest is None or version > self._latest[0]:
@@ -103,6 +110,14 @@ class RayWeightPublisher(BackgroundPublisher):
         except ConnectionError as err:
             raise WeightSyncError(f"ray: storing version {version} failed: {err}") from err
 
+    def full_requests(self) -> int:
+        try:
+            return int(_get(self._store.full_requests.remote(), self.timeout_s, "the weight store's request count"))
+        except TimeoutError as err:
+            raise WeightSyncTimeout(self.transport, None, f"{err}", self.timeout_s) from err
+        except ConnectionError as err:
+            raise WeightSyncError(f"ray: weight store unreachable: {err}") from err
+
     def close(self) -> None:
         self._sender.close(self.timeout_s)
         ray.kill(self._store)
@@ -147,6 +162,10 @@ class RayWeightReceiver(PollingReceiver):
             bucket.view(torch.uint8).numpy()[:] = array  # out of the read-only object-store mapping
         self.received_bytes = manifest.payload_bytes
         return version, unpack(manifest, buckets)
+
+    def request_full(self) -> None:
+        """Ask the publisher for a full version: a call the store takes in order, not waited for."""
+        self._store.request_full.remote()
 
     def close(self) -> None:
         """Holds no objects between polls."""

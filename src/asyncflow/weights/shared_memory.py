@@ -30,13 +30,15 @@ from asyncflow.weights.buckets import (
     allocate_payload,
     bucket_views,
     manifest_of,
+    materialize,
     unpack,
     write_weights,
 )
 from asyncflow.weights.segments import segment_path
 
 # File layout (all integers little-endian int64):
-#   [0, 64)               control: magic, active slot, closed, manifest bytes, slot stride
+#   [0, 64)               control: magic, active slot, closed, manifest bytes, slot stride (the publisher's), then
+#                         full-version requests (written by receivers only: `request_full`)
 #   [64, 64 + m)          pickled Manifest, written once before the file becomes visible
 #   slot i at data_start + i * stride: [seq, version, used] (64-byte header) then the payload, of which the
 #   first `used` bytes are meaningful (all of it, but for a delta blob: `publish(..., used_bytes=)`)
@@ -47,6 +49,8 @@ from asyncflow.weights.segments import segment_path
 # hand-off around each torch copy.
 _MAGIC = 0x57534E43_41464C57
 _CONTROL = struct.Struct("<5q")
+_REQUESTS = struct.Struct("<q")  # at byte _CONTROL.size
+_MANIFEST_AT = 64
 _SLOT = struct.Struct("<3q")
 _SLOT_HEADER = 64
 _TORN_READ_RETRIES = 100
@@ -87,7 +91,7 @@ class SharedMemoryPublisher:
 
     def _create(self, manifest: Manifest) -> None:
         manifest_bytes = pickle.dumps(manifest)
-        self._data_start = align(_CONTROL.size + len(manifest_bytes))
+        self._data_start = align(_MANIFEST_AT + len(manifest_bytes))
         self._stride = align(_SLOT_HEADER + manifest.payload_bytes)
         size = self._data_start + 2 * self._stride
         fd = os.open(self.path + ".tmp", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -101,14 +105,14 @@ class SharedMemoryPublisher:
             self._mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        self._mm[_CONTROL.size : _CONTROL.size + len(manifest_bytes)] = manifest_bytes
+        self._mm[_MANIFEST_AT : _MANIFEST_AT + len(manifest_bytes)] = manifest_bytes
         _CONTROL.pack_into(self._mm, 0, _MAGIC, -1, 0, len(manifest_bytes), self._stride)
         self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._manifest = manifest
 
     def publish(self, state_dict: Weights, version: int, *, used_bytes: int | None = None) -> None:
-        """`used_bytes`: only this prefix of the payload matters (a delta blob padded to the fixed layout):
-        receivers copy only it."""
+        """`used_bytes`: only this prefix of the payload matters (a delta blob padded to the fixed layout, the state
+        dict's one uint8 tensor): only it is copied in, and receivers copy only it out."""
         check_increasing(self.transport, self._last_version, version)
         manifest = manifest_of(state_dict, self.bucket_bytes)
         first = self._mm is None
@@ -130,7 +134,11 @@ class SharedMemoryPublisher:
         used = manifest.payload_bytes if used_bytes is None else min(used_bytes, manifest.payload_bytes)
         _SLOT.pack_into(mm, start, seq, version, used)
         payload = data[start + _SLOT_HEADER : start + _SLOT_HEADER + manifest.payload_bytes]
-        write_weights(state_dict, manifest, bucket_views(manifest, payload))
+        if used_bytes is None:
+            write_weights(state_dict, manifest, bucket_views(manifest, payload))
+        else:  # one uint8 tensor (a padded blob): its meaningful prefix only
+            (blob,) = materialize(state_dict).values()
+            payload[:used].copy_(blob.reshape(-1).view(torch.uint8)[:used])
         del payload
         _SLOT.pack_into(mm, start, seq + 1, version, used)
         magic, _, closed, manifest_len, stride = _CONTROL.unpack_from(mm, 0)
@@ -141,6 +149,10 @@ class SharedMemoryPublisher:
 
     def wait_published(self, timeout: float) -> None:
         """A publish is visible when it returns."""
+
+    def full_requests(self) -> int:
+        """How many times receivers asked for a full version (`asyncflow.weights.delta`); 0 before the first publish."""
+        return 0 if self._mm is None or self._bytes is None else _REQUESTS.unpack_from(self._mm, _CONTROL.size)[0]
 
     def close(self) -> None:
         if self._mm is not None and self._bytes is not None:
@@ -164,7 +176,7 @@ class SharedMemoryReceiver(PollingReceiver):
 
     def _attach(self) -> bool:
         try:
-            # read-write only because torch.frombuffer wants a writable buffer; receivers never write
+            # read-write: torch.frombuffer wants a writable buffer, and `request_full` writes its counter
             fd = os.open(self.path, os.O_RDWR)
         except FileNotFoundError:
             return False
@@ -175,8 +187,8 @@ class SharedMemoryReceiver(PollingReceiver):
         magic, _, _, manifest_len, self._stride = _CONTROL.unpack_from(self._mm, 0)
         if magic != _MAGIC:
             raise WeightSyncError(f"shared_memory: {self.path} is not a weight-sync file")
-        self._manifest = pickle.loads(self._mm[_CONTROL.size : _CONTROL.size + manifest_len])
-        self._data_start = align(_CONTROL.size + manifest_len)
+        self._manifest = pickle.loads(self._mm[_MANIFEST_AT : _MANIFEST_AT + manifest_len])
+        self._data_start = align(_MANIFEST_AT + manifest_len)
         self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
         return True
 
@@ -203,6 +215,15 @@ class SharedMemoryReceiver(PollingReceiver):
                 self.received_bytes = used
                 return version, unpack(manifest, bucket_views(manifest, payload))
         return None  # the writer kept overwriting what we read; wait_for retries until its deadline
+
+    def request_full(self) -> None:
+        """Ask the publisher for a full version (a counter receivers bump; an increment lost to a race with another
+        receiver's still changes it, and a receiver asks again until it is served)."""
+        if self._mm is None and not self._attach():
+            return  # nothing published yet: the first version is a full one
+        if self._mm is not None:
+            (requests,) = _REQUESTS.unpack_from(self._mm, _CONTROL.size)
+            _REQUESTS.pack_into(self._mm, _CONTROL.size, requests + 1)
 
     def close(self) -> None:
         self._bytes = self._manifest = None

@@ -21,7 +21,7 @@ import datetime
 import pickle
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -265,6 +265,34 @@ class TorchDistributedReceiver(PollingReceiver):
             for _ in taking:
                 pass
 
+    def sends(self) -> Iterator[tuple[int, BucketStream]]:
+        """Every announced send not taken yet, in order, as (version, a `BucketStream` received as it is read): read
+        each before asking for the next, or what is left of it is received and dropped (`asyncflow.weights.delta`
+        takes every send: a delta needs the one before)."""
+        self._finish_taking()
+        while self._store_call(lambda: self._announced(self._taken + 1)):
+            version, manifest = self._store_call(lambda: self._announcement(self._taken + 1))
+            self._taken += 1
+            self._taking = self._members(manifest, version)
+            self.received_bytes = manifest.payload_bytes
+            yield version, BucketStream(manifest, self._taken_by)
+            self._finish_taking()
+
+    def closed(self) -> bool:
+        """Whether the publisher closed (its last send may still be announced)."""
+        return bool(self._store_call(lambda: self._store.check(["closed"])))
+
+    def _store_call(self, call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except WeightSyncError:
+            raise
+        except RuntimeError as err:
+            raise self._store_failed(err) from err
+
+    def _store_failed(self, err: RuntimeError) -> WeightSyncError:
+        return WeightSyncError(f"torch_distributed: store at {self._spec.host}:{self._spec.port} failed: {err}")
+
     def poll(self, have_version: int) -> Received | None:
         """The newest announced version, if newer than `have_version`, as a `BucketStream` whose buckets are received
         as its consumer asks for them (consume it before the next call, or that call receives the rest); every
@@ -283,12 +311,10 @@ class TorchDistributedReceiver(PollingReceiver):
                 for _ in taking:  # superseded, or not newer: taken (a broadcast is collective), not kept
                     pass
             closed = newest is None and self._store.check(["closed"])
+        except WeightSyncError:
+            raise
         except RuntimeError as err:
-            if isinstance(err, WeightSyncError):
-                raise
-            raise WeightSyncError(
-                f"torch_distributed: store at {self._spec.host}:{self._spec.port} failed: {err}"
-            ) from err
+            raise self._store_failed(err) from err
         if newest is not None:
             self.received_bytes = newest[1].manifest.payload_bytes
             return newest

@@ -218,6 +218,7 @@ def rollout_loop(worker, queue, receiver, steps: range, *, max_staleness: int, b
                                 version=version, phase="apply", timeout_s=limits.apply)
                 if updates is not None:
                     updates.record(newest[0], receiver)
+                newest = weights = None  # let go: a delta receiver then patches that version in place
             t2 = time.time()
             with in_flight:
                 generated += worker.run_partition(queue, partition_name(step), batch_size=batch_size,

@@ -180,7 +180,8 @@ class PipelineWorkflow:
         self.publisher: WeightPublisher | None = None
         if self.mode != "sync":
             self.publisher = make_weight_sync(
-                runtime.weight_sync, delta=config.weights.delta, dtype=getattr(torch, config.rollout_dtype()),
+                runtime.weight_sync, delta=config.weights.delta, delta_max_fraction=config.weights.delta_max_fraction,
+                dtype=getattr(torch, config.rollout_dtype()),
                 **runtime.weight_sync_options,
             )
         self.published_at: dict[int, float] = {}  # version -> when its publish started (`weight_metrics`)
