@@ -35,6 +35,13 @@ def test_bad_values_name_the_key(override, fragment):
     assert fragment in str(err.value)
 
 
+def test_versions_forwarded_from_the_ranks_are_never_sent_as_deltas():
+    forwarded = ["weights.stage_on_driver=false", "runtime.kind=ray", "runtime.weight_sync=torch_distributed"]
+    assert not load_config(None, forwarded).weights.stage_on_driver
+    with pytest.raises(ConfigError, match="weights.stage_on_driver: false cannot send deltas"):
+        load_config(None, [*forwarded, "weights.delta=true"])
+
+
 def test_malformed_override_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="must look like section.key=value"):
         load_config(None, ["train.lr"])
