@@ -296,9 +296,11 @@ class DeltaPublisher:
         channel), then the base moves on."""
         new = Packed(version, manifest, buckets)
         capacity = align(int(self.max_fraction * new.nbytes))
-        if (self.fixed_capacity or self.delta is None) and (self._out is None or self._out.numel() != capacity):
-            self._out = torch.zeros(capacity, dtype=torch.uint8)
-        out = self._out if self.fixed_capacity or self.delta is None else None
+        out = None
+        if self.fixed_capacity or self.delta is None:  # one layout: blobs are encoded into one reused buffer
+            if self._out is None or self._out.numel() != capacity:
+                self._out = torch.zeros(capacity, dtype=torch.uint8)
+            out = self._out
         blob = None if self._base is None else encode_delta(self._base, new, capacity, out=out)
         if self.delta is None:
             if blob is not None and out is not None:

@@ -296,29 +296,11 @@ class TorchDistributedReceiver(PollingReceiver):
     def poll(self, have_version: int) -> Received | None:
         """The newest announced version, if newer than `have_version`, as a `BucketStream` whose buckets are received
         as its consumer asks for them (consume it before the next call, or that call receives the rest); every
-        older announced version is received and dropped one bucket at a time."""
-        newest = None
-        try:
-            self._finish_taking()
-            while self._announced(self._taken + 1):
-                version, manifest = self._announcement(self._taken + 1)
-                self._taken += 1
-                taking = self._members(manifest, version)
-                if version > have_version and not self._announced(self._taken + 1):
-                    self._taking = taking
-                    newest = version, BucketStream(manifest, self._taken_by)
-                    break
-                for _ in taking:  # superseded, or not newer: taken (a broadcast is collective), not kept
-                    pass
-            closed = newest is None and self._store.check(["closed"])
-        except WeightSyncError:
-            raise
-        except RuntimeError as err:
-            raise self._store_failed(err) from err
-        if newest is not None:
-            self.received_bytes = newest[1].manifest.payload_bytes
-            return newest
-        if closed:
+        older announced version is received and dropped one bucket at a time (`sends`)."""
+        for version, stream in self.sends():
+            if version > have_version and not self._store_call(lambda: self._announced(self._taken + 1)):
+                return version, stream  # the generator stops here: the stream stays readable until the next call
+        if self.closed():
             raise WeightSyncError("torch_distributed: publisher closed")
         return None
 
