@@ -3,6 +3,7 @@
 # constraints.txt so a CPU machine never pulls CUDA packages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/pip_install.sh
 PYTHON=${PYTHON:-python3}
 # bubblewrap and libseccomp: the sandbox of the `python` tool (env.python_isolation=strict); Debian's, as root
 if ! { command -v bwrap && ldconfig -p | grep -q libseccomp.so.2; } >/dev/null && command -v apt-get >/dev/null \
@@ -18,10 +19,10 @@ fi
 # what the default suite imports; a missing one fails the setup here rather than skipping its tests
 imports="asyncflow, torch, transformers, ray, pytest, xdist, hypothesis, importlinter, ruff, mypy, wandb, peft, fastapi, uvicorn, uvloop, openai, httpx, reasoning_gym, verifiers, pyseccomp"
 if ! .venv/bin/python -c "import $imports" 2>/dev/null; then
-  .venv/bin/pip install -q -c constraints.txt "torch==2.13.0"
+  pip_install .venv -c constraints.txt "torch==2.13.0"
   # the extras whose tests run in the default suite: ray (separated deployment), wandb (~10 s), lora (peft),
   # serve (fastapi/uvicorn/uvloop), judge (httpx), reasoning-gym (~20 s, small pure-Python packages), verifiers (~30
   # pure-Python packages; no version of anything above changes)
-  .venv/bin/pip install -q -c constraints.txt -e ".[test,ray,wandb,lora,serve,judge,reasoning-gym,verifiers]"
+  pip_install .venv -c constraints.txt -e ".[test,ray,wandb,lora,serve,judge,reasoning-gym,verifiers]"
   .venv/bin/python -c "import $imports"
 fi

