@@ -20,10 +20,10 @@ Invariants:
   a whole request wait or get 503, however many there are. A new connection beyond `max_pending_connections`
   pending (or `max_pending_per_client` from its address) closes the oldest pending ones that have had their
   `PENDING_GRACE_S` (1-2 s) to send their request, so a client that sends its request within a second is never
-  closed to make room. Those closings are spread out, at most `EVICTIONS` (a rate and a burst) over the whole
-  server, so a flood's connections are never closed (and reopened) in waves of thousands that a new client would
-  wait behind; past that rate, pending connections over the budget close at their own deadlines, so the open
-  sockets stay within the budget plus the pending ones opened in the last `header_timeout_s` + `body_timeout_s`.
+  closed to make room. Those closings are spread out: at most `EVICTIONS` (a rate and a burst) per second over the
+  whole server, so a flood's connections are never closed (and reopened) in waves of thousands that a new client
+  would wait behind; beyond that rate the pending connections past the budget wait for their own deadlines (every
+  open socket is closed within `header_timeout_s` or `body_timeout_s` unless its request arrived).
 - `max_connections` counts the connections holding a whole request or kept alive after one; a request head
   that arrives while they are that many gets 503 at once. (The API closes the connection after a request
   without the key, so only authorised requests leave a connection open.)
