@@ -330,28 +330,6 @@ def test_the_connection_budget_closes_the_oldest_pending_that_had_its_grace():
     assert not budget.full() and budget.pending("c", "1.1.1.1", 10.0) == []  # "c" sends its next request
 
 
-
-def test_the_connection_budget_closes_pending_connections_at_a_bounded_rate_oldest_first():
-    """A flood far past the pending budget is closed a few at a time, never in a wave: each closed connection is
-    reopened at once, and a new client waits in the listen queue behind the reopened ones."""
-    from asyncflow.serving.limits import ServingLimits
-    from asyncflow.serving.server import EVICTIONS, PENDING_GRACE_S, ConnectionBudget
-
-    rate, burst = EVICTIONS
-    budget = ConnectionBudget(ServingLimits(max_pending_connections=256, max_pending_per_client=64))
-    flood = list(range(2000))
-    for connection in flood:
-        budget.opened(connection)
-        budget.pending(connection, "1.1.1.1", 0.0)  # all within their grace: none closed, all pending
-    late = PENDING_GRACE_S[1] + 0.1
-    budget.opened("new")
-    assert budget.pending("new", "1.1.1.1", late) == flood[:burst]  # not the 1,937 over the client's limit
-    budget.opened("next")
-    assert budget.pending("next", "2.2.2.2", late) == []  # the bucket is empty
-    closed_in_a_second = budget.pending("next", "2.2.2.2", late + 1.0)
-    assert closed_in_a_second == flood[burst:2 * burst]  # refilled at `rate` per second, up to `burst`
-    assert burst < rate
-
 @pytest.mark.slow
 def test_a_closed_connection_leaves_no_garbage_for_the_collector():
     """A closed connection is freed by reference counting, whether it sent part of a head or a whole request: a flood

@@ -20,10 +20,7 @@ Invariants:
   a whole request wait or get 503, however many there are. A new connection beyond `max_pending_connections`
   pending (or `max_pending_per_client` from its address) closes the oldest pending ones that have had their
   `PENDING_GRACE_S` (1-2 s) to send their request, so a client that sends its request within a second is never
-  closed to make room. Those closings are spread out: at most `EVICTIONS` (a rate and a burst) per second over the
-  whole server, so a flood's connections are never closed (and reopened) in waves of thousands that a new client
-  would wait behind; beyond that rate the pending connections past the budget wait for their own deadlines (every
-  open socket is closed within `header_timeout_s` or `body_timeout_s` unless its request arrived).
+  closed to make room, and the open sockets stay within the budget plus those opened in the last two seconds.
 - `max_connections` counts the connections holding a whole request or kept alive after one; a request head
   that arrives while they are that many gets 503 at once. (The API closes the connection after a request
   without the key, so only authorised requests leave a connection open.)
@@ -52,11 +49,6 @@ PENDING_GRACE_S = (1.0, 2.0)
 """A pending connection is never closed to make room for another before it is this old: a time drawn in this range
 for each (a flood's connections, opened together, are then closed, and reopened, a few at a time)."""
 
-EVICTIONS = (100.0, 10)
-"""Pending connections closed to make room, over the whole server: at most this many per second, in bursts of at most
-this many (a token bucket). Unbounded, a flood past the budget was closed in waves of 1,000-2,000 (each new connection
-closed every pending one past its grace); they reconnected together and a new client waited behind them."""
-
 
 class ConnectionBudget:
     """The open connections of one server and which of them are pending (module docstring), oldest first.
@@ -72,7 +64,6 @@ class ConnectionBudget:
         self._open: set = set()
         self._pending: OrderedDict = OrderedDict()  # connection -> (client address, closable from), oldest first
         self._pending_by_client: dict[str, OrderedDict] = {}
-        self._evictions_left, self._refilled_at = float(EVICTIONS[1]), 0.0
 
     def opened(self, connection) -> None:
         self._open.add(connection)
@@ -89,22 +80,12 @@ class ConnectionBudget:
         """`connection` (from `client`) starts sending a request: the pending connections to close to make room."""
         self.admitted(connection)  # a connection sending its next request goes to the back of the line
         closing = []
-        while (oldest := self._oldest_to_close(client, now)) is not None and self._may_evict(now):
+        while (oldest := self._oldest_to_close(client, now)) is not None:
             closing.append(oldest)
             self.closed(oldest)
         self._pending[connection] = (client, now + random.uniform(*PENDING_GRACE_S))
         self._pending_by_client.setdefault(client, OrderedDict())[connection] = None
         return closing
-
-    def _may_evict(self, now: float) -> bool:
-        """Takes one closing from the `EVICTIONS` bucket if it holds one."""
-        rate, burst = EVICTIONS
-        self._evictions_left = min(burst, self._evictions_left + (now - self._refilled_at) * rate)
-        self._refilled_at = now
-        if self._evictions_left < 1:
-            return False
-        self._evictions_left -= 1
-        return True
 
     def _oldest_to_close(self, client: str, now: float):
         """The oldest pending connection of `client` if it has its limit pending, else the oldest of all if they are
