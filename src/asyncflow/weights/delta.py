@@ -237,6 +237,13 @@ def delta_versions(blob: torch.Tensor) -> tuple[int, int]:
     return header[1], header[2]
 
 
+def delta_sections(blob: torch.Tensor) -> list[tuple[int, int]]:
+    """Per bucket of a delta blob: (changed elements, encoding: `SPARSE` or `BITMASK`)."""
+    buckets = int(blob[8 * 3 : 8 * 4].view(torch.int64).item())
+    words = blob[8 * _HEADER : 8 * (_HEADER + 2 * buckets)].view(torch.int64).tolist()
+    return list(zip(words[:buckets], words[buckets:], strict=True))
+
+
 def _patch_bucket(target: np.ndarray, values: np.ndarray, section: np.ndarray, encoding: int,
                   index_dtype: type) -> None:
     """Write one bucket's changed `values` into `target` (its bit patterns, in place), at the positions the
@@ -248,8 +255,9 @@ def _patch_bucket(target: np.ndarray, values: np.ndarray, section: np.ndarray, e
     done = 0
     for start in range(0, target.size, _CHUNK):
         chunk = target[start : start + _CHUNK]
-        index = np.flatnonzero(np.unpackbits(section[start // 8 : start // 8 + mask_bytes(chunk.size)],
-                                             count=chunk.size, bitorder="little"))
+        bits = np.unpackbits(section[start // 8 : start // 8 + mask_bytes(chunk.size)], count=chunk.size,
+                             bitorder="little")
+        index = np.flatnonzero(bits.view(bool))  # 10x faster than over the uint8 0/1 values
         np.put(chunk, index, values[done : done + index.size])
         done += index.size
     if done != values.size:
@@ -266,11 +274,9 @@ def patch(blob: torch.Tensor, held: Packed) -> None:
             f"delta: version {version} was taken against version {base_version} ({buckets} buckets), but this "
             f"replica holds version {held.version} ({len(held.buckets)} buckets): it needs a full update"
         )
-    words = blob[8 * _HEADER : 8 * (_HEADER + 2 * buckets)].view(torch.int64).tolist()
-    counts, encodings = words[:buckets], words[buckets:]
     raw = blob.numpy()
     offset = align(8 * (_HEADER + 2 * buckets))
-    for bucket, count, encoding in zip(held.buckets, counts, encodings, strict=True):
+    for bucket, (count, encoding) in zip(held.buckets, delta_sections(blob), strict=True):
         target = _bits(bucket)
         values = raw[offset : offset + count * target.itemsize].view(target.dtype)
         offset += align(values.nbytes)
