@@ -182,7 +182,7 @@ def _encode_bucket(old: torch.Tensor, new: torch.Tensor, raw: np.ndarray, room: 
         np.take(b[start:], index, out=raw[k * itemsize : (k + index.size) * itemsize].view(b.dtype))
         k += index.size
         if positions is not None and k * index_size < bitmask.size:
-            positions.append(index + start)
+            positions.append(np.add(index, start, out=index))
         else:
             positions = None  # the bitmask is smaller
     offset = align(k * itemsize)
