@@ -7,24 +7,28 @@ encoding), `DeltaPublisher` with `DeltaReceiver` (two channels of one transport:
 `CollectiveDeltaReceiver` (one `torch_distributed` channel carrying both), and `HeldVersion` (a receiver's
 version and buffers).
 
-Encoding: sparse indices + values, one blob per version. For each bucket of the version's `Manifest` the
-int32 positions (int64 for a bucket of 2**31 elements or more) of the elements whose bit pattern differs from
-the base, then their new values, in the bucket's dtype. Measured against XOR encoding (the new bits XOR the base
-bits, zlib-compressed) on the weights of real training steps (`benchmarks/bench_weight_updates.py
---encodings`, table in BENCHMARKS.md): sparse moves fewer or comparable bytes at the 1-3% changed fraction of
-an RL step and encodes and applies an order of magnitude faster (a compare, a `flatnonzero`, a `take` and an
-`np.put` instead of a compressor over every byte), so sparse is kept.
+Encoding: one blob per version; per bucket of the version's `Manifest` the new values of the elements whose bit
+pattern differs from the base (in the bucket's dtype), then where they are, whichever of two ways is smaller:
+`SPARSE`, their int32 positions (int64 for a bucket of 2**31 elements or more), or `BITMASK`, one bit per element
+(k(4 + s) against n/8 + ks bytes for s-byte values: a bf16 bucket with more than 1/32 of its elements changed
+goes as a bitmask, so a delta stays under half of a bf16 version up to about 44% changed, not 33%). Both are
+compared and applied chunk by chunk on integer views (a compare, `packbits`, a `flatnonzero` and a `take` to
+encode; `unpackbits` and an `np.put` to apply): no model- or bucket-sized temporary. Measured against XOR encoding
+(the new bits XOR the base bits, zlib-compressed) on the weights of real training steps
+(`benchmarks/bench_weight_updates.py --encodings`, table in BENCHMARKS.md): zlib(XOR) moves fewer bytes but
+encodes several times slower, on a path the trainer's next version waits for, so it is not used.
 
 Blob layout (uint8, every section 64-byte aligned): an int64 header `[MAGIC, base version, version, buckets,
-count_0 .. count_{B-1}]`, then per bucket its indices and its values.
+count_0 .. count_{B-1}, encoding_0 .. encoding_{B-1}]`, then per bucket its values and its positions or bitmask.
 
 Where the time goes (`benchmarks/bench_weight_updates.py`): the trainer's thread only casts the version into a
-staging payload; compare and encode run on the publisher's sender thread, which writes the blob straight into
-the channel's buffer where it has one layout (`shared_memory`: only the blob's bytes are copied) and patches its
-base in place. No full version is copied per delta: the full channel gets one only when no delta is sent, or when a
-receiver asks. A receiver hands out the version it holds without a copy and patches it in place once released
-(`HeldVersion`), so in the steady state no full-size buffer is allocated or copied on either side (fresh
-multi-hundred-MB buffers cost more in page faults than a copy into them).
+staging payload; compare and encode run on the publisher's sender thread, which writes the blob straight into the
+channel's buffer where it has one layout (`shared_memory`: only the blob's bytes are copied) and copies the new
+version into its base (a memcpy: cheaper than patching it once more than a few percent changed). No full version is
+copied per delta: the full channel gets one only when no delta is sent, or when a receiver asks. A receiver hands
+out the version it holds without a copy and patches it in place once released (`HeldVersion`), so in the steady
+state no full-size buffer is allocated or copied on either side (fresh multi-hundred-MB buffers cost more in page
+faults than a copy into them).
 
 Two channels (`inprocess`, `shared_memory`, `ray`): `DeltaPublisher` publishes each version's delta against
 the version before (when it is at most `max_fraction` of the full bytes) on one publisher, or else the full
