@@ -11,9 +11,9 @@ its copy out of the transport, and for a delta rebuilding it on its base) and `a
 Modes are entries of `MODES`: a name, how to build its publisher and how its engine takes a received version. A
 third kind of update (adapter-only LoRA) is one more entry.
 
-`--encodings` also measures the two lossless encodings on the same versions: sparse indices + values (what
-`asyncflow.weights.delta` sends) and XOR of the bit patterns, zlib-compressed (level 1): bytes and seconds to
-encode.
+`--encodings` also measures two lossless encodings on the same versions: what `asyncflow.weights.delta` sends
+(values with, per bucket, positions or a bitmask) and XOR of the bit patterns, zlib-compressed (level 1): bytes and
+seconds to encode.
 
 Run: PYTHONPATH=src python benchmarks/bench_weight_updates.py [--presets 30m,120m] [--lrs 1e-6,1e-5]
      [--steps 4] [--transport shared_memory] [--engine-dtype bfloat16] [--encodings]
@@ -93,7 +93,8 @@ def _options(transport: str) -> dict:
 
 
 def encodings(base, new) -> dict[str, float]:
-    """Bytes and encode seconds of sparse indices + values and of zlib(XOR) for one version."""
+    """Bytes and encode seconds of the delta as sent ("sparse": values with positions or a bitmask) and of
+    zlib(XOR) for one version."""
     t0 = time.perf_counter()
     sparse = encode_delta(base, new, max_bytes=1 << 62)
     t1 = time.perf_counter()
@@ -205,7 +206,7 @@ def main() -> None:
                       f"{r['bytes'] / 2**20:.1f} | {r['bytes'] / full['bytes']:.3f} | {r['publish']:.3f} | "
                       f"{r['transfer']:.3f} | {r['apply']:.3f} | {total:.3f} |", flush=True)
     if extra:
-        print("\n| model | lr | engine-dtype MB | sparse MB | sparse encode s | zlib(XOR) MB | zlib(XOR) encode s |")
+        print("\n| model | lr | engine-dtype MB | delta MB | delta encode s | zlib(XOR) MB | zlib(XOR) encode s |")
         print("|---|---:|---:|---:|---:|---:|---:|")
         for e in extra:
             print(f"| {e['preset']} | {e['lr']:g} | {e['full_bytes'] / 2**20:.1f} | {e['sparse_bytes'] / 2**20:.2f} | "

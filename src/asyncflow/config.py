@@ -827,8 +827,10 @@ class WeightsConfig(Section):
     changed in the rollout engine's dtype (`rollout.dtype`), bit-exact with a full update; a full version when the
     delta is larger than `delta_max_fraction` of it, at a replica's first version, after it skipped one, after a
     restart and after a resume. Every `runtime.weight_sync` (docs/weight-updates.md)."""
-    delta_max_fraction: float = Field(0.5, gt=0, le=1)
-    """A delta larger than this fraction of the full version's bytes is not sent: the full version is."""
+    delta_max_fraction: float = Field(0.1, gt=0, le=1)
+    """A delta larger than this fraction of the full version's bytes (in the engine's dtype) is not sent: the full
+    version is. The default is where a delta stopped winning on one host (BENCHMARKS.md, bench_weight_updates: ahead
+    at 7% of the bytes, behind at 20%); where versions cross a network a larger one pays."""
     stage_on_driver: bool = True
     """`true`: the driver stages each version whole in the rollout dtype and sends it in the background, so the
     trainer steps on while the replicas take it (the async overlap); `false` (`runtime.weight_sync:

@@ -14,7 +14,16 @@ import torch
 from asyncflow.engines.torch_inference import TorchInferenceEngine
 from asyncflow.models.loading import load_model
 from asyncflow.weights import WeightSyncError, make_weight_sync, unpack
-from asyncflow.weights.delta import DELTA_KEY, apply_delta, encode_delta, engine_weights
+from asyncflow.weights.delta import (
+    BITMASK,
+    DELTA_KEY,
+    SPARSE,
+    apply_delta,
+    delta_sections,
+    encode_delta,
+    engine_weights,
+    patch,
+)
 
 SPAWN = mp.get_context("spawn")
 
@@ -72,6 +81,58 @@ def test_a_delta_never_applies_to_another_base(tiny_llama_path):
         apply_delta(blob, packed[0])
     patched = apply_delta(blob, packed[1])
     assert all(torch.equal(a, b) for a, b in zip(patched.buckets, packed[2].buckets, strict=True))
+
+
+def changed_copy(packed, version: int, fractions: list[float], seed: int = 0):
+    """A copy of `packed` as `version` with about `fractions[i]` of bucket i's elements changed (one bit flipped
+    in their bit patterns)."""
+    generator = torch.Generator().manual_seed(seed)
+    fresh = packed.copy()
+    fresh.version = version
+    for bucket, fraction in zip(fresh.buckets, fractions, strict=True):
+        bits = bucket.view(torch.int16)
+        bits ^= (torch.rand(bits.shape, generator=generator) < fraction).to(torch.int16)
+    return fresh
+
+
+def test_each_bucket_takes_the_smaller_encoding_and_is_patched_in_place(tiny_llama_path):
+    """Few changes go as positions, many as a bitmask (1 bit per element); either is applied in place, bit for
+    bit, and a blob with many changes is smaller than positions would make it."""
+    weights = next(trained_versions(tiny_llama_path, 1, lr=1e-5))
+    base = engine_weights(weights, 1, torch.bfloat16, bucket_bytes=1 << 18)
+    assert len(base.buckets) >= 3 and all(b.dtype == torch.bfloat16 for b in base.buckets)
+    fractions = [0.005, 0.3, 0.0] + [0.1] * (len(base.buckets) - 3)
+    new = changed_copy(base, 2, fractions)
+    blob = encode_delta(base, new, max_bytes=new.nbytes)
+    assert blob is not None
+    sections = delta_sections(blob)
+    assert [encoding for _, encoding in sections[:3]] == [SPARSE, BITMASK, SPARSE]
+    assert all(encoding == BITMASK for _, encoding in sections[3:])  # 10% > 1/32 of a bf16 bucket
+    changed = sum(count for count, _ in sections)
+    assert changed == sum(int((a.view(torch.int16) != b.view(torch.int16)).sum())
+                          for a, b in zip(base.buckets, new.buckets, strict=True))
+    assert blob.numel() < 6 * changed  # what int32 positions + bf16 values would take
+    held = base.copy()
+    pointers = [b.data_ptr() for b in held.buckets]
+    patch(blob, held)
+    assert [b.data_ptr() for b in held.buckets] == pointers and held.version == 2
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+               for a, b in zip(held.buckets, new.buckets, strict=True))
+
+
+def test_a_bitmask_delta_refuses_another_base_and_a_limit_it_exceeds(tiny_llama_path):
+    weights = next(trained_versions(tiny_llama_path, 1, lr=1e-5))
+    base = engine_weights(weights, 1, torch.bfloat16, bucket_bytes=1 << 18)
+    middle = changed_copy(base, 2, [0.2] * len(base.buckets), seed=1)
+    new = changed_copy(middle, 3, [0.2] * len(base.buckets), seed=2)
+    blob = encode_delta(middle, new, max_bytes=new.nbytes)
+    assert blob is not None and {encoding for _, encoding in delta_sections(blob)} == {BITMASK}
+    held = base.copy()
+    with pytest.raises(WeightSyncError, match="taken against version 2.*holds version 1"):
+        patch(blob, held)
+    assert held.version == 1 and all(torch.equal(a, b) for a, b in zip(held.buckets, base.buckets, strict=True))
+    # 20% changed: values (0.2 of the bytes) + bitmask (1/16 of them) exceed a limit of a fifth
+    assert encode_delta(middle, new, max_bytes=new.nbytes // 5) is None
 
 
 def test_a_receiver_that_skipped_a_version_or_joined_late_takes_the_full_one(tiny_llama_path):

@@ -7,24 +7,28 @@ encoding), `DeltaPublisher` with `DeltaReceiver` (two channels of one transport:
 `CollectiveDeltaReceiver` (one `torch_distributed` channel carrying both), and `HeldVersion` (a receiver's
 version and buffers).
 
-Encoding: sparse indices + values, one blob per version. For each bucket of the version's `Manifest` the
-int32 positions (int64 for a bucket of 2**31 elements or more) of the elements whose bit pattern differs from
-the base, then their new values, in the bucket's dtype. Measured against XOR encoding (the new bits XOR the base
-bits, zlib-compressed) on the weights of real training steps (`benchmarks/bench_weight_updates.py
---encodings`, table in BENCHMARKS.md): sparse moves fewer or comparable bytes at the 1-3% changed fraction of
-an RL step and encodes and applies an order of magnitude faster (a compare, a `flatnonzero`, a `take` and an
-`np.put` instead of a compressor over every byte), so sparse is kept.
+Encoding: one blob per version; per bucket of the version's `Manifest` the new values of the elements whose bit
+pattern differs from the base (in the bucket's dtype), then where they are, whichever of two ways is smaller:
+`SPARSE`, their int32 positions (int64 for a bucket of 2**31 elements or more), or `BITMASK`, one bit per element
+(k(4 + s) against n/8 + ks bytes for s-byte values: a bf16 bucket with more than 1/32 of its elements changed
+goes as a bitmask, so a delta stays under half of a bf16 version up to about 44% changed, not 33%). Both are
+compared and applied chunk by chunk on integer views (a compare, `packbits`, a `flatnonzero` and a `take` to
+encode; `unpackbits` and an `np.put` to apply): no model- or bucket-sized temporary. Measured against XOR encoding
+(the new bits XOR the base bits, zlib-compressed) on the weights of real training steps
+(`benchmarks/bench_weight_updates.py --encodings`, table in BENCHMARKS.md): zlib(XOR) moves fewer bytes but
+encodes several times slower, on a path the trainer's next version waits for, so it is not used.
 
 Blob layout (uint8, every section 64-byte aligned): an int64 header `[MAGIC, base version, version, buckets,
-count_0 .. count_{B-1}]`, then per bucket its indices and its values.
+count_0 .. count_{B-1}, encoding_0 .. encoding_{B-1}]`, then per bucket its values and its positions or bitmask.
 
 Where the time goes (`benchmarks/bench_weight_updates.py`): the trainer's thread only casts the version into a
-staging payload; compare and encode run on the publisher's sender thread, which writes the blob straight into
-the channel's buffer where it has one layout (`shared_memory`: only the blob's bytes are copied) and patches its
-base in place. No full version is copied per delta: the full channel gets one only when no delta is sent, or when a
-receiver asks. A receiver hands out the version it holds without a copy and patches it in place once released
-(`HeldVersion`), so in the steady state no full-size buffer is allocated or copied on either side (fresh
-multi-hundred-MB buffers cost more in page faults than a copy into them).
+staging payload; compare and encode run on the publisher's sender thread, which writes the blob straight into the
+channel's buffer where it has one layout (`shared_memory`: only the blob's bytes are copied) and copies the new
+version into its base (a memcpy: cheaper than patching it once more than a few percent changed). No full version is
+copied per delta: the full channel gets one only when no delta is sent, or when a receiver asks. A receiver hands
+out the version it holds without a copy and patches it in place once released (`HeldVersion`), so in the steady
+state no full-size buffer is allocated or copied on either side (fresh multi-hundred-MB buffers cost more in page
+faults than a copy into them).
 
 Two channels (`inprocess`, `shared_memory`, `ray`): `DeltaPublisher` publishes each version's delta against
 the version before (when it is at most `max_fraction` of the full bytes) on one publisher, or else the full
@@ -140,6 +144,10 @@ def engine_weights(weights: Weights, version: int, dtype: torch.dtype | None,
     return Packed(version, manifest, buckets)
 
 
+SPARSE, BITMASK = 0, 1  # a bucket's encoding in the blob's header
+_CHUNK = 1 << 22  # elements compared (or unpacked) at a time: temporaries of a few MB, never bucket-sized
+
+
 def _bits(bucket: torch.Tensor) -> np.ndarray:
     """The bucket's bit patterns as a numpy integer view (numpy has no bfloat16; bits compare -0.0 / NaN exactly)."""
     return bucket.view(_BITS[bucket.element_size()]).numpy()
@@ -149,48 +157,80 @@ def _index_dtype(bucket: torch.Tensor) -> torch.dtype:
     return torch.int32 if bucket.numel() < 2**31 else torch.int64
 
 
-def changed_positions(old: torch.Tensor, new: torch.Tensor) -> np.ndarray:
-    """Positions [k] (int64, ascending) of the elements of `new` whose bit pattern differs from `old`'s (both [n],
-    one dtype): one compare of the integer views and one `flatnonzero` (numpy's: several times faster than torch's
-    `nonzero` on a CPU)."""
-    return np.flatnonzero(_bits(old) != _bits(new))
+def mask_bytes(n: int) -> int:
+    """Bytes of a bitmask over `n` elements (1 bit each)."""
+    return -(-n // 8)
+
+
+def _encode_bucket(old: torch.Tensor, new: torch.Tensor, raw: np.ndarray, room: int) -> tuple[int, int, int] | None:
+    """One bucket's section of a blob, written at the start of `raw`: the changed elements' values [k] (the
+    bucket's dtype), then their positions [k] (int32/int64, `SPARSE`) or a bitmask [ceil(n/8)] (uint8, bit i of
+    byte j for element 8j+i, `BITMASK`), whichever is smaller. (k, encoding, bytes written), or None where the
+    section would exceed `room` bytes.
+
+    Compares chunk by chunk on integer views, taking each chunk's values straight into the blob: the temporaries
+    are one chunk's mask and positions, the bitmask [ceil(n/8)], and the positions kept while sparse can still
+    be the smaller (their 4 or 8 bytes each stay under the bitmask's n/8)."""
+    a, b = _bits(old), _bits(new)
+    n, itemsize = a.size, b.itemsize
+    index_size = _index_dtype(new).itemsize
+    bitmask = np.empty(mask_bytes(n), dtype=np.uint8)
+    positions: list[np.ndarray] | None = []
+    k = 0
+    for start in range(0, n, _CHUNK):
+        changed = a[start : start + _CHUNK] != b[start : start + _CHUNK]
+        bitmask[start // 8 : start // 8 + mask_bytes(changed.size)] = np.packbits(changed, bitorder="little")
+        index = np.flatnonzero(changed)
+        if align((k + index.size) * itemsize) + min(align((k + index.size) * index_size), align(bitmask.size)) > room:
+            return None
+        np.take(b[start:], index, out=raw[k * itemsize : (k + index.size) * itemsize].view(b.dtype))
+        k += index.size
+        if positions is not None and k * index_size < bitmask.size:
+            positions.append(np.add(index, start, out=index))
+        else:
+            positions = None  # the bitmask is smaller
+    offset = align(k * itemsize)
+    if positions is not None:
+        section = raw[offset : offset + k * index_size].view(np.int32 if index_size == 4 else np.int64)
+        if positions:
+            np.concatenate(positions, out=section, casting="unsafe")
+        return k, SPARSE, offset + align(section.nbytes)
+    raw[offset : offset + bitmask.size] = bitmask
+    return k, BITMASK, offset + align(bitmask.size)
+
+
+def blob_bound(manifest: Manifest) -> int:
+    """The most bytes a delta blob of `manifest`'s layout can take (every element changed)."""
+    header = align(8 * (_HEADER + 2 * len(manifest.buckets)))
+    return header + sum(align(b.nbytes) + align(mask_bytes(b.nbytes // b.dtype.itemsize)) for b in manifest.buckets)
 
 
 def encode_delta(base: Packed, new: Packed, max_bytes: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """The blob taking `base` to `new` (same manifest), or None where it would exceed `max_bytes` or the layouts
-    differ. Shapes: each bucket [n_i] -> indices [k_i] int32/int64 and values [k_i] of the bucket's dtype.
+    differ. Shapes: each bucket [n_i] -> values [k_i] of the bucket's dtype, then indices [k_i] int32/int64 or a
+    bitmask [ceil(n_i / 8)] uint8, per bucket whichever is smaller (`_encode_bucket`; bytes k(4 + s) against
+    n/8 + ks for s-byte values: bf16 buckets switch to the bitmask above 1/32 of their elements changed).
     `out`: a uint8 buffer of at least `max_bytes` the blob is written into (it is then a view of its prefix), so a
-    channel of one fixed layout is written once, not through a blob copied into it.
-
-    Per bucket `changed_positions`; indices and values are then written straight into the blob (a cast and a
-    `take`), no intermediate tensors per tensor or per section."""
+    channel of one fixed layout is written once, not through a blob copied into it."""
     if base.manifest != new.manifest:
         return None
-    changed: list[np.ndarray] = []
-    total = align(8 * (_HEADER + len(new.buckets)))
-    for old, fresh in zip(base.buckets, new.buckets, strict=True):
-        index = changed_positions(old, fresh)
-        total += align(index.size * _index_dtype(fresh).itemsize) + align(index.size * fresh.element_size())
-        if total > max_bytes:
-            return None
-        changed.append(index)
-    if out is not None and out.numel() < total:
-        raise ValueError(f"delta: the output buffer holds {out.numel()} bytes, the blob needs {total}")
-    # the padding between sections is never read
-    blob = torch.empty(total, dtype=torch.uint8) if out is None else out[:total]
-    header = blob[: 8 * (_HEADER + len(changed))].view(torch.int64)
-    header[:_HEADER] = torch.tensor([MAGIC, base.version, new.version, len(changed)])
-    header[_HEADER:] = torch.tensor([index.size for index in changed], dtype=torch.int64)
-    offset = align(header.nbytes)
+    header_bytes = align(8 * (_HEADER + 2 * len(new.buckets)))
+    if out is not None and out.numel() < min(max_bytes, blob_bound(new.manifest)):
+        raise ValueError(f"delta: the output buffer holds {out.numel()} bytes, the blob may need {max_bytes}")
+    # a fresh blob is allocated at its bound: pages never written are never touched
+    blob = torch.empty(min(max_bytes, blob_bound(new.manifest)), dtype=torch.uint8) if out is None else out
     raw = blob.numpy()
-    for fresh, index in zip(new.buckets, changed, strict=True):
-        positions = raw[offset : offset + index.size * _index_dtype(fresh).itemsize]
-        positions.view(np.int32 if _index_dtype(fresh) == torch.int32 else np.int64)[:] = index
-        offset += align(positions.nbytes)
-        values = _bits(fresh)
-        np.take(values, index, out=raw[offset : offset + index.size * values.itemsize].view(values.dtype))
-        offset += align(index.size * values.itemsize)
-    return blob
+    offset, counts, encodings = header_bytes, [], []
+    for old, fresh in zip(base.buckets, new.buckets, strict=True):
+        section = _encode_bucket(old, fresh, raw[offset:], max_bytes - offset)
+        if section is None:
+            return None
+        counts.append(section[0])
+        encodings.append(section[1])
+        offset += section[2]
+    header = blob[: 8 * (_HEADER + 2 * len(counts))].view(torch.int64)
+    header[:] = torch.tensor([MAGIC, base.version, new.version, len(counts), *counts, *encodings])
+    return blob[:offset]
 
 
 def delta_versions(blob: torch.Tensor) -> tuple[int, int]:
@@ -201,8 +241,35 @@ def delta_versions(blob: torch.Tensor) -> tuple[int, int]:
     return header[1], header[2]
 
 
+def delta_sections(blob: torch.Tensor) -> list[tuple[int, int]]:
+    """Per bucket of a delta blob: (changed elements, encoding: `SPARSE` or `BITMASK`)."""
+    buckets = int(blob[8 * 3 : 8 * 4].view(torch.int64).item())
+    words = blob[8 * _HEADER : 8 * (_HEADER + 2 * buckets)].view(torch.int64).tolist()
+    return list(zip(words[:buckets], words[buckets:], strict=True))
+
+
+def _patch_bucket(target: np.ndarray, values: np.ndarray, section: np.ndarray, encoding: int,
+                  index_dtype: type) -> None:
+    """Write one bucket's changed `values` into `target` (its bit patterns, in place), at the positions the
+    section after them names: `np.put` per section (`SPARSE`) or per chunk of the unpacked bitmask (`BITMASK`),
+    faster than a boolean-mask assign or torch's `index_put_` on a CPU."""
+    if encoding == SPARSE:
+        np.put(target, section[: values.size * np.dtype(index_dtype).itemsize].view(index_dtype), values)
+        return
+    done = 0
+    for start in range(0, target.size, _CHUNK):
+        chunk = target[start : start + _CHUNK]
+        bits = np.unpackbits(section[start // 8 : start // 8 + mask_bytes(chunk.size)], count=chunk.size,
+                             bitorder="little")
+        index = np.flatnonzero(bits.view(bool))  # 10x faster than over the uint8 0/1 values
+        np.put(chunk, index, values[done : done + index.size])
+        done += index.size
+    if done != values.size:
+        raise WeightSyncError(f"delta: a bitmask marks {done} changed elements, its section holds {values.size}")
+
+
 def patch(blob: torch.Tensor, held: Packed) -> None:
-    """Turn `held` into the version `blob` encodes, in place (one `np.put` per bucket). `WeightSyncError` when
+    """Turn `held` into the version `blob` encodes, in place (`_patch_bucket` per bucket). `WeightSyncError` when
     `held` is not the version (or layout) the delta was taken against; `held` is then unchanged."""
     base_version, version = delta_versions(blob)
     buckets = int(blob[8 * 3 : 8 * 4].view(torch.int64).item())
@@ -211,15 +278,16 @@ def patch(blob: torch.Tensor, held: Packed) -> None:
             f"delta: version {version} was taken against version {base_version} ({buckets} buckets), but this "
             f"replica holds version {held.version} ({len(held.buckets)} buckets): it needs a full update"
         )
-    counts = blob[8 * _HEADER : 8 * (_HEADER + buckets)].view(torch.int64).tolist()
-    offset = align(8 * (_HEADER + buckets))
-    for bucket, count in zip(held.buckets, counts, strict=True):
-        index_dtype = _index_dtype(bucket)
-        index = blob[offset : offset + count * index_dtype.itemsize].view(index_dtype)
-        offset += align(index.nbytes)
-        values = blob[offset : offset + count * bucket.element_size()].view(bucket.dtype)
+    raw = blob.numpy()
+    offset = align(8 * (_HEADER + 2 * buckets))
+    for bucket, (count, encoding) in zip(held.buckets, delta_sections(blob), strict=True):
+        target = _bits(bucket)
+        values = raw[offset : offset + count * target.itemsize].view(target.dtype)
         offset += align(values.nbytes)
-        np.put(_bits(bucket), index.numpy(), _bits(values))  # bit patterns; faster than `index_put_` on a CPU
+        index_dtype = np.int32 if _index_dtype(bucket) == torch.int32 else np.int64
+        _patch_bucket(target, values, raw[offset:], encoding, index_dtype)
+        section = count * np.dtype(index_dtype).itemsize if encoding == SPARSE else mask_bytes(target.size)
+        offset += align(section)
     held.version = version
 
 
@@ -316,10 +384,9 @@ class DeltaPublisher:
                 self.delta.publish({DELTA_KEY: blob}, version)
         else:
             self._publish_full(new)
-        if blob is not None and self._base is not None:
-            patch(blob, self._base)
-        else:  # the staging payload goes back to the sender: the base is a copy of its own
-            self._base = new.copy(into=self._base)
+        # the staging payload goes back to the sender: the base is a copy of its own (a memcpy, faster than
+        # patching the base with the blob once more than a few percent changed)
+        self._base = new.copy(into=self._base)
         self.last_kind, self.last_delta_bytes = ("delta", blob.numel()) if blob is not None else ("full", 0)
         if self.delta is not None:
             self._serve_requests()
