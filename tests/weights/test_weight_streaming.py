@@ -22,6 +22,7 @@ from asyncflow.observe.memory import peak_rss_mb, reset_peak_rss, rss_mb
 from asyncflow.weights import make_weight_sync
 from asyncflow.weights.buckets import (
     BucketStream,
+    bucket_contents,
     cast_manifest,
     materialize,
     plan_buckets,
@@ -197,8 +198,8 @@ def test_a_stream_saved_as_safetensors_reads_back(tmp_path):
     manifest = plan_buckets(sd, BUCKET_BYTES)
 
     def buckets():
-        for index in range(len(manifest.buckets)):
-            yield [sd[e.name].clone() for e in manifest.tensors if e.bucket == index]
+        for members in bucket_contents(sd, manifest):
+            yield [t.clone() for t in members]
 
     written = save_safetensors(BucketStream(manifest, buckets), tmp_path / "model.safetensors")
     assert written == (tmp_path / "model.safetensors").stat().st_size

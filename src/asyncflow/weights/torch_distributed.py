@@ -244,12 +244,14 @@ class TorchDistributedReceiver(PollingReceiver):
         return version, manifest
 
     def _members(self, manifest: Manifest, version: int) -> Iterator[list[torch.Tensor]]:
-        """Each bucket's tensors (views of a fresh buffer), its broadcast received when it is asked for."""
+        """Each bucket's tensors (views of a fresh buffer; a split tensor's slice as its rows), its broadcast received
+        when it is asked for."""
         count = len(manifest.buckets)
         for index, bucket in enumerate(manifest.buckets):
             buffer = torch.empty(bucket.numel, dtype=bucket.dtype, device=self._spec.device)
             _broadcast(self._group, [buffer], self._spec.timeout_s, version, count, first=index)
-            yield [buffer[e.offset : e.offset + e.numel].view(e.shape) for e in manifest.tensors if e.bucket == index]
+            yield [buffer[e.offset : e.offset + e.numel].view(e.piece_shape) for e in manifest.tensors
+                   if e.bucket == index]
             del buffer
 
     def _taken_by(self) -> Iterator[list[torch.Tensor]]:
