@@ -33,6 +33,10 @@ def mixed_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
     sd["transposed"] = torch.randn(5, 7, generator=g).t()  # not contiguous
     sd["scalar"] = torch.tensor(2.5)
     sd["empty"] = torch.zeros(0, 4)
+    # larger than the tests' buckets (512 B, 4 KiB): split into row slices
+    sd["embed"] = torch.randn(300, 6, generator=g)
+    sd["positions"] = torch.randint(-(2**40), 2**40, (600,), generator=g)
+    sd["gain"] = torch.randn(2500, generator=g).to(torch.bfloat16)
     return sd
 
 

@@ -253,11 +253,11 @@ def write_weights(weights: Weights, manifest: Manifest, buckets: list[torch.Tens
     if not same_layout(weights.manifest, manifest):
         raise ValueError("a weight stream's manifest differs from the layout it is written into")
     written = 0
-    for index, members in enumerate(weights.buckets()):
+    for members in weights.buckets():  # not enumerate: its cached tuple would keep a bucket alive into the next
         sources = [t.detach().reshape(-1) for t in members]
-        bucket = buckets[index]
+        bucket = buckets[written]
         if sum(s.numel() for s in sources) != bucket.numel():
-            raise ValueError(f"bucket {index} of a weight stream has {sum(s.numel() for s in sources)} elements, "
+            raise ValueError(f"bucket {written} of a weight stream has {sum(s.numel() for s in sources)} elements, "
                              f"its manifest {bucket.numel()}")
         _fill(bucket, sources)
         del sources, members
@@ -273,7 +273,9 @@ def filled_buckets(stream: BucketStream, manifest: Manifest, device: torch.devic
     asking for the next)."""
     if not same_layout(stream.manifest, manifest):
         raise ValueError("a weight stream's manifest differs from the layout it is forwarded in")
-    for index, members in enumerate(stream.buckets()):
+    index = -1
+    for members in stream.buckets():  # not enumerate: its cached tuple would keep a bucket alive into the next
+        index += 1
         layout = manifest.buckets[index]
         if len(members) == 1 and members[0].dtype == layout.dtype and members[0].numel() == layout.numel \
                 and members[0].device == torch.device(device) and members[0].is_contiguous():

@@ -105,8 +105,10 @@ class CollectiveGroup:
             for p in posted:
                 self._wait(p)
         else:
-            for i, bucket in enumerate(buckets):
-                self._wait(self._start(bucket, version, f"bucket {i + 1}/{count or '?'}"))
+            number = 0
+            for bucket in buckets:  # not enumerate: its cached tuple would keep a bucket alive while the next is built
+                number += 1
+                self._wait(self._start(bucket, version, f"bucket {number}/{count or '?'}"))
                 del bucket
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

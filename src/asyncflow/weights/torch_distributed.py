@@ -72,8 +72,10 @@ def _broadcast(group: Any, buckets: Iterable[torch.Tensor], timeout_s: float, ve
     """Broadcast every bucket from rank 0, in order; each waits at most `timeout_s`. Errors name bucket
     `first + i + 1` of `count`."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    for i, bucket in enumerate(buckets):
-        what = f"broadcast of bucket {first + i + 1}/{count}"
+    number = first
+    for bucket in buckets:  # not enumerate: its cached tuple would keep a bucket alive while the next is built
+        number += 1
+        what = f"broadcast of bucket {number}/{count}"
         try:
             group.broadcast(bucket, 0, timeout).wait(timeout)
         except RuntimeError as err:
