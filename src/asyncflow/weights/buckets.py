@@ -127,9 +127,9 @@ def plan_buckets(state_dict: Mapping[str, torch.Tensor], bucket_bytes: int = DEF
                 entries.append(TensorEntry(name, shape, dtype, index, 0, rows))
                 bucket_numels[index] = (rows[1] - rows[0]) * row
             continue
-        index = open_bucket.get(dtype)
-        if index is None or (bucket_numels[index] > 0 and (bucket_numels[index] + numel) > capacity):
-            index = start(dtype)
+        opened = open_bucket.get(dtype)
+        index = start(dtype) if opened is None or (
+            bucket_numels[opened] > 0 and bucket_numels[opened] + numel > capacity) else opened
         entries.append(TensorEntry(name, shape, dtype, index, bucket_numels[index]))
         bucket_numels[index] += numel
     return Manifest(tuple(entries), _lay_out(bucket_dtypes, bucket_numels, joined), 0).with_payload_bytes()
