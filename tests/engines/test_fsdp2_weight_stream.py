@@ -1,6 +1,7 @@
-"""FSDP2 weights leave the ranks one bucket at a time: the ranks all-gather one parameter at a time and rank 0 hands
-over one bucket's tensors (`FSDP2TrainEngine.weight_stream`), so no rank holds more than one bucket of gathered
-weights (the engine's `weights/gather_peak_bytes`), and what every transport publishes from the stream is
+"""FSDP2 weights leave the ranks one bucket at a time: the ranks all-gather one parameter (or send rank 0 their rows
+of a slice of one larger than a bucket) at a time and rank 0 hands over one flat bucket, in the engine's dtype when it
+is narrower (`FSDP2TrainEngine.weight_stream`), so no rank holds more than a bucket and the part being copied into it
+(the engine's `weights/gather_peak_bytes`), and what every transport publishes from the stream is
 bit-identical to what it publishes from the whole state dict. The engine also reports each rank's peak memory."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from asyncflow.models.loading import load_model
 from asyncflow.models.logprobs import TrainSample
 from asyncflow.runtime.inline import ProcessRanks
 from asyncflow.weights import BucketStream, make_weight_sync
-from asyncflow.weights.buckets import materialize
+from asyncflow.weights.buckets import allocate_payload, bucket_views, materialize, unpack
 
 BUCKET_BYTES = 64 << 10  # several buckets even for the tiny model
 
@@ -41,17 +42,32 @@ def test_the_stream_is_the_state_dict_and_no_rank_holds_more_than_a_bucket(engin
     assert isinstance(stream, BucketStream), "nothing cached: streamed from the ranks"
     manifest = stream.manifest
     assert len(manifest.buckets) > 3
+    assert any(e.rows is not None for e in manifest.tensors), "tensors larger than a bucket travel as row slices"
     initial = load_model(tiny_llama_path).state_dict()
-    streamed = {}
+    views = bucket_views(manifest, allocate_payload(manifest))
     for index, members in enumerate(stream.buckets()):
-        entries = [e for e in manifest.tensors if e.bucket == index]
-        assert [tuple(t.shape) for t in members] == [e.shape for e in entries]
-        streamed.update({e.name: t for e, t in zip(entries, members, strict=True)})
+        assert [m.numel() for m in members] == [manifest.buckets[index].numel], "each bucket one flat tensor"
+        views[index].copy_(members[0])
+    streamed = unpack(manifest, views)
     assert streamed.keys() == initial.keys()
     assert all(torch.equal(streamed[k], initial[k]) for k in initial), "the ranks' weights, bit for bit"
     largest_bucket = max(b.nbytes for b in manifest.buckets)
+    assert largest_bucket <= BUCKET_BYTES
     total = sum(t.nbytes for t in initial.values())
-    assert 0 < engine.metrics()["weights/gather_peak_bytes"] <= largest_bucket < total / 3
+    # the bucket being filled and the tensor or slice being copied into it
+    assert 0 < engine.metrics()["weights/gather_peak_bytes"] <= 2 * largest_bucket < total / 3
+
+
+@pytest.mark.slow
+def test_the_ranks_cast_each_bucket_to_the_engines_dtype(engine):
+    """A bf16 engine's stream leaves the ranks in bf16 (the driver never holds an fp32 bucket), equal to the state
+    dict cast as a publisher would cast it."""
+    stream = engine.weight_stream(dtype=torch.bfloat16)
+    assert isinstance(stream, BucketStream)
+    assert {b.dtype for b in stream.manifest.buckets} == {torch.bfloat16}
+    sent = materialize(stream)
+    whole = engine.state_dict()
+    assert all(torch.equal(sent[k], whole[k].to(torch.bfloat16)) for k in whole)
 
 
 @pytest.mark.parametrize("kind", ["inprocess", "shared_memory"])

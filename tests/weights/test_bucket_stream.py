@@ -11,6 +11,7 @@ from asyncflow.weights.background import BackgroundSender
 from asyncflow.weights.buckets import (
     BucketStream,
     allocate_payload,
+    bucket_contents,
     bucket_views,
     pack,
     plan_buckets,
@@ -35,8 +36,8 @@ def stream_of(sd: dict[str, torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> 
     manifest = plan_buckets(sd, bucket_bytes)
 
     def buckets():
-        for index in range(len(manifest.buckets)):
-            yield [sd[e.name].clone() for e in manifest.tensors if e.bucket == index]
+        for members in bucket_contents(sd, manifest):
+            yield [t.clone() for t in members]
 
     return BucketStream(manifest, buckets)
 
@@ -65,7 +66,7 @@ def test_a_stream_that_does_not_match_its_layout_is_an_error():
     manifest = plan_buckets(sd, BUCKET_BYTES)
     with pytest.raises(ValueError, match="manifest differs"):
         packed(stream_of(sd, bucket_bytes=4096), manifest)
-    short = BucketStream(manifest, lambda: iter([[sd[e.name] for e in manifest.tensors if e.bucket == 0]]))
+    short = BucketStream(manifest, lambda: iter(bucket_contents(sd, manifest)[:1]))
     with pytest.raises(ValueError, match="ended after 1 of"):
         packed(short, manifest)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import multiprocessing as mp
 import socket
 import threading
 import time
@@ -22,6 +23,7 @@ from asyncflow.observe.memory import peak_rss_mb, reset_peak_rss, rss_mb
 from asyncflow.weights import make_weight_sync
 from asyncflow.weights.buckets import (
     BucketStream,
+    bucket_contents,
     cast_manifest,
     materialize,
     plan_buckets,
@@ -50,7 +52,7 @@ def publish_in_thread(sd, version: int, **options):
 
     def publish():
         box["p"] = make_weight_sync("torch_distributed", num_receivers=1, port=options.pop("port"),
-                                    bucket_bytes=BUCKET_BYTES, timeout_s=30, **options)
+                                    bucket_bytes=options.pop("bucket_bytes", BUCKET_BYTES), timeout_s=30, **options)
         box["p"].publish(sd, version)
 
     thread = threading.Thread(target=publish)
@@ -197,10 +199,131 @@ def test_a_stream_saved_as_safetensors_reads_back(tmp_path):
     manifest = plan_buckets(sd, BUCKET_BYTES)
 
     def buckets():
-        for index in range(len(manifest.buckets)):
-            yield [sd[e.name].clone() for e in manifest.tensors if e.bucket == index]
+        for members in bucket_contents(sd, manifest):
+            yield [t.clone() for t in members]
 
     written = save_safetensors(BucketStream(manifest, buckets), tmp_path / "model.safetensors")
     assert written == (tmp_path / "model.safetensors").stat().st_size
     back = load_file(str(tmp_path / "model.safetensors"))
     assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def _receive_means(spec, results) -> None:
+    """A replica's side in its own process: each received bucket's mean, in order."""
+    receiver = spec.for_rank(1).open()
+    try:
+        for version in (1, 2):  # a small warm-up version, then the measured one
+            _, stream = receiver.wait_for(version, timeout=60)
+            means = [float(members[0].float().mean()) for members in stream.buckets()]
+        results.put(means)
+    except BaseException as err:  # surfaced in the parent's assertion
+        results.put(repr(err))
+    finally:
+        receiver.close()
+
+
+@pytest.mark.slow
+def test_a_tensor_four_buckets_large_costs_the_forwarding_driver_one_bucket():
+    """A tensor larger than a bucket (Qwen2.5-0.5B's tied embedding: 519 MiB in fp32) travels as row slices, one
+    bucket each: the driver forwarding the ranks' stream (`weights.stage_on_driver: false`) grows by about one bucket
+    while the version goes out, not by the tensor. The replica receives in a process of its own, as on Ray."""
+    if not reset_peak_rss():
+        pytest.skip("needs /proc/self/clear_refs to measure one phase's peak")
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: freed buckets go back to the kernel
+    bucket_mib = 32
+    rows, cols = 16384, 4096  # bf16: 128 MiB, four buckets
+    manifest = plan_buckets({"embed": torch.empty(rows, cols, dtype=torch.bfloat16, device="meta")}, bucket_mib << 20)
+
+    def buckets():  # as the ranks hand them over: one flat tensor per bucket, already in the engine's dtype
+        for i, bucket in enumerate(manifest.buckets):
+            yield [torch.full((bucket.numel,), float(i), dtype=bucket.dtype)]
+
+    publisher = make_weight_sync("torch_distributed", num_receivers=1, port=free_port(), bucket_bytes=bucket_mib << 20,
+                                 timeout_s=60, dtype=torch.bfloat16, forward_streams=True)
+    spawn = mp.get_context("spawn")
+    results = spawn.Queue()
+    child = spawn.Process(target=_receive_means, args=(publisher.receiver_spec, results))
+    child.start()
+    try:
+        small = plan_buckets({"embed": torch.empty(4, 4, dtype=torch.bfloat16, device="meta")})
+        # the group's own buffers and threads come with the first broadcast
+        publisher.publish(BucketStream(small, lambda: iter([[torch.zeros(16, dtype=torch.bfloat16)]])), 1)
+        gc.collect()
+        reset_peak_rss()
+        before = rss_mb()
+        assert before is not None
+        publisher.publish(BucketStream(manifest, buckets), 2)
+        grown = peak_rss_mb() - before
+        assert grown < 1.5 * bucket_mib, f"the driver grew {grown:.1f} MiB forwarding a 128 MiB tensor in " \
+                                         f"{bucket_mib} MiB buckets: it held more than a bucket of it"
+        assert [e.rows for e in manifest.tensors] == [(0, 4096), (4096, 8192), (8192, 12288), (12288, 16384)]
+        assert results.get(timeout=60) == [0.0, 1.0, 2.0, 3.0], "every slice arrived, in order"
+    finally:
+        publisher.close()
+        child.join(30)
+    assert child.exitcode == 0
+
+
+def split_state_dict() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return {"norm": torch.randn(24, generator=g), "embed": torch.randn(64, 24, generator=g),  # 6 KiB: 4 slices
+            "steps": torch.arange(5), "head": torch.randn(3, 24, generator=g)}
+
+
+@pytest.mark.parametrize("kind", ["inprocess", "shared_memory", "torch_distributed", "forwarded"])
+def test_a_tensor_larger_than_a_bucket_arrives_bit_exact(kind):
+    sd = split_state_dict()
+    manifest = plan_buckets(sd, 2048)
+    assert sum(e.name == "embed" for e in manifest.tensors) == 4 and all(b.nbytes <= 2048 for b in manifest.buckets)
+    if kind in ("inprocess", "shared_memory"):
+        publisher = make_weight_sync(kind, bucket_bytes=2048)
+        receiver = publisher.receiver_spec.open()
+        try:
+            publisher.publish(sd, 1)
+            got = receiver.wait_for(1, timeout=10)[1]
+            assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd)
+        finally:
+            receiver.close()
+            publisher.close()
+        return
+    published = sd if kind == "torch_distributed" else \
+        BucketStream(manifest, lambda: ([t.clone() for t in m] for m in bucket_contents(sd, manifest)))
+    box, thread = publish_in_thread(published, 1, port=free_port(), bucket_bytes=2048,
+                                    forward_streams=kind == "forwarded")
+    receiver = box["p"].receiver_spec.for_rank(1).open()
+    try:
+        _, stream = receiver.wait_for(1, timeout=30)
+        assert [e.rows for e in stream.manifest.tensors] == [e.rows for e in manifest.tensors]
+        got = materialize(stream)
+        assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd)
+    finally:
+        thread.join(30)
+        receiver.close()
+        box["p"].close()
+
+
+@pytest.mark.slow
+def test_the_built_in_engine_loads_a_split_tensor_bit_exact(tiny_llama_path):
+    """Through `torch_distributed` into the built-in engine (`hand_weights`, as a replica does), with buckets smaller
+    than the embedding."""
+    from asyncflow.engines.torch_inference import TorchInferenceEngine
+    from asyncflow.models.loading import load_model
+    from asyncflow.workers.loops import hand_weights
+
+    engine = TorchInferenceEngine(load_model(tiny_llama_path).eval(), max_batch_size=2)
+    g = torch.Generator().manual_seed(7)
+    sent = {k: torch.randn(v.shape, generator=g).to(v.dtype) if v.is_floating_point() else v.clone()
+            for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}  # tied: sent once
+    embed = sent["model.embed_tokens.weight"]
+    box, thread = publish_in_thread(sent, 1, port=free_port(), bucket_bytes=embed.nbytes // 3)
+    receiver = box["p"].receiver_spec.for_rank(1).open()
+    try:
+        _, stream = receiver.wait_for(1, timeout=30)
+        assert sum(e.name == "model.embed_tokens.weight" for e in stream.manifest.tensors) >= 3
+        hand_weights(engine, stream, 1)
+        loaded = engine.model.state_dict()
+        assert all(torch.equal(loaded[k], sent[k]) for k in sent) and torch.equal(loaded["lm_head.weight"], embed)
+    finally:
+        thread.join(30)
+        receiver.close()
+        box["p"].close()

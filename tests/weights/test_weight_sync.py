@@ -33,6 +33,10 @@ def mixed_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
     sd["transposed"] = torch.randn(5, 7, generator=g).t()  # not contiguous
     sd["scalar"] = torch.tensor(2.5)
     sd["empty"] = torch.zeros(0, 4)
+    # larger than the tests' buckets (512 B, 4 KiB): split into row slices
+    sd["embed"] = torch.randn(300, 6, generator=g)
+    sd["positions"] = torch.randint(-(2**40), 2**40, (600,), generator=g)
+    sd["gain"] = torch.randn(2500, generator=g).to(torch.bfloat16)
     return sd
 
 
@@ -63,16 +67,17 @@ def test_many_small_tensors_pack_into_few_buckets():
         sd[f"h{i}"] = torch.full((16,), float(i), dtype=torch.bfloat16)  # 32 B
         if i < 50:
             sd[f"n{i}"] = torch.full((8,), i, dtype=torch.int64)  # 64 B
-    sd["big"] = torch.ones(1000)  # 4000 B: larger than a bucket, gets its own
+    sd["big"] = torch.arange(1000.0)  # 4000 B: larger than a bucket, split into row slices
     manifest = plan_buckets(sd, bucket_bytes=1024)
     per_dtype = {
         dt: sum(b.dtype == dt for b in manifest.buckets) for dt in (torch.float32, torch.bfloat16, torch.int64)
     }
-    # fp32: 16 tensors per bucket -> 7 (+1 for "big"); bf16: 32 per bucket -> 4; int64: 16 per bucket -> 4
-    assert per_dtype == {torch.float32: 8, torch.bfloat16: 4, torch.int64: 4}
-    assert len(manifest.buckets) == 16
-    assert all(b.nbytes <= 1024 for b in manifest.buckets if b.numel != 1000)
-    assert all(b.byte_offset % 64 == 0 for b in manifest.buckets)
+    # fp32: 16 tensors per bucket -> 7 (+4 slices of "big"); bf16: 32 per bucket -> 4; int64: 16 per bucket -> 4
+    assert per_dtype == {torch.float32: 11, torch.bfloat16: 4, torch.int64: 4}
+    assert len(manifest.buckets) == 19
+    assert all(b.nbytes <= 1024 for b in manifest.buckets)
+    assert [e.rows for e in manifest.tensors if e.name == "big"] == [(0, 256), (256, 512), (512, 768), (768, 1000)]
+    assert all(b.byte_offset % 64 == 0 for b in manifest.buckets if not b.joined)
     buckets = bucket_views(manifest, allocate_payload(manifest))
     pack(sd, manifest, buckets)
     assert_exact(sd, unpack(manifest, buckets))

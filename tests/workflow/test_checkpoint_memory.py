@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from asyncflow.weights.buckets import allocate_payload, bucket_views, pack, plan_buckets, unpack
+from asyncflow.weights.buckets import allocate_payload, bucket_contents, bucket_views, pack, plan_buckets, unpack
 from asyncflow.workflow.checkpoint import _as_saved, load_checkpoint, save_checkpoint
 
 
@@ -55,7 +55,7 @@ def test_a_streamed_version_is_written_one_bucket_at_a_time(tmp_path):
     def buckets():
         nonlocal most_alive
         for index in range(len(manifest.buckets)):
-            members = [sd[e.name].clone() for e in manifest.tensors if e.bucket == index]
+            members = [t.clone() for t in bucket_contents(sd, manifest)[index]]
             gc.collect()
             most_alive = max(most_alive, 1 + sum(ref() is not None for ref in produced))
             produced.extend(weakref.ref(t) for t in members[:1])

@@ -263,11 +263,13 @@ class TrainEngine(Protocol):
         """Gauges of the engine for the step's metrics row (e.g. its ranks' peak memory); {} by default."""
         ...
 
-    def weight_stream(self, distinct: bool = False) -> Mapping[str, torch.Tensor] | BucketStream:
+    def weight_stream(self, distinct: bool = False, dtype: torch.dtype | None = None
+                      ) -> Mapping[str, torch.Tensor] | BucketStream:
         """The policy weights for a weight publisher, which copies them in bucket by bucket: `state_dict()` by
         default; a multi-rank engine streams them from its ranks (`asyncflow.weights.BucketStream`). `distinct`: a
         tensor under several names (a tied embedding and output head) may come once, under its first name (what a
-        weight channel sends: a receiving engine ties it again); a checkpoint takes every name."""
+        weight channel sends: a receiving engine ties it again); a checkpoint takes every name. `dtype`: the receiving
+        engine's; a stream may carry floating tensors wider than it in it (a publisher casts to it anyway)."""
         ...
 
 
@@ -285,8 +287,9 @@ class TrainEngineBase:
         """No gauges by default."""
         return {}
 
-    def weight_stream(self, distinct: bool = False) -> Mapping[str, torch.Tensor] | BucketStream:
-        """The whole `state_dict` by default (every name, whatever `distinct`)."""
+    def weight_stream(self, distinct: bool = False, dtype: torch.dtype | None = None
+                      ) -> Mapping[str, torch.Tensor] | BucketStream:
+        """The whole `state_dict` by default (every name and dtype, whatever `distinct` and `dtype`)."""
         state_dict: Mapping[str, torch.Tensor] = self.state_dict()  # type: ignore[attr-defined]
         return state_dict
 

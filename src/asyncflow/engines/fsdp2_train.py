@@ -24,8 +24,9 @@ Invariants:
 - Each call to the ranks and every collective is bounded by `timeout_s`; a rank that dies or fails
   ends the call with `RankFailedError` naming the rank, and the other ranks are stopped.
 - Weights leave the ranks one bucket at a time (`weight_stream`: the ranks all-gather one parameter at a
-  time, rank 0 hands over one bucket's tensors and frees them): no rank holds more than one bucket of
-  gathered tensors (`weights/gather_peak_bytes`). A `torch_distributed` publisher forwards the stream bucket by
+  time, or send rank 0 their rows of a slice of one larger than a bucket; rank 0 copies each into the bucket, cast to
+  the receiving engine's dtype, and hands it over as one flat tensor): no rank holds more than one bucket and the
+  part being copied in (`weights/gather_peak_bytes`). A `torch_distributed` publisher forwards the stream bucket by
   bucket, the others copy it into their own snapshot; a tied embedding goes to a publisher once (`distinct`);
   `state_dict` (checkpoints, evaluation) builds this process's copy once per version and caches it until
   the next `optimizer_step` or load.
@@ -77,6 +78,7 @@ from asyncflow.weights.buckets import (
     SafetensorsReader,
     allocate_payload,
     bucket_views,
+    cast_manifest,
     plan_buckets,
     unpack,
     write_weights,
@@ -347,10 +349,13 @@ class RankTrainer:
         self.nonfinite = False
         return stats
 
-    def weights_manifest(self, bucket_bytes: int, distinct: bool = False) -> Manifest | None:
+    def weights_manifest(self, bucket_bytes: int, distinct: bool = False, dtype: torch.dtype | None = None
+                         ) -> Manifest | None:
         """Plan this version's weight stream: the layout (`plan_buckets`) of the full policy state dict, from the
-        shards' global shapes, nothing gathered; -> the manifest on rank 0, None elsewhere. Every rank keeps it
-        (and the sharded state dict) for `gathered_bucket`. `distinct`: a tied parameter under its first name only."""
+        shards' global shapes, nothing gathered, with floating tensors wider than `dtype` carried in it
+        (`cast_manifest`: what the receiving engine takes); -> the manifest on rank 0, None elsewhere. Every rank
+        keeps it (and the sharded state dict) for `gathered_bucket`. `distinct`: a tied parameter under its first name
+        only."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         # the sharded state dict: DTensors under the names of the full one (checkpoint wrappers' prefixes removed)
@@ -362,33 +367,67 @@ class RankTrainer:
                     if first.setdefault(id(p), name) != name}
             self._sharded = {name: t for name, t in self._sharded.items() if name not in tied}
         shapes = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in self._sharded.items()}
-        self._manifest = plan_buckets(shapes, bucket_bytes)
+        # planned in the trainer's dtype, so a bucket is at most `bucket_bytes` on the ranks too
+        self._manifest = cast_manifest(plan_buckets(shapes, bucket_bytes), dtype)
         self._gather_peak_bytes = 0
         return self._manifest if self.rank == 0 else None
 
     def gathered_bucket(self, index: int) -> tuple[list[torch.Tensor] | None, int]:
-        """Gather the full tensors of bucket `index` of `weights_manifest`'s plan, one parameter at a time (a
-        collective); -> (those tensors on the CPU in manifest order on rank 0, None elsewhere; the most bytes of
-        gathered tensors this rank has held at once since the plan). Rank 0 holds at most one bucket's tensors;
-        the others hold one tensor at a time."""
-        from torch.distributed.tensor import DTensor
-
-        members: list[torch.Tensor] = []
-        held = 0
+        """Gather bucket `index` of `weights_manifest`'s plan, one tensor (or row slice of a split one) at a time (a
+        collective); -> ([the bucket as one flat CPU tensor in the plan's dtype] on rank 0, None elsewhere; the most
+        bytes this rank has held at once for it since the plan: the bucket and the part being copied in). The other
+        ranks hold one whole tensor (at most a bucket) or their rows of a slice at a time."""
+        layout = self._manifest.buckets[index]
+        flat = torch.empty(layout.numel, dtype=layout.dtype) if self.rank == 0 else None
+        held = layout.nbytes if self.rank == 0 else 0
         for entry in self._manifest.tensors:
             if entry.bucket != index:
                 continue
-            tensor = self._sharded[entry.name]
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            full = full.detach().cpu()
-            held += full.nbytes
-            self._gather_peak_bytes = max(self._gather_peak_bytes, held)
-            if self.rank == 0:
-                members.append(full)
-            else:
-                held -= full.nbytes
-            del full
-        return (members if self.rank == 0 else None), self._gather_peak_bytes
+            part = self._gathered(self._sharded[entry.name], entry.rows)
+            if part is None:
+                continue
+            self._gather_peak_bytes = max(self._gather_peak_bytes, held + part.nbytes)
+            if flat is not None:
+                flat[entry.offset : entry.offset + entry.numel].copy_(part.reshape(-1))  # the cast, if any
+            del part
+        return ([flat] if flat is not None else None), self._gather_peak_bytes
+
+    def _gathered(self, tensor: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor | None:
+        """The whole `tensor` (`rows` None: every rank gets it) or its `rows` (rank 0 gets them, None elsewhere) on
+        the CPU. A slice of a dim-0 sharded DTensor (FSDP2's layout) travels as each rank's own rows of it, sent to
+        rank 0: no rank gathers the whole tensor."""
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor, Shard
+
+        if not isinstance(tensor, DTensor):
+            whole = tensor.detach().cpu()
+            return whole if rows is None else whole[rows[0] : rows[1]]
+        if rows is None:
+            return tensor.full_tensor().detach().cpu()
+        if tuple(tensor.placements) != (Shard(0),):  # not FSDP2's layout: gathered whole (a collective), then cut
+            whole = tensor.full_tensor().detach()
+            return whole[rows[0] : rows[1]].cpu() if self.rank == 0 else None
+        local = tensor.to_local().detach()
+        chunk = -(-tensor.shape[0] // self.world)  # torch.chunk's split, as Shard(0) places rows
+        start = min(self.rank * chunk, tensor.shape[0])
+        if local.shape[0] != min(chunk, tensor.shape[0] - start):
+            raise RuntimeError(f"rank {self.rank}: a shard of {local.shape[0]} rows where Shard(0) places "
+                               f"{min(chunk, tensor.shape[0] - start)}")
+        out = torch.empty((rows[1] - rows[0], *local.shape[1:]), dtype=local.dtype, device=local.device) \
+            if self.rank == 0 else None
+        for owner in range(self.world):
+            lo, hi = max(rows[0], owner * chunk), min(rows[1], (owner + 1) * chunk, tensor.shape[0])
+            if lo >= hi:
+                continue
+            if owner == self.rank:
+                mine = local[lo - start : hi - start]
+                if out is not None:
+                    out[lo - rows[0] : hi - rows[0]].copy_(mine)
+                else:
+                    dist.send(mine.contiguous(), dst=0)
+            elif out is not None:
+                dist.recv(out[lo - rows[0] : hi - rows[0]], src=owner)
+        return None if out is None else out.cpu()
 
     def peak_rss_mb(self) -> float:
         """This rank's peak resident memory (`asyncflow.observe.memory`)."""
@@ -572,14 +611,16 @@ class FSDP2TrainEngine(TrainEngineBase):
         stats: dict[str, float] = self._all("step", grad_scale)[0]
         return stats
 
-    def weight_stream(self, distinct: bool = False) -> Mapping[str, torch.Tensor] | BucketStream:
+    def weight_stream(self, distinct: bool = False, dtype: torch.dtype | None = None
+                      ) -> Mapping[str, torch.Tensor] | BucketStream:
         """This version's full policy weights for a consumer that copies or forwards them bucket by bucket (a weight
-        publisher, a checkpoint): streamed from the ranks one bucket at a time, so no process holds them whole (rank
-        0 one bucket; this process the bucket in transit); the `state_dict` when it is already here. `distinct`: a
-        tied embedding gathered and sent once, under its first name."""
+        publisher, a checkpoint): streamed from the ranks one bucket at a time, each bucket one flat tensor cast on
+        rank 0 to `dtype` where it is narrower (the receiving engine's), so no process holds them whole (rank 0 one
+        bucket; this process the bucket in transit); the `state_dict` when it is already here. `distinct`: a tied
+        embedding gathered and sent once, under its first name."""
         if self._weights is not None:
             return self._weights
-        manifest: Manifest = self._all("weights_manifest", self.bucket_bytes, distinct)[0]
+        manifest: Manifest = self._all("weights_manifest", self.bucket_bytes, distinct, dtype)[0]
 
         def buckets() -> Iterator[list[torch.Tensor]]:
             for index in range(len(manifest.buckets)):
@@ -607,7 +648,7 @@ class FSDP2TrainEngine(TrainEngineBase):
 
     def metrics(self) -> dict[str, float]:
         """Per step: the most bytes of gathered (full) tensors any rank held at once while weights were gathered
-        (`weights/gather_peak_bytes`, at most one bucket), and each rank's peak resident memory."""
+        (`weights/gather_peak_bytes`, at most a bucket and one part of it), and each rank's peak resident memory."""
         out = {f"{MEMORY_METRIC_PREFIX}rank_{rank}": mb for rank, mb in enumerate(self._all("peak_rss_mb"))}
         if self.gather_peak_bytes:
             out["weights/gather_peak_bytes"] = float(self.gather_peak_bytes)

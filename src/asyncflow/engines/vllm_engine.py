@@ -165,7 +165,8 @@ def check_model_folder(folder: Path) -> None:
 def flat_buckets(stream: BucketStream) -> Iterator[torch.Tensor]:
     """Each bucket of `stream` as one flat tensor (what a broadcast sends), the stream's own tensors let go first."""
     for members in stream.buckets():
-        flat = torch.cat([t.detach().reshape(-1) for t in members])
+        flat = members[0].detach().reshape(-1) if len(members) == 1 else \
+            torch.cat([t.detach().reshape(-1) for t in members])
         del members
         yield flat
 

@@ -14,7 +14,8 @@ Invariants:
   `asyncflow_load_weights` reads them from one safetensors file (the fallback).
 - Both load through the worker's own `reload_weights`, which restores the layers that vLLM's CPU backend
   repacked into kernel formats, loads the tensors and repacks them (`model.load_weights` would fail on those
-  repacked layers); the collective path feeds it each bucket's tensors as the bucket arrives.
+  repacked layers); the collective path feeds it each bucket's tensors as the bucket arrives (a tensor split
+  over buckets whole, after its last slice: `CollectiveGroup.receive`).
 - Every bucket announced is received even when loading fails part-way, so the sender is never left waiting;
   a failure then raises here, and `collective_rpc` hands it to the adapter.
 """

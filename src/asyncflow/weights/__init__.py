@@ -20,8 +20,8 @@ Receivers are built in any process from `publisher.receiver_spec` (a small pickl
 Invariants:
 - A receiver returns whole versions only: every tensor of one published version, never a mix.
 - Weights travel as a few large buckets: same-dtype tensors flattened into contiguous buffers of
-  at most `bucket_bytes` (a larger tensor gets a bucket of its own), plus a `Manifest` (names,
-  shapes, dtypes, offsets) that rebuilds the state dict. No transport makes a call per tensor.
+  at most `bucket_bytes` (a larger tensor is split into row slices over consecutive buckets), plus a `Manifest`
+  (names, shapes, dtypes, offsets, slices) that rebuilds the state dict. No transport makes a call per tensor.
 - `publish` never waits for receivers. It costs one local copy of the weights (the snapshot: the
   trainer may step as soon as it returns). It takes a state dict or a `BucketStream` (a multi-rank
   trainer's weights gathered one bucket at a time), copied in bucket by bucket: the publishing side then

@@ -1,14 +1,19 @@
 """Buckets: how a state dict travels as a few large contiguous buffers plus a `Manifest`.
 
 Owns: `plan_buckets` (same-dtype tensors flattened into buffers of at most `bucket_bytes`; a larger
-tensor gets a bucket of its own), `allocate_payload` / `bucket_views` (one aligned byte buffer per
-version, viewed as typed buckets), `pack` (copy a state dict in) and `unpack` (views back out), and
+tensor is split along its first dimension into row slices over consecutive buckets), `allocate_payload` /
+`bucket_views` (one aligned byte buffer per version, viewed as typed buckets), `pack` (copy a state dict in) and
+`unpack` (views back out), and
 `BucketStream`: a version whose tensors are produced one bucket at a time (a multi-rank trainer gathers
 them so), which `write_weights` copies in bucket by bucket wherever a state dict could go, `save_safetensors`
 writes to a file, `filled_buckets` forwards one buffer at a time and `materialize` makes a state dict of;
 `cast_manifest`: the same layout in a narrower dtype (what a bf16 engine receives).
 
 Invariants:
+- No bucket holds more than `bucket_bytes`, but for a single row wider than that (then one row). The slices of a
+  split tensor are consecutive entries under its name, in consecutive buckets, and lie end to end in a payload
+  (a bucket that continues a tensor starts right where the previous one ends, `Bucket.joined`): a split tensor is
+  still one contiguous run of bytes, in a payload, in a stream's order and in a safetensors file.
 - `unpack(manifest, buckets)` after `pack(sd, manifest, buckets)` gives tensors equal to `sd` (names,
   shapes, dtypes, values), as views of the buckets: no copy on the way out.
 - `write_weights` of a `BucketStream` writes the same bytes as `pack` of the state dict it streams, and
@@ -35,22 +40,36 @@ StateDict = dict[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class TensorEntry:
+    """A tensor's place in a bucket: the whole tensor, or (`rows`) the slice [start, stop) of its first dimension."""
+
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # the whole tensor's
     dtype: torch.dtype
     bucket: int
     offset: int  # in elements, inside its bucket
+    rows: tuple[int, int] | None = None
+
+    @property
+    def piece_shape(self) -> tuple[int, ...]:
+        """The shape of what this entry holds: `shape`, or its `rows` of it."""
+        return self.shape if self.rows is None else (self.rows[1] - self.rows[0], *self.shape[1:])
 
     @property
     def numel(self) -> int:
-        return math.prod(self.shape)
+        """Elements this entry holds in its bucket."""
+        return math.prod(self.piece_shape)
+
+    def piece(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This entry's part of the whole `tensor` (a view)."""
+        return tensor if self.rows is None else tensor[self.rows[0] : self.rows[1]]
 
 
 @dataclass(frozen=True)
 class Bucket:
     dtype: torch.dtype
     numel: int
-    byte_offset: int  # inside the flat payload; a multiple of ALIGN
+    byte_offset: int  # inside the flat payload; a multiple of ALIGN unless `joined`
+    joined: bool = False  # continues the previous bucket's last tensor: laid out right after it, without a gap
 
     @property
     def nbytes(self) -> int:
@@ -65,35 +84,67 @@ class Manifest:
     buckets: tuple[Bucket, ...]
     payload_bytes: int
 
+    def with_payload_bytes(self) -> Manifest:
+        """This manifest with `payload_bytes` the end of its last bucket, rounded up to ALIGN."""
+        end = self.buckets[-1].byte_offset + self.buckets[-1].nbytes if self.buckets else 0
+        return replace(self, payload_bytes=align(end))
+
 
 def align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def plan_buckets(state_dict: Mapping[str, torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Manifest:
-    """Group same-dtype tensors, in state-dict order, into buckets of at most `bucket_bytes`."""
+def plan_buckets(state_dict: Mapping[str, torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 split: bool = True) -> Manifest:
+    """Group same-dtype tensors, in state-dict order, into buckets of at most `bucket_bytes`. A tensor larger than
+    that starts a bucket and is split along its first dimension into slices of as many rows as a bucket takes (at
+    least one), one bucket each; the last slice's bucket stays open for the tensors after it. `split=False`: such a
+    tensor gets a bucket of its own instead."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     bucket_numels: list[int] = []
     bucket_dtypes: list[torch.dtype] = []
+    joined: list[bool] = []
     open_bucket: dict[torch.dtype, int] = {}
     entries = []
+
+    def start(dtype: torch.dtype, continues: bool = False) -> int:
+        bucket_numels.append(0)
+        bucket_dtypes.append(dtype)
+        joined.append(continues)
+        open_bucket[dtype] = len(bucket_numels) - 1
+        return open_bucket[dtype]
+
     for name, tensor in state_dict.items():
-        dtype, numel = tensor.dtype, tensor.numel()
-        index = open_bucket.get(dtype)
-        if index is None or (
-            bucket_numels[index] > 0 and (bucket_numels[index] + numel) * dtype.itemsize > bucket_bytes
-        ):
-            index = open_bucket[dtype] = len(bucket_numels)
-            bucket_numels.append(0)
-            bucket_dtypes.append(dtype)
-        entries.append(TensorEntry(name, tuple(tensor.shape), dtype, index, bucket_numels[index]))
+        dtype, numel, shape = tensor.dtype, tensor.numel(), tuple(tensor.shape)
+        capacity = bucket_bytes // dtype.itemsize
+        if split and numel > capacity and shape and shape[0] > 1:
+            row = numel // shape[0]
+            step = max(1, capacity // row)
+            for first in range(0, shape[0], step):
+                index = start(dtype, continues=first > 0)
+                rows = (first, min(first + step, shape[0]))
+                entries.append(TensorEntry(name, shape, dtype, index, 0, rows))
+                bucket_numels[index] = (rows[1] - rows[0]) * row
+            continue
+        opened = open_bucket.get(dtype)
+        index = start(dtype) if opened is None or (
+            bucket_numels[opened] > 0 and bucket_numels[opened] + numel > capacity) else opened
+        entries.append(TensorEntry(name, shape, dtype, index, bucket_numels[index]))
         bucket_numels[index] += numel
-    buckets, offset = [], 0
-    for dtype, numel in zip(bucket_dtypes, bucket_numels, strict=True):
-        buckets.append(Bucket(dtype, numel, offset))
+    return Manifest(tuple(entries), _lay_out(bucket_dtypes, bucket_numels, joined), 0).with_payload_bytes()
+
+
+def _lay_out(dtypes: Sequence[torch.dtype], numels: Sequence[int], joined: Sequence[bool]) -> tuple[Bucket, ...]:
+    """Buckets end to end in a payload: each at the next multiple of ALIGN, a `joined` one right after the previous."""
+    buckets: list[Bucket] = []
+    offset = 0
+    for dtype, numel, continues in zip(dtypes, numels, joined, strict=True):
+        if continues:
+            offset = buckets[-1].byte_offset + buckets[-1].nbytes
+        buckets.append(Bucket(dtype, numel, offset, continues))
         offset = align(offset + numel * dtype.itemsize)
-    return Manifest(tuple(entries), tuple(buckets), offset)
+    return tuple(buckets)
 
 
 def allocate_payload(manifest: Manifest, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -116,13 +167,19 @@ def _fill(bucket: torch.Tensor, sources: Sequence[torch.Tensor]) -> None:
         offset += s.numel()
 
 
+def bucket_contents(state_dict: Mapping[str, torch.Tensor], manifest: Manifest) -> list[list[torch.Tensor]]:
+    """Each bucket's entries as views of `state_dict` (a split tensor's slice as its rows), in manifest order: what a
+    `BucketStream` of the state dict yields."""
+    members: list[list[torch.Tensor]] = [[] for _ in manifest.buckets]
+    for entry in manifest.tensors:
+        members[entry.bucket].append(entry.piece(state_dict[entry.name].detach()))
+    return members
+
+
 def pack(state_dict: Mapping[str, torch.Tensor], manifest: Manifest, buckets: list[torch.Tensor]) -> None:
     """Copy every tensor into its bucket: one concatenation per bucket (a cast where the manifest's dtype differs)."""
-    members: list[list[torch.Tensor]] = [[] for _ in buckets]
-    for entry in manifest.tensors:
-        members[entry.bucket].append(state_dict[entry.name].detach().reshape(-1))
-    for bucket, sources in zip(buckets, members, strict=True):
-        _fill(bucket, sources)
+    for bucket, sources in zip(buckets, bucket_contents(state_dict, manifest), strict=True):
+        _fill(bucket, [s.reshape(-1) for s in sources])
 
 
 def cast_manifest(manifest: Manifest, dtype: torch.dtype | None) -> Manifest:
@@ -136,31 +193,43 @@ def cast_manifest(manifest: Manifest, dtype: torch.dtype | None) -> Manifest:
 
     if all(target(b.dtype) == b.dtype for b in manifest.buckets):
         return manifest
-    buckets, offset = [], 0
-    for b in manifest.buckets:
-        buckets.append(Bucket(target(b.dtype), b.numel, offset))
-        offset = align(offset + b.numel * target(b.dtype).itemsize)
+    buckets = _lay_out([target(b.dtype) for b in manifest.buckets], [b.numel for b in manifest.buckets],
+                       [b.joined for b in manifest.buckets])
     tensors = tuple(replace(e, dtype=target(e.dtype)) for e in manifest.tensors)
-    return Manifest(tensors, tuple(buckets), offset)
+    return Manifest(tensors, buckets, 0).with_payload_bytes()
 
 
 def same_layout(a: Manifest, b: Manifest) -> bool:
     """The same tensors in the same places, whatever their dtypes (`cast_manifest` keeps the layout)."""
-    return [(e.name, e.shape, e.bucket, e.offset) for e in a.tensors] == \
-        [(e.name, e.shape, e.bucket, e.offset) for e in b.tensors] and \
+    return [(e.name, e.shape, e.bucket, e.offset, e.rows) for e in a.tensors] == \
+        [(e.name, e.shape, e.bucket, e.offset, e.rows) for e in b.tensors] and \
         [bk.numel for bk in a.buckets] == [bk.numel for bk in b.buckets]
 
 
 def unpack(manifest: Manifest, buckets: list[torch.Tensor]) -> StateDict:
-    """The state dict as views into `buckets` (no copy)."""
-    return {e.name: buckets[e.bucket][e.offset : e.offset + e.numel].view(e.shape) for e in manifest.tensors}
+    """The state dict as views into `buckets` (no copy); a split tensor is one view over its buckets, which must be
+    `bucket_views` of one payload (its slices lie end to end there)."""
+    out: StateDict = {}
+    for e in manifest.tensors:
+        if e.rows is None:
+            out[e.name] = buckets[e.bucket][e.offset : e.offset + e.numel].view(e.shape)
+        elif e.rows[0] == 0:
+            first = buckets[e.bucket]
+            last = [x for x in manifest.tensors if x.name == e.name][-1]
+            end = buckets[last.bucket].data_ptr() + last.numel * e.dtype.itemsize
+            if end != first.data_ptr() + math.prod(e.shape) * e.dtype.itemsize:
+                raise ValueError(f"unpack: the buckets holding {e.name}'s slices do not lie end to end in one payload")
+            out[e.name] = first.as_strided(e.shape, torch.empty(e.shape, device="meta").stride(),
+                                            first.storage_offset())
+    return out
 
 
 @dataclass(frozen=True)
 class BucketStream:
     """A version's weights as their `manifest` and `buckets()`: an iterator that yields, for each bucket of the
-    manifest in order, the tensors of that bucket's entries in manifest order (each may be freed once copied).
-    One pass: `buckets()` is called once per use."""
+    manifest in order, the bucket's contents as tensors whose elements, end to end, are the bucket's: its entries'
+    tensors (`TensorEntry.piece` of a split one) in manifest order, or the bucket as one flat tensor (what the FSDP2
+    ranks hand over). Each may be freed once copied. One pass: `buckets()` is called once per use."""
 
     manifest: Manifest
     buckets: Callable[[], Iterator[Sequence[torch.Tensor]]]
@@ -184,11 +253,11 @@ def write_weights(weights: Weights, manifest: Manifest, buckets: list[torch.Tens
     if not same_layout(weights.manifest, manifest):
         raise ValueError("a weight stream's manifest differs from the layout it is written into")
     written = 0
-    for index, members in enumerate(weights.buckets()):
+    for members in weights.buckets():  # not enumerate: its cached tuple would keep a bucket alive into the next
         sources = [t.detach().reshape(-1) for t in members]
-        bucket = buckets[index]
+        bucket = buckets[written]
         if sum(s.numel() for s in sources) != bucket.numel():
-            raise ValueError(f"bucket {index} of a weight stream has {sum(s.numel() for s in sources)} elements, "
+            raise ValueError(f"bucket {written} of a weight stream has {sum(s.numel() for s in sources)} elements, "
                              f"its manifest {bucket.numel()}")
         _fill(bucket, sources)
         del sources, members
@@ -204,10 +273,16 @@ def filled_buckets(stream: BucketStream, manifest: Manifest, device: torch.devic
     asking for the next)."""
     if not same_layout(stream.manifest, manifest):
         raise ValueError("a weight stream's manifest differs from the layout it is forwarded in")
-    for index, members in enumerate(stream.buckets()):
+    index = -1
+    for members in stream.buckets():  # not enumerate: its cached tuple would keep a bucket alive into the next
+        index += 1
         layout = manifest.buckets[index]
-        bucket = torch.empty(layout.numel, dtype=layout.dtype, device=device)
-        _fill(bucket, [t.detach().reshape(-1) for t in members])
+        if len(members) == 1 and members[0].dtype == layout.dtype and members[0].numel() == layout.numel \
+                and members[0].device == torch.device(device) and members[0].is_contiguous():
+            bucket = members[0].detach().reshape(-1)  # already the bucket: no copy
+        else:
+            bucket = torch.empty(layout.numel, dtype=layout.dtype, device=device)
+            _fill(bucket, [t.detach().reshape(-1) for t in members])
         del members
         yield bucket
         del bucket
@@ -239,8 +314,11 @@ def save_safetensors(stream: BucketStream, path: str | os.PathLike[str]) -> int:
         if entry.dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"safetensors cannot hold {entry.name} of dtype {entry.dtype}")
         size = entry.numel * entry.dtype.itemsize
-        header[entry.name] = {"dtype": SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape),
-                              "data_offsets": [offset, offset + size]}
+        if entry.rows is not None and entry.rows[0] > 0:  # a later slice: its bytes follow the one before
+            header[entry.name]["data_offsets"][1] += size
+        else:
+            header[entry.name] = {"dtype": SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape),
+                                  "data_offsets": [offset, offset + size]}
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned

@@ -105,8 +105,10 @@ class CollectiveGroup:
             for p in posted:
                 self._wait(p)
         else:
-            for i, bucket in enumerate(buckets):
-                self._wait(self._start(bucket, version, f"bucket {i + 1}/{count or '?'}"))
+            number = 0
+            for bucket in buckets:  # not enumerate: its cached tuple would keep a bucket alive while the next is built
+                number += 1
+                self._wait(self._start(bucket, version, f"bucket {number}/{count or '?'}"))
                 del bucket
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -114,8 +116,10 @@ class CollectiveGroup:
     def receive(self, manifest: Manifest, version: int) -> Iterator[tuple[str, torch.Tensor]]:
         """Ranks 1..N: (name, tensor) of every tensor of the version, bucket by bucket as each arrives: the next
         bucket's broadcast is posted before this one's tensors are yielded, so a consumer loads a bucket while the
-        next is on the way. Each bucket is a fresh buffer; the tensors are views of it. Exhaust the iterator: a
-        bucket never asked for leaves the sender waiting."""
+        next is on the way. Each bucket is a fresh buffer; the tensors are views of it, but for a tensor split over
+        buckets (`plan_buckets`): its slices are copied into one tensor allocated at its first slice, yielded whole
+        after its last (vLLM's loaders take a tensor only whole), so this side then holds that tensor too. Exhaust
+        the iterator: a bucket never asked for leaves the sender waiting."""
         members: list[list[TensorEntry]] = [[] for _ in manifest.buckets]
         for entry in manifest.tensors:
             members[entry.bucket].append(entry)
@@ -126,13 +130,24 @@ class CollectiveGroup:
             return buffer, self._start(buffer, version, f"bucket {i + 1}/{count}")
 
         upcoming = post(0) if count else None
+        whole: torch.Tensor | None = None  # the split tensor being reassembled
         i = 0
         while upcoming is not None:  # bucket i is posted
             buffer, posted = upcoming
             self._wait(posted)
             upcoming = post(i + 1) if i + 1 < count else None
             for e in members[i]:
-                yield e.name, buffer[e.offset : e.offset + e.numel].view(e.shape)
+                piece = buffer[e.offset : e.offset + e.numel].view(e.piece_shape)
+                if e.rows is None:
+                    yield e.name, piece
+                    continue
+                if e.rows[0] == 0:
+                    whole = torch.empty(e.shape, dtype=e.dtype, device=self.device)
+                assert whole is not None  # a split tensor's slices arrive in order
+                whole[e.rows[0] : e.rows[1]].copy_(piece)
+                if e.rows[1] == e.shape[0]:
+                    yield e.name, whole
+                    whole = None
             i += 1
 
     def close(self) -> None:

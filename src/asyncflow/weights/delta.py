@@ -608,8 +608,8 @@ class CollectiveDeltaReceiver(PollingReceiver):
 
 
 def is_delta(manifest: Manifest) -> bool:
-    """Whether a version's layout is a delta blob's (one uint8 tensor named `DELTA_KEY`)."""
-    return len(manifest.tensors) == 1 and manifest.tensors[0].name == DELTA_KEY
+    """Whether a version's layout is a delta blob's (one uint8 tensor named `DELTA_KEY`, maybe split over buckets)."""
+    return {e.name for e in manifest.tensors} == {DELTA_KEY}
 
 
 def state_dict_bytes(state_dict: Mapping[str, torch.Tensor] | StateDict) -> int:

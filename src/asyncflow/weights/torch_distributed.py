@@ -72,8 +72,10 @@ def _broadcast(group: Any, buckets: Iterable[torch.Tensor], timeout_s: float, ve
     """Broadcast every bucket from rank 0, in order; each waits at most `timeout_s`. Errors name bucket
     `first + i + 1` of `count`."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    for i, bucket in enumerate(buckets):
-        what = f"broadcast of bucket {first + i + 1}/{count}"
+    number = first
+    for bucket in buckets:  # not enumerate: its cached tuple would keep a bucket alive while the next is built
+        number += 1
+        what = f"broadcast of bucket {number}/{count}"
         try:
             group.broadcast(bucket, 0, timeout).wait(timeout)
         except RuntimeError as err:
@@ -244,12 +246,14 @@ class TorchDistributedReceiver(PollingReceiver):
         return version, manifest
 
     def _members(self, manifest: Manifest, version: int) -> Iterator[list[torch.Tensor]]:
-        """Each bucket's tensors (views of a fresh buffer), its broadcast received when it is asked for."""
+        """Each bucket's tensors (views of a fresh buffer; a split tensor's slice as its rows), its broadcast received
+        when it is asked for."""
         count = len(manifest.buckets)
         for index, bucket in enumerate(manifest.buckets):
             buffer = torch.empty(bucket.numel, dtype=bucket.dtype, device=self._spec.device)
             _broadcast(self._group, [buffer], self._spec.timeout_s, version, count, first=index)
-            yield [buffer[e.offset : e.offset + e.numel].view(e.shape) for e in manifest.tensors if e.bucket == index]
+            yield [buffer[e.offset : e.offset + e.numel].view(e.piece_shape) for e in manifest.tensors
+                   if e.bucket == index]
             del buffer
 
     def _taken_by(self) -> Iterator[list[torch.Tensor]]:

@@ -86,7 +86,7 @@ def write_model(model_path: Path, weights_file: Path, out: Path, *, dtype: str) 
                               f"unexpected {extra[:3]})")
         shapes = {name: torch.empty(f.entries[name][1], dtype=f.entries[name][0], device="meta")
                   for name in distinct.values()}
-        manifest = plan_buckets(shapes, bucket_bytes=1)  # one tensor per bucket
+        manifest = plan_buckets(shapes, bucket_bytes=1, split=False)  # one tensor per bucket
         save_safetensors(BucketStream(manifest, lambda: ([f.get_tensor(e.name)] for e in manifest.tensors)),
                          out / "model.safetensors")
     model.config.architectures = [type(model).__name__]

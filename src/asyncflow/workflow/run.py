@@ -50,6 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
+import torch
+
 from asyncflow.algos.correction import CORRECTION_COUNTS
 from asyncflow.config import Config
 from asyncflow.engines.base import ShardedCheckpointing, make_train_engine
@@ -172,8 +174,8 @@ class RLRun:
                 check_updates_in_flight(self.runtime.local_rollout.engine)
             self.resume_state = self._resume(plan.checkpoint) if plan.checkpoint is not None else None
             policy_weights = self.train_engine.state_dict
-            weights_to_publish: Callable[[], Weights] = functools.partial(self.train_engine.weight_stream,
-                                                                           distinct=True)
+            weights_to_publish: Callable[[], Weights] = functools.partial(
+                self.train_engine.weight_stream, distinct=True, dtype=getattr(torch, config.rollout_dtype()))
             if self.spec.adapter is not None:  # LoRA adapter sync: a version is the adapter alone
                 policy_weights = weights_to_publish = cast(TorchTrainEngine, self.train_engine).adapter_weights
             self._workflow = PipelineWorkflow(
