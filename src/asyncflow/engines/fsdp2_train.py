@@ -68,7 +68,7 @@ from asyncflow.models.moe import RouterReplay, capture_routers, router_loss
 from asyncflow.models.tri_model import Packing, make_reference, tri_model_logprobs
 from asyncflow.models.value import CriticSpec, attach_critic, critic_of, policy_weights
 from asyncflow.observe.memory import METRIC_PREFIX as MEMORY_METRIC_PREFIX
-from asyncflow.observe.memory import peak_rss_mb
+from asyncflow.observe.memory import peak_rss_mb, return_freed_blocks
 from asyncflow.transfer.samplers import karmarkar_karp
 from asyncflow.weights.buckets import (
     DEFAULT_BUCKET_BYTES,
@@ -246,6 +246,7 @@ class RankTrainer:
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
         self.rank, self.world, self.spec = rank, world, spec
+        return_freed_blocks()  # before any weights: freed layer-sized buffers leave the resident size
         if spec.device == "cpu":
             torch.set_num_threads(spec.threads)
             if master_addr in ("127.0.0.1", "localhost"):
