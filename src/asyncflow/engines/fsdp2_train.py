@@ -34,7 +34,7 @@ Invariants:
   model's dtype; tied parameters stay one parameter. A critic or teacher run, and a folder whose tensor names
   `from_pretrained` converts (fused MoE experts), load the whole model through `from_pretrained`.
 - A rank's freed buffers of 1 MiB or more leave its resident size (`return_freed_blocks`): glibc would otherwise keep
-  freed layer-sized buffers in its heap, about 2 GiB per rank at 0.5B (docs/rehearsal.md).
+  freed layer-sized buffers in its heap, 1.3 to 1.8 GiB per rank at 0.5B (docs/rehearsal.md).
 - Sharded checkpoints (`save_sharded` / `load_sharded`) hold every rank's weights and optimizer
   state; DCP reshards them on load, so a checkpoint resumes with another `world_size` too.
 - A critic (`RankSpec.critic`) is attached to every rank's policy before sharding, is an FSDP2 unit of its own,

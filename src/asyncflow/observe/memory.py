@@ -91,7 +91,7 @@ def return_freed_blocks(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Serve every allocation of `threshold_bytes` or more with a mapping of its own, unmapped when it is freed
     (glibc's `mallopt(M_MMAP_THRESHOLD)`). By default glibc raises that threshold, up to 32 MiB, each time such a
     block is freed, so tensors of a few MiB (a layer's all-gathered parameters or gradients) then come from the heap,
-    where freed memory stays resident: a 0.5B-parameter FSDP2 rank grew so by about 2 GiB over one step
+    where freed memory stays resident: a 0.5B-parameter FSDP2 rank grew so by 1.3 to 1.8 GiB in one step
     (docs/rehearsal.md). Setting the threshold also stops that raising. -> False where nothing was set: another C
     library than glibc, or `MALLOC_MMAP_THRESHOLD_` already in the environment (the user's choice is kept)."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or not sys.platform.startswith("linux"):
