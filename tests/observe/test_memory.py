@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
+
+import pytest
 
 from asyncflow.observe.memory import descendants_peak_rss_mb
 
@@ -20,3 +23,33 @@ def test_the_peak_of_a_process_this_one_started_is_seen():
     finally:
         child.kill()
         child.wait()
+
+
+FRAGMENTING = """
+import sys, torch
+from asyncflow.observe.memory import return_freed_blocks, rss_mb
+if sys.argv[1] == "capped":
+    assert return_freed_blocks()
+big = torch.ones(4 << 20)
+del big  # a 16 MiB block freed: glibc alone now serves blocks up to 16 MiB from the heap
+before = rss_mb()
+blocks = [torch.ones(2 << 20) for _ in range(48)]  # 48 blocks of 8 MiB (a layer's gathered weights, say)
+pinned = torch.ones(1024)  # allocated after them: the heap cannot shrink below it
+del blocks
+print(rss_mb() - before)
+"""
+
+
+def retained_mb(mode: str) -> float:
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    done = subprocess.run([sys.executable, "-c", FRAGMENTING, mode], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert done.returncode == 0, done.stderr
+    return float(done.stdout.split()[-1])
+
+
+def test_freed_blocks_leave_the_resident_size_once_the_threshold_is_set():
+    if not sys.platform.startswith("linux"):
+        pytest.skip("glibc's mallopt")
+    assert retained_mb("default") > 200  # glibc alone keeps the 384 MiB freed in its heap
+    assert retained_mb("capped") < 50

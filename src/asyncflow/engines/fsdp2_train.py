@@ -34,6 +34,8 @@ Invariants:
   tensor at a time (rank 0 reads the folder's safetensors lazily and broadcasts; `stream_into_shards`), in the
   model's dtype; tied parameters stay one parameter. A critic or teacher run, and a folder whose tensor names
   `from_pretrained` converts (fused MoE experts), load the whole model through `from_pretrained`.
+- A rank's freed buffers of 1 MiB or more leave its resident size (`return_freed_blocks`): glibc would otherwise keep
+  freed layer-sized buffers in its heap, 1.3 to 1.8 GiB per rank at 0.5B (docs/rehearsal.md).
 - Sharded checkpoints (`save_sharded` / `load_sharded`) hold every rank's weights and optimizer
   state; DCP reshards them on load, so a checkpoint resumes with another `world_size` too.
 - A critic (`RankSpec.critic`) is attached to every rank's policy before sharding, is an FSDP2 unit of its own,
@@ -69,7 +71,7 @@ from asyncflow.models.moe import RouterReplay, capture_routers, router_loss
 from asyncflow.models.tri_model import Packing, make_reference, tri_model_logprobs
 from asyncflow.models.value import CriticSpec, attach_critic, critic_of, policy_weights
 from asyncflow.observe.memory import METRIC_PREFIX as MEMORY_METRIC_PREFIX
-from asyncflow.observe.memory import peak_rss_mb
+from asyncflow.observe.memory import peak_rss_mb, return_freed_blocks
 from asyncflow.transfer.samplers import karmarkar_karp
 from asyncflow.weights.buckets import (
     DEFAULT_BUCKET_BYTES,
@@ -248,6 +250,7 @@ class RankTrainer:
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
         self.rank, self.world, self.spec = rank, world, spec
+        return_freed_blocks()  # before any weights: freed layer-sized buffers leave the resident size
         if spec.device == "cpu":
             torch.set_num_threads(spec.threads)
             if master_addr in ("127.0.0.1", "localhost"):

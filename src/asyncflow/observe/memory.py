@@ -1,6 +1,6 @@
 """Peak memory of a process, as a run reports it: `peak_rss_mb` (this process's peak resident set size),
 `memory_metrics` (the same as a metric named after the process's role) and `reset_peak_rss` (start a new peak,
-for measuring one phase).
+for measuring one phase); `return_freed_blocks`, which makes freed tensors of a MiB or more leave the resident size.
 
 Each kind of worker reports its own under `memory/peak_rss_mb/ROLE` (`driver`, `rank_R` for a training rank,
 `rollout_R` for a rollout replica, `rollout_R_engine` for the largest process its engine started: vLLM's worker),
@@ -14,11 +14,15 @@ size at the fork.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import resource
 import sys
 from pathlib import Path
 
 METRIC_PREFIX = "memory/peak_rss_mb/"
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+MMAP_THRESHOLD_BYTES = 1 << 20
 _STATUS = Path("/proc/self/status")
 
 
@@ -61,8 +65,6 @@ def descendants_peak_rss_mb(pid: int | None = None) -> float:
     """The largest peak resident size (MiB) among the live processes descended from `pid` (default: this one), e.g.
     the processes an inference engine started (vLLM's engine core and workers, where its weights and KV cache live);
     0 without /proc or without such processes."""
-    import os
-
     parents: dict[int, int] = {}
     peaks: dict[int, int] = {}
     for status in Path("/proc").glob("[0-9]*/status"):
@@ -83,3 +85,19 @@ def descendants_peak_rss_mb(pid: int | None = None) -> float:
 def memory_metrics(role: str) -> dict[str, float]:
     """`{"memory/peak_rss_mb/<role>": peak_rss_mb()}`."""
     return {METRIC_PREFIX + role: peak_rss_mb()}
+
+
+def return_freed_blocks(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Serve every allocation of `threshold_bytes` or more with a mapping of its own, unmapped when it is freed
+    (glibc's `mallopt(M_MMAP_THRESHOLD)`). By default glibc raises that threshold, up to 32 MiB, each time such a
+    block is freed, so tensors of a few MiB (a layer's all-gathered parameters or gradients) then come from the heap,
+    where freed memory stays resident: a 0.5B-parameter FSDP2 rank grew so by 1.3 to 1.8 GiB in one step
+    (docs/rehearsal.md). Setting the threshold also stops that raising. -> False where nothing was set: another C
+    library than glibc, or `MALLOC_MMAP_THRESHOLD_` already in the environment (the user's choice is kept)."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold_bytes))
+    except (OSError, AttributeError):  # musl and others: no libc.so.6 or no mallopt
+        return False
