@@ -7,7 +7,6 @@ streams."""
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import multiprocessing as mp
 import socket
@@ -19,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from asyncflow.observe.memory import peak_rss_mb, reset_peak_rss, rss_mb
+from asyncflow.observe.memory import peak_rss_mb, reset_peak_rss, return_freed_blocks, rss_mb
 from asyncflow.weights import make_weight_sync
 from asyncflow.weights.buckets import (
     BucketStream,
@@ -101,7 +100,7 @@ def test_a_streamed_version_is_forwarded_one_bucket_at_a_time_or_staged_whole(fo
         pytest.skip("needs /proc/self/clear_refs to measure one phase's peak")
     # glibc keeps freed buckets resident and raises its mmap threshold as they are freed, which the peak would count
     # as held: a fixed threshold returns each freed bucket to the kernel
-    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD
+    return_freed_blocks(1 << 16)
     count, bucket_mib = 64, 4  # fp32: 256 MiB in all; in bf16: 128 MiB staged whole, 2 MiB a bucket
     side = 1024 * (bucket_mib >> 2)
     shapes = {f"layers.{i}.weight": torch.empty(side, 1024, device="meta") for i in range(count)}
@@ -229,7 +228,7 @@ def test_a_tensor_four_buckets_large_costs_the_forwarding_driver_one_bucket():
     while the version goes out, not by the tensor. The replica receives in a process of its own, as on Ray."""
     if not reset_peak_rss():
         pytest.skip("needs /proc/self/clear_refs to measure one phase's peak")
-    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: freed buckets go back to the kernel
+    return_freed_blocks(1 << 16)  # freed buckets go back to the kernel
     bucket_mib = 32
     rows, cols = 16384, 4096  # bf16: 128 MiB, four buckets
     manifest = plan_buckets({"embed": torch.empty(rows, cols, dtype=torch.bfloat16, device="meta")}, bucket_mib << 20)
