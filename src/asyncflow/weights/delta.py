@@ -123,16 +123,6 @@ def engine_manifest(weights: Weights, dtype: torch.dtype | None, bucket_bytes: i
                          for name, (shape, t) in tensors.items()}, bucket_bytes)
 
 
-def taken_in_full(weights: Weights) -> Mapping[str, torch.Tensor]:
-    """A state dict of `weights` (a multi-rank trainer's stream is gathered into one payload first)."""
-    if not isinstance(weights, BucketStream):
-        return weights
-    payload = allocate_payload(weights.manifest)
-    buckets = bucket_views(weights.manifest, payload)
-    write_weights(weights, weights.manifest, buckets)
-    return unpack(weights.manifest, buckets)
-
-
 def engine_weights(weights: Weights, version: int, dtype: torch.dtype | None,
                    bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Packed:
     """`weights` cast to `dtype` (None: as they are), packed into a fresh payload. The cast is the one a full
@@ -140,7 +130,7 @@ def engine_weights(weights: Weights, version: int, dtype: torch.dtype | None,
     holds after loading `weights`."""
     manifest = engine_manifest(weights, dtype, bucket_bytes)
     buckets = bucket_views(manifest, allocate_payload(manifest))
-    write_weights(taken_in_full(weights), manifest, buckets)
+    write_weights(materialize(weights), manifest, buckets)
     return Packed(version, manifest, buckets)
 
 
@@ -357,7 +347,7 @@ class DeltaPublisher:
                                         idle_s=self.REQUEST_POLL_S)
 
     def publish(self, state_dict: Weights, version: int) -> None:
-        self._sender.publish(taken_in_full(state_dict), version)
+        self._sender.publish(materialize(state_dict), version)
 
     def _send(self, version: int, manifest: Manifest, buckets: list[torch.Tensor]) -> None:
         """On the sender thread: the delta (when it pays), then the full version (one of them on one collective
