@@ -55,6 +55,7 @@ from asyncflow.runtime.cores import CoreLending, create_core_lending
 from asyncflow.transfer.ray_queue import RayTransferQueue
 from asyncflow.weights import TransportKind
 from asyncflow.weights.deadlines import WeightDeadlines
+from asyncflow.weights.torch_distributed import RESTART_REFUSAL
 from asyncflow.workers.loops import SamplerHistory, WeightUpdate, WeightUpdateLog, restore_sampler, rollout_loop
 from asyncflow.workers.rollout import RESPONSE_COLUMNS
 
@@ -466,10 +467,7 @@ class RayRuntime:
         self.restarts += 1
         if self.weight_sync == "torch_distributed":
             raise RuntimeError(
-                f"rollout replica {name} on {self._node(name)} died ({_first_line(err)}); "
-                "runtime.weight_sync=torch_distributed cannot take a restarted replica back into its process group: "
-                "use shared_memory (one machine) or ray to survive restarts"
-            )
+                f"rollout replica {name} on {self._node(name)} died ({_first_line(err)}); {RESTART_REFUSAL}")
         if self.restarts > self.config.runtime.max_restarts:
             raise RuntimeError(f"rollout replicas died {self.restarts} times (runtime.max_restarts); last: "
                                f"{name} on {self._node(name)}: {_first_line(err)}")

@@ -62,6 +62,10 @@ def make_group(store: Any, rank: int, world_size: int, backend: str, timeout_s: 
     raise ValueError(f"torch_distributed: unknown backend {backend!r} (gloo or nccl)")
 
 
+RESTART_REFUSAL = ("runtime.weight_sync=torch_distributed cannot take a restarted replica back into its process group: "
+                   "use shared_memory (one machine) or ray to survive restarts")
+
+
 def _store_set(store: Any, key: str, value: bytes) -> None:
     """`store.set(key, value)` with bytes: the C++ store takes str or bytes; torch's stub says str only."""
     store.set(key, value)
@@ -83,6 +87,9 @@ def _broadcast(group: Any, buckets: Iterable[torch.Tensor], timeout_s: float, ve
                 raise WeightSyncTimeout(
                     "torch_distributed", version, f"{what} (every receiver must poll)", timeout_s
                 ) from err
+            if "closed by peer" in str(err) or "reset by peer" in str(err):
+                raise WeightSyncError(f"torch_distributed: a receiver left during {what} of version {version} (a "
+                                      f"replica died?): {RESTART_REFUSAL}") from err
             raise WeightSyncError(f"torch_distributed: {what} of version {version} failed: {err}") from err
         del bucket  # a forwarded bucket is freed before the next one is built
 
