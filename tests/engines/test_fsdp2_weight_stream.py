@@ -127,3 +127,39 @@ def test_ranks_load_one_tensor_at_a_time_and_tied_embeddings_stay_tied(tiny_qwen
         assert torch.equal(receiving.lm_head.weight, embed), "and the receiving engine ties it again"
     finally:
         engine.close()
+
+
+def shared_resident_mib() -> float:
+    """This process's resident pages of shared memory (`RssShmem`): Ray's object store is mapped here."""
+    for line in open("/proc/self/status"):
+        if line.startswith("RssShmem:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no RssShmem in /proc/self/status")
+
+
+@pytest.mark.slow
+def test_buckets_from_ray_ranks_bypass_the_object_store(ray_cluster, one_torch_thread):
+    """Ray ranks send each bucket to the driver over the bucket pipe: through Ray's object store, the pages of every
+    bucket that passed stayed mapped in the driver (its resident size grew by most of a version at 0.5B)."""
+    from asyncflow.models.loading import resolve_model_path
+    from asyncflow.runtime.ray_runtime import RayRanks
+
+    def launch(world: int, spec, timeout: float) -> RayRanks:
+        return RayRanks(world, spec, timeout, num_cpus=0.5, num_gpus=0, local=True)
+
+    engine = FSDP2TrainEngine(model_path=resolve_model_path("preset:small-llama"), ranks_device="cpu",
+                              world_size=2, launcher=launch, bucket_bytes=1 << 20)
+    try:
+        first = materialize(engine.weight_stream(dtype=torch.bfloat16))  # the pipe opened, its buffers warm
+        before = shared_resident_mib()
+        version_mib = sum(t.nbytes for t in first.values()) / 2**20
+        del first
+        for _ in range(4):
+            for members in engine.weight_stream(dtype=torch.bfloat16).buckets():
+                assert members[0].dtype == torch.bfloat16
+                del members
+        grown = shared_resident_mib() - before
+    finally:
+        engine.close()
+    assert version_mib > 8, "enough buckets that the object store would have placed them apart"
+    assert grown < 0.5, f"the driver mapped {grown:.1f} MiB of shared memory for 4 versions of {version_mib:.1f} MiB"

@@ -25,8 +25,10 @@ Invariants:
   ends the call with `RankFailedError` naming the rank, and the other ranks are stopped.
 - Weights leave the ranks one bucket at a time (`weight_stream`: the ranks all-gather one parameter at a
   time, or send rank 0 their rows of a slice of one larger than a bucket; rank 0 copies each into the bucket, cast to
-  the receiving engine's dtype, and hands it over as one flat tensor): no rank holds more than one bucket and the
-  part being copied in (`weights/gather_peak_bytes`). A `torch_distributed` publisher forwards the stream bucket by
+  the receiving engine's dtype, and sends it to the driver as one flat tensor over the bucket pipe, a two-process
+  gloo group of rank 0 and the driver, never through the launcher's replies: Ray's object store would leave every
+  bucket's pages mapped in both processes): no rank holds more than one bucket and the part being copied in
+  (`weights/gather_peak_bytes`), the driver the bucket in transit. A `torch_distributed` publisher forwards the stream bucket by
   bucket, the others copy it into their own snapshot; a tied embedding goes to a publisher once (`distinct`);
   `state_dict` (checkpoints, evaluation) builds this process's copy once per version and caches it until
   the next `optimizer_step` or load.
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, fields
@@ -85,6 +88,7 @@ from asyncflow.weights.buckets import (
     unpack,
     write_weights,
 )
+from asyncflow.weights.torch_distributed import make_group
 
 
 class RankFailedError(ChildProcessError):
@@ -249,7 +253,7 @@ class RankTrainer:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
-        self.rank, self.world, self.spec = rank, world, spec
+        self.rank, self.world, self.spec, self.host = rank, world, spec, master_addr
         return_freed_blocks()  # before any weights: freed layer-sized buffers leave the resident size
         if spec.device == "cpu":
             torch.set_num_threads(spec.threads)
@@ -308,6 +312,8 @@ class RankTrainer:
         self._sharded: dict[str, torch.Tensor] = {}
         self._manifest = Manifest((), (), 0)
         self._gather_peak_bytes = 0
+        self._pipe: Any = None  # rank 0's end of the bucket pipe to the driver (`open_pipe`)
+        self._pipe_opening: threading.Thread | None = None
 
     def backward(self, samples: list[TrainSample], loss_fn: RowLoss | None, temperature: float) -> dict[str, float]:
         """Forward + backward this rank's rows; -> the loss function's stats plus `loss` (sums over these rows).
@@ -375,11 +381,12 @@ class RankTrainer:
         self._gather_peak_bytes = 0
         return self._manifest if self.rank == 0 else None
 
-    def gathered_bucket(self, index: int) -> tuple[list[torch.Tensor] | None, int]:
+    def gathered_bucket(self, index: int, piped: bool = False) -> tuple[list[torch.Tensor] | None, int]:
         """Gather bucket `index` of `weights_manifest`'s plan, one tensor (or row slice of a split one) at a time (a
         collective); -> ([the bucket as one flat CPU tensor in the plan's dtype] on rank 0, None elsewhere; the most
         bytes this rank has held at once for it since the plan: the bucket and the part being copied in). The other
-        ranks hold one whole tensor (at most a bucket) or their rows of a slice at a time."""
+        ranks hold one whole tensor (at most a bucket) or their rows of a slice at a time. `piped`: rank 0 sends the
+        bucket over the bucket pipe (`open_pipe`) and returns None too."""
         layout = self._manifest.buckets[index]
         flat = torch.empty(layout.numel, dtype=layout.dtype) if self.rank == 0 else None
         held = layout.nbytes if self.rank == 0 else 0
@@ -393,7 +400,37 @@ class RankTrainer:
             if flat is not None:
                 flat[entry.offset : entry.offset + entry.numel].copy_(part.reshape(-1))  # the cast, if any
             del part
+        if flat is not None and piped:
+            self._pipe_joined()
+            self._pipe.send([flat], 1, 0).wait(timedelta(seconds=self.spec.timeout_s))
+            flat = None
         return ([flat] if flat is not None else None), self._gather_peak_bytes
+
+    def open_pipe(self) -> tuple[str, int] | None:
+        """Rank 0: listen for the driver's end of the bucket pipe, a two-process gloo group over which
+        `gathered_bucket(piped=True)` sends each bucket; -> (host, port) for the driver's `TCPStore`. The group is
+        built on a thread of its own (both ends must be joining at once) and joined before the first send. Other
+        ranks: None."""
+        import torch.distributed as dist
+
+        if self.rank != 0:
+            return None
+        store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=self.spec.timeout_s))
+
+        def build() -> None:
+            self._pipe = make_group(store, 0, 2, "gloo", self.spec.timeout_s)
+
+        self._pipe_opening = threading.Thread(target=build, name="bucket-pipe", daemon=True)
+        self._pipe_opening.start()
+        return self.host, store.port
+
+    def _pipe_joined(self) -> None:
+        if self._pipe_opening is not None:
+            self._pipe_opening.join(self.spec.timeout_s)
+            if self._pipe is None:
+                raise RuntimeError(f"rank 0: the driver did not join the bucket pipe within {self.spec.timeout_s} s")
+            self._pipe_opening = None
 
     def _gathered(self, tensor: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor | None:
         """The whole `tensor` (`rows` None: every rank gets it) or its `rows` (rank 0 gets them, None elsewhere) on
@@ -549,6 +586,7 @@ class FSDP2TrainEngine(TrainEngineBase):
     router_aux_loss_coef: float | None = None
     router_replay: bool = False
     ranks: RankGroup = field(init=False, repr=False)
+    _pipe: Any = field(default=None, init=False, repr=False)  # `_bucket_pipe`
 
     def __post_init__(self) -> None:
         if self.model_path is None:
@@ -624,17 +662,34 @@ class FSDP2TrainEngine(TrainEngineBase):
         if self._weights is not None:
             return self._weights
         manifest: Manifest = self._all("weights_manifest", self.bucket_bytes, distinct, dtype)[0]
+        pipe = self._bucket_pipe()
 
         def buckets() -> Iterator[list[torch.Tensor]]:
             for index in range(len(manifest.buckets)):
-                replies = self._all("gathered_bucket", index)
+                layout = manifest.buckets[index]
+                flat = torch.empty(layout.numel, dtype=layout.dtype)
+                received = pipe.recv([flat], 0, 0)  # posted first: rank 0's send waits for it
+                replies = self._all("gathered_bucket", index, True)
+                received.wait(timedelta(seconds=self.timeout_s))
                 self.gather_peak_bytes = max(self.gather_peak_bytes, *(peak for _, peak in replies))
-                members = replies[0][0]
-                del replies
-                yield members
-                del members  # before the next bucket arrives: one bucket at a time here too
+                del replies, received
+                yield [flat]
+                del flat  # before the next bucket arrives: one bucket at a time here too
 
         return BucketStream(manifest, buckets)
+
+    def _bucket_pipe(self) -> Any:
+        """This process's end of the bucket pipe from rank 0 (opened at the first weight stream, kept until `close`):
+        buckets arrive in a buffer of this process's own, freed once consumed, where a launcher's replies would
+        come through Ray's object store, whose pages of every bucket that passed stay mapped in both processes (the
+        driver's resident size grew by most of a version: docs/rehearsal.md)."""
+        import torch.distributed as dist
+
+        if self._pipe is None:
+            host, port = self._all("open_pipe")[0]
+            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=self.timeout_s))
+            self._pipe = make_group(store, 1, 2, "gloo", self.timeout_s)
+        return self._pipe
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full policy weights in this process (for checkpoints, evaluation, a local inference engine), streamed
@@ -692,6 +747,7 @@ class FSDP2TrainEngine(TrainEngineBase):
 
     def close(self) -> None:
         """Stop the ranks (idempotent)."""
+        self._pipe = None
         if getattr(self, "ranks", None) is not None:
             self.ranks.close()
             del self.ranks  # closed: no group (a second close does nothing)
