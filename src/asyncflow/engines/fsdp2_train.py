@@ -28,10 +28,10 @@ Invariants:
   the receiving engine's dtype, and sends it to the driver as one flat tensor over the bucket pipe, a two-process
   gloo group of rank 0 and the driver, never through the launcher's replies: Ray's object store would leave every
   bucket's pages mapped in both processes): no rank holds more than one bucket and the part being copied in
-  (`weights/gather_peak_bytes`), the driver the bucket in transit. A `torch_distributed` publisher forwards the stream bucket by
-  bucket, the others copy it into their own snapshot; a tied embedding goes to a publisher once (`distinct`);
-  `state_dict` (checkpoints, evaluation) builds this process's copy once per version and caches it until
-  the next `optimizer_step` or load.
+  (`weights/gather_peak_bytes`), the driver the bucket in transit. A `torch_distributed` publisher forwards the
+  stream bucket by bucket, the others copy it into their own snapshot; a tied embedding goes to a publisher once
+  (`distinct`); `state_dict` (checkpoints, evaluation) builds this process's copy once per version and caches it
+  until the next `optimizer_step` or load.
 - No rank holds the whole model at start: each builds it on the meta device, shards it, and the weights arrive one
   tensor at a time (rank 0 reads the folder's safetensors lazily and broadcasts; `stream_into_shards`), in the
   model's dtype; tied parameters stay one parameter. A critic or teacher run, and a folder whose tensor names
