@@ -381,12 +381,12 @@ class RankTrainer:
         self._gather_peak_bytes = 0
         return self._manifest if self.rank == 0 else None
 
-    def gathered_bucket(self, index: int, piped: bool = False) -> tuple[list[torch.Tensor] | None, int]:
+    def gathered_bucket(self, index: int) -> int:
         """Gather bucket `index` of `weights_manifest`'s plan, one tensor (or row slice of a split one) at a time (a
-        collective); -> ([the bucket as one flat CPU tensor in the plan's dtype] on rank 0, None elsewhere; the most
-        bytes this rank has held at once for it since the plan: the bucket and the part being copied in). The other
-        ranks hold one whole tensor (at most a bucket) or their rows of a slice at a time. `piped`: rank 0 sends the
-        bucket over the bucket pipe (`open_pipe`) and returns None too."""
+        collective), into one flat CPU tensor in the plan's dtype on rank 0, which sends it to the driver over the
+        bucket pipe (`open_pipe`); -> the most bytes this rank has held at once for it since the plan (the bucket and
+        the part being copied in). The other ranks hold one whole tensor (at most a bucket) or their rows of a slice
+        at a time."""
         layout = self._manifest.buckets[index]
         flat = torch.empty(layout.numel, dtype=layout.dtype) if self.rank == 0 else None
         held = layout.nbytes if self.rank == 0 else 0
@@ -400,15 +400,14 @@ class RankTrainer:
             if flat is not None:
                 flat[entry.offset : entry.offset + entry.numel].copy_(part.reshape(-1))  # the cast, if any
             del part
-        if flat is not None and piped:
+        if flat is not None:
             self._pipe_joined()
             self._pipe.send([flat], 1, 0).wait(timedelta(seconds=self.spec.timeout_s))
-            flat = None
-        return ([flat] if flat is not None else None), self._gather_peak_bytes
+        return self._gather_peak_bytes
 
     def open_pipe(self) -> tuple[str, int] | None:
         """Rank 0: listen for the driver's end of the bucket pipe, a two-process gloo group over which
-        `gathered_bucket(piped=True)` sends each bucket; -> (host, port) for the driver's `TCPStore`. The group is
+        `gathered_bucket` sends each bucket; -> (host, port) for the driver's `TCPStore`. The group is
         built on a thread of its own (both ends must be joining at once) and joined before the first send. Other
         ranks: None."""
         import torch.distributed as dist
@@ -669,10 +668,10 @@ class FSDP2TrainEngine(TrainEngineBase):
                 layout = manifest.buckets[index]
                 flat = torch.empty(layout.numel, dtype=layout.dtype)
                 received = pipe.recv([flat], 0, 0)  # posted first: rank 0's send waits for it
-                replies = self._all("gathered_bucket", index, True)
+                peaks = self._all("gathered_bucket", index)
                 received.wait(timedelta(seconds=self.timeout_s))
-                self.gather_peak_bytes = max(self.gather_peak_bytes, *(peak for _, peak in replies))
-                del replies, received
+                self.gather_peak_bytes = max(self.gather_peak_bytes, *peaks)
+                del received
                 yield [flat]
                 del flat  # before the next bucket arrives: one bucket at a time here too
 
