@@ -528,10 +528,7 @@ class RankTrainer:
 
 # ------------------------------------------------------------------------------------------- launchers
 class RankGroup(Protocol):
-    """N ranks running `RankTrainer`s; `call` runs one method on every rank at once. `shares_memory`: tensors in
-    results arrive through shared memory (torch's reductions), not through a copying transport (Ray's store)."""
-
-    shares_memory: bool
+    """N ranks running `RankTrainer`s; `call` runs one method on every rank at once."""
 
     def call(self, method: str, args: Sequence[tuple[Any, ...]], timeout: float) -> list[Any]:
         """`getattr(rank_r, method)(*args[r])` on every rank r; -> the results in rank order. Raises
@@ -664,8 +661,7 @@ class FSDP2TrainEngine(TrainEngineBase):
         pipe = self._bucket_pipe()
 
         def buckets() -> Iterator[list[torch.Tensor]]:
-            for index in range(len(manifest.buckets)):
-                layout = manifest.buckets[index]
+            for index, layout in enumerate(manifest.buckets):
                 flat = torch.empty(layout.numel, dtype=layout.dtype)
                 received = pipe.recv([flat], 0, 0)  # posted first: rank 0's send waits for it
                 peaks = self._all("gathered_bucket", index)

@@ -145,7 +145,6 @@ FORKSERVER_PRELOAD = ["asyncflow.runtime.inline", "asyncflow.models.loading", "t
 
 
 class ProcessRanks:
-    shares_memory = True
     """The ranks as torch multiprocessing processes on this machine (forked by the fork server), each answering
     over a pipe. Tensors in messages travel through shared memory (torch's reductions)."""
 

@@ -600,8 +600,6 @@ class RayRanks:
     """The ranks of `asyncflow.engines.fsdp2_train` as Ray actors (a `RankGroup`), each with `num_cpus` CPUs and
     `num_gpus` GPUs. A rank that dies, raises or does not answer in time ends the call with `RankFailedError`."""
 
-    shares_memory = False  # results come through Ray's object store
-
     def __init__(self, world: int, spec, timeout: float, *, num_cpus: float, num_gpus: float, local: bool,
                  resources: dict[str, float] | None = None, release_ray: Callable[[], None] | None = None):
         self._release_ray = release_ray  # the launcher's hold on Ray (`hold_ray`), released by `close`
