@@ -93,11 +93,13 @@ def test_assign_rows_balances_tokens_and_keeps_groups():
 @pytest.mark.slow
 def test_two_ranks_give_the_update_of_one_process(two_ranks, tiny_llama_path, one_torch_thread):
     """One step per `algo.loss_agg` mode (each with another `algo.loss`), each of two micro-batches (gradient
-    accumulation), the ranks holding unequal token counts: loss, statistics and gradients within 1e-6 relative of
-    one process (the gradient as one vector; a tensor alone differs by what one process summing the same rows in the
-    ranks' two chunks differs by, up to ~1e-6 here), the same clipped gradient norm and LR, and after AdamW the same
-    weights within 0.1 * lr (AdamW's first steps turn float-order noise in tiny gradients into a few % of lr; each
-    step starts the reference from the engine's weights)."""
+    accumulation), the ranks holding unequal token counts: loss and statistics within 1e-5 relative of one
+    process (a sum of terms of both signs, added in the ranks' two chunks instead of one: CISPO's token-sum loss
+    differed by 4e-6 relative on an AMD EPYC machine, under 1e-6 on others), gradients within 1e-6 (the gradient
+    as one vector; a tensor alone differs by what one process summing the same rows in the ranks' two chunks
+    differs by, up to ~1e-6 here), the same clipped gradient norm and LR, and after AdamW the same weights within
+    0.1 * lr (AdamW's first steps turn float-order noise in tiny gradients into a few % of lr; each step starts
+    the reference from the engine's weights)."""
     reference = TorchTrainEngine(load_model(tiny_llama_path), **HP)
     initial = reference.state_dict()
     assert all(torch.equal(two_ranks.state_dict()[k], initial[k]) for k in initial), "this test runs first"
@@ -113,7 +115,7 @@ def test_two_ranks_give_the_update_of_one_process(two_ranks, tiny_llama_path, on
             got, want = two_ranks.backward_micro_batch(samples, loss), reference.backward_micro_batch(samples, loss)
             assert got.keys() == want.keys()
             for key in want:
-                assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-6), (aggregation, key)
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (aggregation, key)
         grads = two_ranks.gradients()
         want = {name: p.grad for name, p in reference.model.named_parameters() if p.grad is not None}
         assert grads.keys() == want.keys()
