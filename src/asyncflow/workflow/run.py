@@ -59,7 +59,7 @@ from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.models.loading import load_tokenizer, resolve_model_path
 from asyncflow.observe import MetricsLogger, Timeline, TrainProgress, plot_metrics
 from asyncflow.observe.live import LiveMetrics, Watchdog
-from asyncflow.observe.memory import memory_metrics
+from asyncflow.observe.memory import memory_metrics, return_freed_blocks
 from asyncflow.rewards import RewardHealth
 from asyncflow.rewards.health import counter_growth
 from asyncflow.runtime.base import Runtime, build_generating_worker
@@ -156,6 +156,10 @@ class RLRun:
             self.rewards = RewardWorker(build_reward_runner(config), self.tokenizer)
             self.reward_health = RewardHealth(config.reward.max_error_fraction, config.reward.max_error_steps)
             self.spec = rollout_spec(config, model_path, self.tokenizer)
+            if config.train.engine == "fsdp2" and config.runtime.kind == "ray":
+                # This process runs no model, it passes weight buckets on (to a checkpoint, a publisher): freed
+                # buffers of a MiB or more leave its resident size (glibc kept ~150 MB of them at 166M parameters)
+                return_freed_blocks()
             sweep_dead_segments()  # shared-memory segments that killed runs left behind (`asyncflow.weights.segments`)
             # before the trainer: Ray replicas start (imports, model load, engine start) while its ranks load
             self._runtime = make_runtime(config, self.spec, self.rewards)
