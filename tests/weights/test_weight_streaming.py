@@ -140,7 +140,8 @@ def test_a_streamed_version_is_forwarded_one_bucket_at_a_time_or_staged_whole(fo
         if forward:
             assert grown < 64, f"the driver grew {grown:.1f} MiB for a 128 MiB version: it staged the version whole"
         else:
-            assert grown >= 128, f"the driver grew {grown:.1f} MiB: a staged 128 MiB version was not held whole"
+            # a few pages of the version may land in memory that was resident before it (127.98 MiB was seen)
+            assert grown >= 120, f"the driver grew {grown:.1f} MiB: a staged 128 MiB version was not held whole"
     finally:
         thread.join(30)
         publisher.close()
