@@ -1,10 +1,11 @@
 """Shared fixtures: tiny preset models built once per session into a temporary cache, and one local Ray
 cluster for the whole session.
 
-Markers (pyproject): `ray` (needs a Ray cluster; set on every test that uses `ray_cluster`, and by hand on a test
-that starts one of its own: the quick tier, `-m "not slow and not ray"`, starts no Ray), `slow` (over
-~10 s on a 2-core CPU), `gpu` (needs CUDA; left out of the default run). The tests mirror the package
-layout, so one layer runs alone in seconds: `pytest tests/algos`, `pytest -m "not slow and not ray"`.
+Markers (pyproject): `long` (over 60 s by nature, the reason next to it), `ray` (needs a Ray cluster; set on every
+test that uses `ray_cluster`, and by hand on a test that starts one of its own: the quick tier,
+`-m "not slow and not ray"`, starts no Ray), `slow` (over ~10 s on a 2-core CPU), `gpu` (needs CUDA; left out of
+the default run). The tests mirror the package layout, so one layer runs alone in seconds: `pytest tests/algos`,
+`pytest -m "not slow and not ray"`.
 """
 
 import os
@@ -27,8 +28,10 @@ def pytest_collection_modifyitems(config, items):
         if xdist and ("ray_cluster" in fixtures or "no_ray_running" in fixtures):
             item.add_marker(pytest.mark.xdist_group("ray"))
     # The tests of a Ray that asyncflow itself starts and shuts down (`no_ray_running`) run before the session's
-    # cluster is up: once it is, they cannot start their own.
-    items.sort(key=lambda item: "no_ray_running" not in getattr(item, "fixturenames", ()))
+    # cluster is up: once it is, they cannot start their own. Under xdist the `long` tests start next, each on a
+    # worker while the other works through the short ones (longest first: the run does not wait on one at its end).
+    items.sort(key=lambda item: ("no_ray_running" not in getattr(item, "fixturenames", ()),
+                                 not (xdist and item.get_closest_marker("long"))))
 
 
 def pytest_collection_finish(session):

@@ -54,6 +54,7 @@ def background_answer() -> tuple[int, str] | None:
 # Over 60 s when it runs alone on a clean clone (~90 s): mypy's first run reads torch's and transformers' types. In a
 # run of the suite the background mypy has filled the cache by then, and the check here takes seconds.
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.timeout(TIMEOUT_S)
 def test_the_type_checker_finds_no_error():
     answer = background_answer()

@@ -26,7 +26,9 @@ from asyncflow.weights import WeightSyncError, make_weight_sync
 from asyncflow.weights.buckets import materialize
 
 # the module's engine starts in the first test's setup (hence the timeout); tiny models run on one torch thread
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread")]
+# one xdist worker runs the whole module: its engines are built once (module fixtures, ~20 s each), not once a worker
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.xdist_group("vllm_engine")]
 vllm = pytest.importorskip("vllm", reason="needs vLLM: bash scripts/test_vllm.sh")
 
 EOS = 2

@@ -22,7 +22,7 @@ import pytest
 
 # Over 60 s by nature: three `ray start` nodes, then four training runs, each starting two FSDP2 rank actors and a
 # replica on its own node (~3-5 min on 2 cores; past pytest's 300 s default on a loaded machine).
-pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.ray, pytest.mark.timeout(600)]
 ray = pytest.importorskip("ray")
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,8 @@ import pytest
 
 # Two runs, each starting two FSDP2 rank actors and a vLLM engine (side by side) on three Ray nodes: 78 s on an idle
 # 2-core machine, 837 s at load 8-24 (docs/rehearsal.md); the timeout leaves room for a loaded one
-pytestmark = [pytest.mark.vllm, pytest.mark.rehearsal, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.vllm, pytest.mark.rehearsal, pytest.mark.slow, pytest.mark.long, pytest.mark.ray,
+              pytest.mark.timeout(1800)]
 pytest.importorskip("vllm", reason="needs vLLM: bash scripts/test_vllm.sh")
 
 ROOT = Path(__file__).resolve().parents[2]
