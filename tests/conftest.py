@@ -8,6 +8,7 @@ the default run). The tests mirror the package layout, so one layer runs alone i
 `pytest -m "not slow and not ray"`.
 """
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -19,8 +20,11 @@ SRC = TESTS.parent / "src"
 
 def pytest_collection_modifyitems(config, items):
     xdist = config.pluginmanager.hasplugin("xdist")
+    no_vllm = importlib.util.find_spec("vllm") is None  # a `-m` that selects `vllm` tests in .venv: skipped, named
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
+        if no_vllm and item.get_closest_marker("vllm"):
+            item.add_marker(pytest.mark.skip(reason="needs vLLM: bash scripts/test_vllm.sh"))
         if "ray_cluster" in fixtures:
             item.add_marker(pytest.mark.ray)
         # `-n 2 --dist loadgroup`: one worker holds the session's cluster and runs every test on it, the tests of a

@@ -135,7 +135,7 @@ def _start(config: Config, plan: Plan, stop: StopSignals, on_step: StepCallback 
     RunFolder(plan.path).prepare(plan)
     sft = {}
     if config.sft.before_rl:
-        sft = _warm_up(config, stop)
+        sft = _warm_up(config, stop, checked)
         config = _with_sft_model(config)
     return RLRun(config, plan, checked, stop=stop, on_step=on_step), sft
 
@@ -147,14 +147,14 @@ def _with_sft_model(config: Config) -> Config:
     return config.model_copy(update={"model": config.model.model_copy(update={"path": str(sft_output(config))})})
 
 
-def _warm_up(config: Config, stop) -> dict:
+def _warm_up(config: Config, stop, checked) -> dict:
     """`train`'s SFT warm-up: run unless a complete one is there; -> its `sft/steps`, `sft/val_accuracy`."""
     from asyncflow.workflow.sft import read_summary, run_sft
 
     out = sft_output(config)
     summary = read_summary(out)
     if summary is None:
-        run_sft(config, out, stop=stop)
+        run_sft(config, out, stop=stop, checked=checked)
         summary = read_summary(out)
         if summary is None:
             raise RuntimeError(f"SFT ended without writing its summary to {out}")

@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -258,9 +259,18 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         return args.func(args)
-    except (RunStopped, StoppedAtOnce) as err:
+    except RunStopped as err:
         print(f"asyncflow: {err}", file=sys.stderr)
         return err.exit_code
+    except StoppedAtOnce as err:
+        print(f"asyncflow: {err}", file=sys.stderr)
+        # The run's `finally` blocks have run; threads it left (a generation, a reward call) may still be inside
+        # torch, and finalising the interpreter under them can abort it ("PyThreadState_Get ... the GIL is
+        # released", SIGABRT instead of the exit code): a stop at once skips finalisation.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(err.exit_code)
     except ConfigError as err:
         log.debug("config error", exc_info=True)
         print(f"asyncflow: {err}", file=sys.stderr)

@@ -85,9 +85,7 @@ from asyncflow.workflow.pipeline import PipelineWorkflow
 from asyncflow.workflow.run_folder import TIMELINE_FILE, Plan, RunFolder, fixed_settings
 from asyncflow.workflow.setup import (
     Preflight,
-    build_reward_runner,
     rl_engine_options,
-    rollout_spec,
     row_columns,
     run_inputs,
     seed_everything,
@@ -153,9 +151,10 @@ class RLRun:
         self.start_wall = 0.0
         self._scorer_totals = (0, 0)  # the scorers' own counters when last logged (see `_count_reward_failures`)
         try:
-            self.rewards = RewardWorker(build_reward_runner(config), self.tokenizer)
+            inputs = run_inputs(config, model_path, self.tokenizer, checked)
+            self.rewards = RewardWorker(inputs.rewards, self.tokenizer)
             self.reward_health = RewardHealth(config.reward.max_error_fraction, config.reward.max_error_steps)
-            self.spec = rollout_spec(config, model_path, self.tokenizer)
+            self.spec = inputs.spec
             if config.train.engine == "fsdp2" and config.runtime.kind == "ray":
                 # This process runs no model, it passes weight buckets on (to a checkpoint, a publisher): freed
                 # buffers of a MiB or more leave its resident size (glibc kept ~150 MB of them at 166M parameters)
@@ -172,7 +171,6 @@ class RLRun:
                 max_tokens_per_micro_batch=config.train.max_tokens_per_micro_batch,
             )
             self.test_set = checked.test_set
-            inputs = run_inputs(config, self.tokenizer, checked.train_set)
             self.prompts, self.eval_encoder, self.eval_params = inputs.prompts, inputs.eval_encoder, inputs.eval_params
             if config.rollout.on_weight_update == "resume" and self.runtime.local_rollout is not None:
                 check_updates_in_flight(self.runtime.local_rollout.engine)

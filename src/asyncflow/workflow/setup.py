@@ -76,8 +76,12 @@ def prompt_source(config: Config, tokenizer, train_set: TrainSet, env: Environme
 
 @dataclass
 class RunInputs:
-    """What an RL run feeds its workflow besides the engines and the rewards (`run_inputs`)."""
+    """What an RL run is built from besides its engines and runtime (`run_inputs`)."""
 
+    spec: RolloutSpec
+    """Its rollout replicas (placed by the runtime)."""
+    rewards: RewardRunner
+    """Its reward runner."""
     prompts: PromptSource
     """The training prompts, in seed order."""
     eval_encoder: PromptEncoder
@@ -88,17 +92,20 @@ class RunInputs:
     """The user stages of `stages`."""
 
 
-def run_inputs(config: Config, tokenizer, train_set: TrainSet) -> RunInputs:
-    """The `RunInputs` of an RL run of `config` training on `train_set` (its environment kind asked once)."""
-    env = environment_kind(config)
-    return RunInputs(prompt_source(config, tokenizer, train_set, env), prompt_encoder(config, tokenizer, env),
+def run_inputs(config: Config, model_path, tokenizer, checked: Preflight) -> RunInputs:
+    """The `RunInputs` of an RL run of `config` from what `preflight` read of it (its training set and its
+    environment kind); `model_path`: the resolved policy folder."""
+    env = checked.env
+    return RunInputs(rollout_spec(config, model_path, tokenizer, env), build_reward_runner(config, env),
+                     prompt_source(config, tokenizer, checked.train_set, env), prompt_encoder(config, tokenizer, env),
                      sampling_params(config, tokenizer, greedy=True), stage_workers(config))
 
 
-def rollout_spec(config: Config, model_path, tokenizer) -> RolloutSpec:
-    """The rollout replicas of `config` (placed by the runtime; `model_path` is the resolved policy folder)."""
+def rollout_spec(config: Config, model_path, tokenizer, env: EnvironmentKind | None = None) -> RolloutSpec:
+    """The rollout replicas of `config` (placed by the runtime; `model_path` is the resolved policy folder), with
+    the episodes of the environment kind `env` (default the config's)."""
     r = config.rollout
-    env = environment_kind(config)
+    env = env or environment_kind(config)
     return RolloutSpec(
         model_path=str(model_path), dtype=config.rollout_dtype(), device=config.model.device, engine=r.engine,
         engine_options=r.factory_options(), max_batch_size=r.max_batch_size,
@@ -241,25 +248,26 @@ def teacher_engine_options(config: Config, tokenizer) -> dict:
     return options
 
 
-def reward_specs(config: Config) -> list[str | RewardFn]:
-    """`reward.fns` as the reward runner takes them: `auto` as the environment kind scores (the task's verifier,
-    a `verifiers:` environment's rubric), every other entry as its reward kind has it (names and specs as
-    written, a judge entry as a `JudgeReward` whose calls end within `reward.timeout_s`)."""
+def reward_specs(config: Config, env: EnvironmentKind | None = None) -> list[str | RewardFn]:
+    """`reward.fns` as the reward runner takes them: `auto` as the environment kind `env` (default the config's)
+    scores (the task's verifier, a `verifiers:` environment's rubric), every other entry as its reward kind has it
+    (names and specs as written, a judge entry as a `JudgeReward` whose calls end within `reward.timeout_s`)."""
     if config.reward.fns == ["auto"]:
-        return environment_kind(config).auto_rewards()
+        return (env or environment_kind(config)).auto_rewards()
     return [reward_kind(fn).spec(fn, config) for fn in config.reward.fns]
 
 
-def weighted_reward_specs(config: Config) -> list[tuple[str | RewardFn, float]]:
+def weighted_reward_specs(config: Config, env: EnvironmentKind | None = None) -> list[tuple[str | RewardFn, float]]:
     """(`reward_specs`, weight) pairs; `reward.weights` unset weighs each function 1."""
-    specs = reward_specs(config)
+    specs = reward_specs(config, env)
     return list(zip(specs, config.reward.weights or [1.0] * len(specs)))
 
 
-def build_reward_runner(config: Config) -> RewardRunner:
-    """The run's reward runner; its functions are resolved and checked (`check_reward_specs`) when it is built."""
+def build_reward_runner(config: Config, env: EnvironmentKind | None = None) -> RewardRunner:
+    """The run's reward runner (`auto` as the environment kind `env`, default the config's, scores); its functions
+    are resolved and checked (`check_reward_specs`) when it is built."""
     r = config.reward
-    return RewardRunner(weighted_reward_specs(config), timeout_s=r.timeout_s, max_workers=r.workers,
+    return RewardRunner(weighted_reward_specs(config, env), timeout_s=r.timeout_s, max_workers=r.workers,
                         isolation=r.isolation, max_stuck_calls=r.max_stuck_calls)
 
 
@@ -273,12 +281,12 @@ def multiturn_spec(config: Config, kind: EnvironmentKind | None = None) -> Multi
     """The multi-turn rollout settings of `env` for the `multiturn_env` of the environment kind `kind` (default the
     config's; None without one: single-turn rollouts, or agent episodes). The environment's final answers are
     scored by `reward.fns`."""
-    env = config.env
-    name = (kind or environment_kind(config)).multiturn_env()
+    env, kind = config.env, kind or environment_kind(config)
+    name = kind.multiturn_env()
     if name is None:
         return None
     return MultiTurnSpec(
-        env=name, reward_specs=tuple(weighted_reward_specs(config)), max_turns=env.max_turns,
+        env=name, reward_specs=tuple(weighted_reward_specs(config, kind)), max_turns=env.max_turns,
         max_context_tokens=env.max_context_tokens, concurrency=env.concurrency or config.rollout.max_batch_size,
         tool_timeout_s=env.tool_timeout_s, tool_workers=env.tool_workers,
         max_tool_output_chars=env.max_tool_output_chars,
@@ -310,6 +318,9 @@ class Preflight:
 
     train_set: TrainSet
     test_set: list[Example]
+    env: EnvironmentKind
+    """The config's environment kind (also the kind of the config training from its SFT model: a kind reads no
+    `model.path`)."""
 
 
 def preflight(config: Config, *, training: bool = True) -> Preflight:
@@ -317,9 +328,9 @@ def preflight(config: Config, *, training: bool = True) -> Preflight:
     (`asyncflow eval`) checks the held-out prompts only. Raises ValueError subclasses naming the input."""
     # every reward function resolves and takes `(completion, ground_truth, **metadata)`, every weight is finite
     # (and, with `reward.isolation=process`, every function can go to a worker process)
-    check_reward_specs(reward_specs(config), config.reward.weights, isolation=config.reward.isolation)
-    stage_workers(config)  # every stage's function imports
     env = environment_kind(config)
+    check_reward_specs(reward_specs(config, env), config.reward.weights, isolation=config.reward.isolation)
+    stage_workers(config)  # every stage's function imports
     env.check()  # the environment resolves: an EnvironmentSpecError names env.name
     train_set, test_set = env.datasets()  # read whole: a bad row stops here, named by file, line and field
     if config.agent_rollouts:
@@ -329,7 +340,7 @@ def preflight(config: Config, *, training: bool = True) -> Preflight:
     if config.data.on_long_prompt == "error":
         sets = {"training": train_set.examples if training else [], "held-out": test_set}
         check_prompt_lengths(config, env, tokenizer, sets)
-    return Preflight(train_set, test_set)
+    return Preflight(train_set, test_set, env)
 
 
 def check_prompt_lengths(config: Config, env: EnvironmentKind, tokenizer, sets: dict[str, list[Example]]) -> None:

@@ -66,9 +66,10 @@ from asyncflow.workflow.checkpoint import (
     write_failure,
 )
 from asyncflow.workflow.evaluation import evaluate, evaluation_spec
-from asyncflow.workflow.kinds import environment_kind
+from asyncflow.workflow.kinds import EnvironmentKind, environment_kind
 from asyncflow.workflow.run_folder import DAMAGED_PREFIX
 from asyncflow.workflow.setup import (
+    Preflight,
     build_reward_runner,
     datasets,
     multiturn_spec,
@@ -85,9 +86,10 @@ log = logging.getLogger(__name__)
 SUMMARY_FILE = "sft_summary.json"
 
 
-def sft_pools(config: Config) -> tuple[list[Example], list[Example]]:
-    """(training rows, validation rows) of SFT. Validation is empty without `sft.stop_accuracy`."""
-    train = datasets(config)[0].examples
+def sft_pools(config: Config, train: list[Example] | None = None) -> tuple[list[Example], list[Example]]:
+    """(training rows, validation rows) of SFT from `train` (default: the config's training set). Validation is
+    empty without `sft.stop_accuracy`."""
+    train = datasets(config)[0].examples if train is None else train
     if config.sft.stop_accuracy is None:
         return train, []
     size = config.sft.validation_size
@@ -110,14 +112,14 @@ class ValidationProbe:
     """Greedy accuracy of the policy on the validation rows, measured as the RL run measures its held-out accuracy,
     on a rollout engine of its own, built as the run's replicas are (weights loaded per check)."""
 
-    def __init__(self, config: Config, model_path: Path, tokenizer, validation: list[Example]):
+    def __init__(self, config: Config, model_path: Path, tokenizer, validation: list[Example], env: EnvironmentKind):
         self.validation, self.version = validation, 0
         self.params = sampling_params(config, tokenizer, greedy=True)
-        spec = evaluation_spec(rollout_spec(config, model_path, tokenizer), self.params)
+        spec = evaluation_spec(rollout_spec(config, model_path, tokenizer, env), self.params)
         self.worker = build_generating_worker(spec)
         self.episodes = self.worker if spec.multiturn is not None else None
-        self.rewards = RewardWorker(build_reward_runner(config), tokenizer)
-        self.encoder = prompt_encoder(config, tokenizer)
+        self.rewards = RewardWorker(build_reward_runner(config, env), tokenizer)
+        self.encoder = prompt_encoder(config, tokenizer, env)
 
     def accuracy(self, weights: Mapping[str, torch.Tensor]) -> float:
         self.version += 1
@@ -133,11 +135,12 @@ class ValidationProbe:
             self.rewards.close()
 
 
-def sft_samples(config: Config, tokenizer) -> Callable[[Example], TrainSample]:
+def sft_samples(config: Config, tokenizer, env: EnvironmentKind | None = None) -> Callable[[Example], TrainSample]:
     """Example -> its SFT sample: the rendered prompt and the answer followed by EOS; with `env.name` its tool-use
     demonstration (the environment's `demonstration(row)` turns, played through the episode runner, so the ids and
     loss mask are those a rollout would produce: only the model's turns are trained)."""
-    spec = multiturn_spec(config)
+    env = env or environment_kind(config)
+    spec = multiturn_spec(config, env)
     if spec is None:
         encoded: dict[tuple[str, str], TrainSample] = {}  # each row is drawn many times: tokenized once
 
@@ -152,7 +155,7 @@ def sft_samples(config: Config, tokenizer) -> Callable[[Example], TrainSample]:
 
         return plain
     runner = spec.build(tokenizer, sampling_params(config, tokenizer))
-    render = environment_kind(config).render(tokenizer)  # as the rollout renders (an agent's chat call with tools)
+    render = env.render(tokenizer)  # as the rollout renders (an agent's chat call with tools)
     cache: dict[str, TrainSample] = {}
 
     def to_sample(example: Example) -> TrainSample:
@@ -186,10 +189,12 @@ class SFTLoss:
         return self
 
 
-def run_sft(config: Config, output: str | Path, stop: StopSignals | None = None) -> Path:
+def run_sft(config: Config, output: str | Path, stop: StopSignals | None = None,
+            checked: Preflight | None = None) -> Path:
     """Fine-tune `config.model.path` on the training split until `sft.stop_accuracy` (or `sft.steps`); save model +
     tokenizer + `sft_summary.json` to `output`, with `metrics.jsonl` and `checkpoints/` (replacing an `output`
-    that an earlier SFT left incomplete). `stop`: the command's signal handlers, looked at after each step."""
+    that an earlier SFT left incomplete). `stop`: the command's signal handlers, looked at after each step;
+    `checked`: what `preflight` read of the config (its data and environment kind are not read again)."""
     cfg, final = config.sft, Path(output)
     if final.is_dir() and any(final.iterdir()) and read_summary(final) is None:
         if not any((final / name).exists() for name in ("metrics.jsonl", "checkpoints", "config.json")):
@@ -199,18 +204,19 @@ def run_sft(config: Config, output: str | Path, stop: StopSignals | None = None)
     seed_everything(config.run.seed)
     model_path = resolve_model_path(config.model.path, seed=config.run.seed)
     tokenizer = load_tokenizer(model_path)
-    train, validation = sft_pools(config)
+    env = checked.env if checked is not None else environment_kind(config)
+    train, validation = sft_pools(config, checked.train_set.examples if checked is not None else None)
     settings = sft_settings(config, train, validation)
     resume_from = _resumable(output, settings)
     if resume_from is None:
         shutil.rmtree(output, ignore_errors=True)  # an interrupted SFT's without a usable checkpoint: started again
         output.mkdir(parents=True)
-    probe = ValidationProbe(config, model_path, tokenizer, validation) if validation else None
+    probe = ValidationProbe(config, model_path, tokenizer, validation, env) if validation else None
     engine = make_train_engine(config.train.engine, **{  # SFT's optimizer; unpacked: its rows share no prompt
         **train_engine_options(config, model_path), "lr": cfg.lr, "betas": cfg.betas, "total_steps": cfg.steps,
         "weight_decay": cfg.weight_decay, "grad_clip": cfg.grad_clip, "lr_schedule": cfg.lr_schedule,
         "warmup_steps": cfg.warmup_steps, "use_reference": False, "packing": "off", "critic": None})  # no critic in SFT
-    rng, to_sample = random.Random(config.run.seed), sft_samples(config, tokenizer)
+    rng, to_sample = random.Random(config.run.seed), sft_samples(config, tokenizer, env)
     sharded = engine.save_sharded if isinstance(engine, ShardedCheckpointing) else None
     checks: list[tuple[int, float]] = []  # (step, validation accuracy)
     reached, step, wall_offset = False, 0, 0.0
