@@ -1,9 +1,10 @@
 """How often following the config from `asyncflow.api.train` enters each module of asyncflow.
 
-A `sys.setprofile` tracer (on every thread) watches a one-step `sync` run of the tiny preset: a call *enters* a
-module when the function called is in an asyncflow module other than its caller's and is handed the config (an
-argument, `self` included, that is the `Config` or one of its sections). Generator frames count once, at their
-first call, not at each resume. `asyncflow.config` itself is not counted (its methods are the config's own).
+A `sys.setprofile` tracer (on every thread) watches a two-step SFT warm-up and a one-step `sync` RL run of the tiny
+preset (the main job's path): a call *enters* a module when the function called is in an asyncflow module other than
+its caller's and is handed the config (an argument, `self` included, that is the `Config` or one of its sections).
+Generator frames count once, at their first call, not at each resume. `asyncflow.config` itself is not counted (its
+methods are the config's own).
 
 Prints `module count`, most entered first; exits 1 when a module is entered more than `--max` times (the design
 goal: 5). Run from the repository root:
@@ -25,7 +26,8 @@ from pydantic import BaseModel
 
 RUN = ["run.progress=false", "model.path=preset:tiny-llama", "workflow.mode=sync", "rollout.prompts_per_step=2",
        "rollout.group_size=2", "rollout.max_new_tokens=4", "train.steps=1", "train.micro_batch_size=4",
-       "eval.every=0", "data.test_size=2", "checkpoint.every=0", "observe.tensorboard=false", "export.at_end=false"]
+       "eval.every=0", "data.test_size=2", "checkpoint.every=0", "observe.tensorboard=false", "export.at_end=false",
+       "sft.before_rl=true", "sft.steps=2", "sft.stop_accuracy=null"]  # the main job's path: SFT, then RL
 
 
 def _is_config(value: object) -> bool:
