@@ -102,6 +102,9 @@ def test_vllm_settings_are_a_section_of_the_vllm_engine():
                                 "rollout.engine_options={gpu_memory_utilization: 0.9}"]).rollout.factory_options()
     assert options == {"weight_transfer": "collective", "gpu_memory_utilization": 0.9, "kv_cache_memory_bytes": 2**29}
     assert build_config({}, []).rollout.factory_options() == {}  # the torch engine takes none of them
+    timed = build_config({}, [*vllm, "runtime.call_timeout_s=30", "runtime.start_timeout_s=90"])
+    options = timed.rollout.factory_options(timed.runtime)  # vLLM's own waits end within the run's deadlines
+    assert (options["call_timeout_s"], options["start_timeout_s"]) == (30, 90)
     with pytest.raises(ConfigError, match="weight_transfer"):
         build_config({}, [*vllm, "rollout.vllm.weight_transfer=nccl"])
 

@@ -211,10 +211,14 @@ class VLLMConfig(Section):
     safetensors file in /dev/shm that the workers reload; the default, as on vLLM's CPU build it measured faster
     than gloo over TCP loopback (BENCHMARKS.md)."""
 
-    def factory_options(self) -> dict[str, Any]:
-        """These settings as keyword arguments of `asyncflow.engines.vllm_engine`'s factory."""
+    def factory_options(self, runtime: RuntimeConfig | None = None) -> dict[str, Any]:
+        """These settings as keyword arguments of `asyncflow.engines.vllm_engine`'s factory; with `runtime`, the
+        engine's own waits (its start; each call inside it: a weight update's group join and broadcasts, a
+        generation that makes no progress) end within `runtime.start_timeout_s` / `runtime.call_timeout_s`."""
         options: dict[str, Any] = {"weight_transfer": self.weight_transfer,
                                    "gpu_memory_utilization": self.gpu_memory_fraction}
+        if runtime is not None:
+            options |= {"start_timeout_s": runtime.start_timeout_s, "call_timeout_s": runtime.call_timeout_s}
         if self.kv_cache_gb is not None:
             options["kv_cache_memory_bytes"] = int(self.kv_cache_gb * 2**30)
         return options
@@ -268,9 +272,10 @@ class RolloutConfig(Section):
                              f"{self.engine}")
         return self
 
-    def factory_options(self) -> dict[str, Any]:
-        """Keyword arguments of the engine's factory: its own section's, then `engine_options`."""
-        own = self.vllm.factory_options() if self.engine == "vllm" else {}
+    def factory_options(self, runtime: RuntimeConfig | None = None) -> dict[str, Any]:
+        """Keyword arguments of the engine's factory: its own section's (its timeouts from `runtime`), then
+        `engine_options`."""
+        own = self.vllm.factory_options(runtime) if self.engine == "vllm" else {}
         return {**own, **self.engine_options}
 
 

@@ -108,7 +108,7 @@ def rollout_spec(config: Config, model_path, tokenizer, env: EnvironmentKind | N
     env = env or environment_kind(config)
     return RolloutSpec(
         model_path=str(model_path), dtype=config.rollout_dtype(), device=config.model.device, engine=r.engine,
-        engine_options=r.factory_options(), max_batch_size=r.max_batch_size,
+        engine_options=r.factory_options(config.runtime), max_batch_size=r.max_batch_size,
         params=sampling_params(config, tokenizer, model_path=model_path),
         group_size=r.group_size, seed=config.run.seed, on_weight_update=r.on_weight_update,
         multiturn=multiturn_spec(config, env), agent=agent_options(config, model_path, tokenizer, env),
