@@ -40,7 +40,9 @@ def test_every_step_reports_its_weight_update_inline(tmp_path, mode, one_torch_t
     for h in history:
         assert {"weights/update_bytes", "weights/update_s", "weights/update_delta"} <= h.keys()
     taken = [h for h in history if not math.isnan(h["weights/update_bytes"])]
-    assert len(taken) >= 3  # async: the first step may train on rows of the initial weights only
+    # the rows of step s come from version s - 1 (sync, stream) or, async with staleness <= 1, from s - 2 or later:
+    # versions 1 to 3 are all taken, or async at least 1 by step 3 and 2 by step 4 (which it takes depends on timing)
+    assert len(taken) >= (2 if mode == "async" else 3)
     assert all(h["weights/update_bytes"] == full and h["weights/update_delta"] == 0.0 for h in taken)
     assert all(0 <= h["weights/update_s"] < 60 for h in taken)
 
