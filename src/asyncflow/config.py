@@ -848,8 +848,13 @@ class WeightsConfig(Section):
     """Deadline of a replica's wait for a version it needs (the staleness bound) and of each transfer;
     `null`: `runtime.call_timeout_s`."""
     apply_timeout_s: float | None = Field(None, gt=0)
-    """Deadline of an engine taking a version (pause, reload, resume); a missed one ends the run (a Ray replica
-    is restarted as after a crash, up to `runtime.max_restarts`); `null`: `runtime.call_timeout_s`."""
+    """Deadline of an engine taking a version (pause, reload, resume); what a missed one does is
+    `on_apply_deadline`; `null`: `runtime.call_timeout_s`."""
+    on_apply_deadline: Literal["fail", "restart"] = "fail"
+    """A replica whose engine missed `apply_timeout_s`: `fail` ends the run with an error naming the replica, the
+    version and the phase; `restart` (`runtime.kind: ray`) ends the replica's process, which Ray restarts as after
+    a crash (its unfinished rows generated again, up to `runtime.max_restarts`; a replica of `runtime.weight_sync:
+    torch_distributed` cannot rejoin its group, so the run then ends naming it)."""
 
     def deadline(self, phase: str, call_timeout_s: float) -> float:
         """The deadline in seconds of `phase` ("publish", "receive" or "apply")."""
@@ -1008,6 +1013,9 @@ class Config(Section):
             if self.weights.delta:
                 raise ValueError("weights.stage_on_driver: false cannot send deltas (weights.delta: true): a delta is "
                                  "computed against the version the driver staged")
+        if self.weights.on_apply_deadline == "restart" and self.runtime.kind != "ray":
+            raise ValueError("weights.on_apply_deadline: restart needs runtime.kind: ray (a replica in the trainer's "
+                             "process cannot be restarted alone)")
         return self
 
     @model_validator(mode="after")

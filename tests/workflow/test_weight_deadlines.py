@@ -3,13 +3,15 @@ the version and the phase. Stalls are real sleeps in a phase hook (inline) or in
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from asyncflow.api import train
-from asyncflow.config import build_config
+from asyncflow.config import ConfigError, build_config
 from asyncflow.engines.torch_inference import TorchInferenceEngine
 from asyncflow.weights.deadlines import WeightDeadlineError, phase_hooks, within_deadline
 
@@ -90,3 +92,44 @@ def test_a_stalled_engine_reload_ends_the_ray_run_within_its_deadline(tmp_path, 
     assert "rollout replica rollout_0, version 2, apply phase" in message, message
     assert time.monotonic() - started < 120
     assert threading.active_count() < threads_before + 50  # this run's threads, not the whole session's
+
+
+class EngineStallingOnce(TorchInferenceEngine):
+    """The torch engine, stuck in its update to version 2 the first time any incarnation of it gets there (`marker`
+    is the file that tells them apart)."""
+
+    marker: Path
+
+    def update_weights(self, state_dict, version):
+        if version == 2 and not self.marker.exists():
+            self.marker.touch()
+            time.sleep(STALL_S)
+        super().update_weights(state_dict, version)
+
+
+def make_engine_stalling_once(*, model_path, stall_marker, **kwargs):
+    engine = EngineStallingOnce.from_pretrained(model_path, **kwargs)
+    engine.marker = Path(stall_marker)
+    return engine
+
+
+@pytest.mark.slow
+def test_a_replica_that_missed_its_apply_deadline_is_restarted_when_configured(tmp_path, ray_cluster):
+    marker = tmp_path / "stalled_once"
+    result = train(config(
+        tmp_path / "run", "runtime.kind=ray", "runtime.max_restarts=1", "runtime.lend_idle_cores=false",
+        "weights.on_apply_deadline=restart", "weights.publish_timeout_s=120", "weights.receive_timeout_s=120",
+        "rollout.engine=test_weight_deadlines:make_engine_stalling_once",
+        f"rollout.engine_options={{stall_marker: '{marker}'}}",
+    ))
+    assert marker.exists(), "the first incarnation stalled in its update to version 2"
+    steps = [row["step"] for row in result.history if "staleness/max" in row]
+    assert steps == list(range(1, 7)), "the restarted replica generated every step's rows"
+    restarts = [e for e in json.loads((tmp_path / "run" / "timeline.json").read_text())["traceEvents"]
+                if e.get("name") == "restart"]
+    assert len(restarts) == 1, restarts
+
+
+def test_restarting_a_replica_on_a_missed_deadline_needs_ray(tmp_path):
+    with pytest.raises(ConfigError, match="on_apply_deadline: restart needs runtime.kind: ray"):
+        config(tmp_path, "runtime.kind=inline", "weights.on_apply_deadline=restart")

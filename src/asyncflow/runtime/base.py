@@ -116,8 +116,10 @@ def _engine(spec: RolloutSpec, policy: torch.nn.Module | None = None) -> Inferen
 
 
 def weight_deadlines(config) -> WeightDeadlines:
-    """Each phase's deadline on the weight path (`weights.*_timeout_s`, default `runtime.call_timeout_s`)."""
-    return WeightDeadlines(**{p: config.weights.deadline(p, config.runtime.call_timeout_s) for p in PHASES})
+    """Each phase's deadline on the weight path (`weights.*_timeout_s`, default `runtime.call_timeout_s`) and what a
+    missed `apply` does (`weights.on_apply_deadline`)."""
+    return WeightDeadlines(**{p: config.weights.deadline(p, config.runtime.call_timeout_s) for p in PHASES},
+                           restart_on_apply=config.weights.on_apply_deadline == "restart")
 
 
 class Runtime(Protocol):

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -54,7 +55,7 @@ from asyncflow.runtime.base import RolloutSpec, build_rollout_worker, weight_dea
 from asyncflow.runtime.cores import CoreLending, create_core_lending
 from asyncflow.transfer.ray_queue import RayTransferQueue
 from asyncflow.weights import TransportKind
-from asyncflow.weights.deadlines import WeightDeadlines
+from asyncflow.weights.deadlines import WeightDeadlineError, WeightDeadlines
 from asyncflow.weights.torch_distributed import RESTART_REFUSAL
 from asyncflow.workers.loops import SamplerHistory, WeightUpdate, WeightUpdateLog, restore_sampler, rollout_loop
 from asyncflow.workers.rollout import RESPONSE_COLUMNS
@@ -226,6 +227,13 @@ class RolloutActor:
                 cores=cores, history=self.history, on_weight_update=on_weight_update, updates=self.updates,
                 deadlines=deadlines,
             )
+        except WeightDeadlineError as err:
+            if deadlines is not None and deadlines.restart_on_apply and err.phase == "apply":
+                # the engine is stuck in a call that cannot be taken back: this process ends, Ray restarts it
+                print(f"asyncflow: {err}; the replica's process ends, to be restarted (weights.on_apply_deadline: "
+                      "restart)", file=sys.stderr, flush=True)
+                os._exit(1)
+            raise
         finally:
             if cores is not None:
                 cores.close()

@@ -39,6 +39,8 @@ class WeightDeadlines:
     publish: float
     receive: float
     apply: float
+    restart_on_apply: bool = False
+    """A replica that missed `apply` ends its process, to be restarted (`weights.on_apply_deadline: restart`)."""
 
 
 class WeightDeadlineError(WeightSyncTimeout):
