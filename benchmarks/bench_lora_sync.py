@@ -12,7 +12,7 @@ adapter into its LoRA slots at the first batch that uses it) is counted. The vLL
 only counts the bytes of one update for the published shapes (`asyncflow.models.bpe`, on the meta device).
 
 Run: PYTHONPATH=src python benchmarks/bench_lora_sync.py --engine torch [--sizes 512x8,1024x8] [--rank 16]
-     PYTHONPATH=src .venv-vllm/bin/python benchmarks/bench_lora_sync.py --engine vllm
+     PYTHONPATH=src .venv-vllm/bin/python benchmarks/bench_lora_sync.py --engine vllm [--sizes qwen2.5-0.5b]
      PYTHONPATH=src python benchmarks/bench_lora_sync.py --bytes-of qwen2.5-0.5b,llama-3.2-1b
 """
 
@@ -87,19 +87,31 @@ def nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def one_size(args, hidden: int, layers: int) -> None:
+def one_size(args, size: str) -> None:
+    """`size`: `HIDDENxLAYERS` (a Llama built here) or the name of a preset (`qwen2.5-0.5b`: its real shape, tied
+    embeddings, loaded from the folder `asyncflow.models` builds)."""
     folder = tempfile.mkdtemp(prefix="bench-lora-sync-")
     try:
-        model = build_model(hidden, layers, folder)
-        params = sum(p.numel() for p in model.parameters())
+        if "x" in size:
+            hidden, layers = (int(x) for x in size.split("x"))
+            model = build_model(hidden, layers, folder)
+            shape = f"Llama {{params}}M (hidden {hidden}, {layers} layers)"
+        else:
+            from asyncflow.models.loading import load_model, resolve_model_path
+
+            shutil.rmtree(folder)
+            shutil.copytree(resolve_model_path(f"preset:{size}"), folder)  # the engines load it as a user's folder
+            model = load_model(folder, dtype="float32").eval()
+            shape = f"{size} {{params}}M"
+        params = sum(p.numel() for p in model.parameters())  # a tied embedding once
         lora = LoRASettings(rank=args.rank, alpha=2.0 * args.rank, target_modules=TARGETS)
-        versions = [adapter_and_merged(model, lora, seed) for seed in range(2)]
         full = make_engine(args.engine, folder, model, None)
         adapted = make_engine(args.engine, folder, model, lora)
         times: dict[str, list[tuple[float, float]]] = {"merged": [], "adapter": []}
         for version in range(1, args.reps + 2):
-            adapter, merged = versions[version % 2]
+            adapter, merged = adapter_and_merged(model, lora, version % 2)  # one version held at a time (0.5B: 2 GB)
             merged_s = timed_update(full, merged, version)
+            del merged
             adapter_s = timed_update(adapted, adapter, version)
             if version > 1:  # the first update of each engine is a warm-up
                 times["merged"].append(merged_s)
@@ -108,10 +120,11 @@ def one_size(args, hidden: int, layers: int) -> None:
             engine.close()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    full_bytes, adapter_bytes = nbytes(versions[0][1]), nbytes(versions[0][0])
+    # one version's distinct tensors: a tied embedding travels once (`weight_stream(distinct=True)`)
+    full_bytes, adapter_bytes = params * 4, nbytes(adapter)
     med = {k: [statistics.median(x[i] for x in v) for i in (0, 1)] for k, v in times.items()}
     best = {k: [min(x[i] for x in v) for i in (0, 1)] for k, v in times.items()}
-    print(f"\n{args.engine} engine, Llama {params / 1e6:.1f}M (hidden {hidden}, {layers} layers), LoRA r={args.rank} "
+    print(f"\n{args.engine} engine, {shape.format(params=f'{params / 1e6:.1f}')}, LoRA r={args.rank} "
           f"on {len(TARGETS)} linear kinds, {args.reps} updates each (interleaved)")
     print("| sync | bytes per update | update_weights s (median / best) | + first token s (median / best) |")
     print("|---|---:|---:|---:|")
@@ -145,7 +158,8 @@ def bytes_of(names: list[str], rank: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--engine", choices=("torch", "vllm"), default="torch")
-    parser.add_argument("--sizes", default="512x8,1024x8", help="hidden x layers, comma-separated")
+    parser.add_argument("--sizes", default="512x8,1024x8",
+                        help="HIDDENxLAYERS or a preset name (qwen2.5-0.5b), comma-separated")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
@@ -156,8 +170,7 @@ def main() -> None:
         return
     torch.set_num_threads(args.threads)
     for size in args.sizes.split(","):
-        hidden, layers = (int(x) for x in size.split("x"))
-        one_size(args, hidden, layers)
+        one_size(args, size)
 
 
 if __name__ == "__main__":
