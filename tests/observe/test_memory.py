@@ -55,3 +55,50 @@ def test_freed_blocks_leave_the_resident_size_once_the_threshold_is_set():
     if max(retained_mb("default") for _ in range(4)) < 200:
         pytest.skip("glibc returned the freed blocks by itself in every try: nothing for the threshold to show")
     assert retained_mb("capped") < 50
+
+
+@pytest.mark.parametrize("engine", ["vllm", "torch"])
+def test_a_vllm_replicas_actor_returns_freed_blocks_and_a_torch_one_does_not(monkeypatch, engine):
+    """The actor of a vLLM replica runs no model (vLLM's worker does) and only passes weight buckets on: it sets the
+    threshold before anything else; a torch replica runs the model in its own process and keeps glibc's default."""
+    ray_runtime = pytest.importorskip("asyncflow.runtime.ray_runtime")
+    from asyncflow.engines.base import SamplingParams
+    from asyncflow.runtime.base import RolloutSpec
+
+    calls = []
+    monkeypatch.setattr(ray_runtime, "return_freed_blocks", lambda *a: calls.append(a) or True)
+    monkeypatch.setattr(ray_runtime.torch, "set_num_threads", lambda n: None)  # leave this process's threads alone
+    spec = RolloutSpec(model_path="unused", dtype="float32", device="cpu", engine=engine, max_batch_size=1,
+                       params=SamplingParams(), group_size=1, seed=0, make_scorer=None)
+    with pytest.raises(ValueError, match="make_scorer"):  # stops before it builds an engine
+        ray_runtime.RolloutActor(spec, "rollout_0")
+    assert len(calls) == (1 if engine == "vllm" else 0)
+
+
+@pytest.mark.slow  # preflight and a tokenizer each (~3 s)
+@pytest.mark.parametrize(("engine", "runtime", "expected"), [("fsdp2", "ray", 1), ("fsdp2", "inline", 0),
+                                                              ("torch", "inline", 0)])
+def test_the_driver_returns_freed_blocks_only_when_its_ranks_are_ray_actors(monkeypatch, tmp_path, engine, runtime,
+                                                                             expected):
+    """The driver of Ray FSDP2 ranks holds no model and passes their buckets on: it sets the threshold as the run is
+    built, before the runtime starts (a sentinel raised there ends the construction)."""
+    from asyncflow.api import train
+    from asyncflow.config import build_config
+    from asyncflow.workflow import run
+
+    class Built(Exception):
+        pass
+
+    calls = []
+    monkeypatch.setattr(run, "return_freed_blocks", lambda *a: calls.append(a) or True)
+
+    def stop(*args, **kwargs):
+        raise Built
+
+    monkeypatch.setattr(run, "make_runtime", stop)
+    config = build_config({}, [f"run.output_dir={tmp_path}", "run.progress=false", "model.path=preset:tiny-llama",
+                               f"train.engine={engine}", f"runtime.kind={runtime}", "workflow.mode=async",
+                               "train.world_size=2" if engine == "fsdp2" else "train.world_size=1"])
+    with pytest.raises(Built):
+        train(config)
+    assert len(calls) == expected
