@@ -95,14 +95,14 @@ def one_size(args, size: str) -> None:
         if "x" in size:
             hidden, layers = (int(x) for x in size.split("x"))
             model = build_model(hidden, layers, folder)
-            shape = f"Llama {{params}}M (hidden {hidden}, {layers} layers)"
+            shape = f"Llama (hidden {hidden}, {layers} layers)"
         else:
             from asyncflow.models.loading import load_model, resolve_model_path
 
             shutil.rmtree(folder)
             shutil.copytree(resolve_model_path(f"preset:{size}"), folder)  # the engines load it as a user's folder
             model = load_model(folder, dtype="float32").eval()
-            shape = f"{size} {{params}}M"
+            shape = size
         params = sum(p.numel() for p in model.parameters())  # a tied embedding once
         lora = LoRASettings(rank=args.rank, alpha=2.0 * args.rank, target_modules=TARGETS)
         full = make_engine(args.engine, folder, model, None)
@@ -121,10 +121,10 @@ def one_size(args, size: str) -> None:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     # one version's distinct tensors: a tied embedding travels once (`weight_stream(distinct=True)`)
-    full_bytes, adapter_bytes = params * 4, nbytes(adapter)
+    full_bytes, adapter_bytes = params * model.dtype.itemsize, nbytes(adapter)
     med = {k: [statistics.median(x[i] for x in v) for i in (0, 1)] for k, v in times.items()}
     best = {k: [min(x[i] for x in v) for i in (0, 1)] for k, v in times.items()}
-    print(f"\n{args.engine} engine, {shape.format(params=f'{params / 1e6:.1f}')}, LoRA r={args.rank} "
+    print(f"\n{args.engine} engine, {shape} {params / 1e6:.1f}M, LoRA r={args.rank} "
           f"on {len(TARGETS)} linear kinds, {args.reps} updates each (interleaved)")
     print("| sync | bytes per update | update_weights s (median / best) | + first token s (median / best) |")
     print("|---|---:|---:|---:|")
