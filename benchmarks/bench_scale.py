@@ -4,6 +4,9 @@ several model sizes, without the kill. Per size it prints the peak resident memo
 each replica's processes beside the bytes each should hold (weights, gradients, AdamW shard, KV cache), seconds per
 step of generate / train / weight update / checkpoint, weight-update bytes and seconds, the checkpoint's and the
 export's bytes and the export's own seconds and peak memory (a separate `asyncflow export` of the last checkpoint).
+With `--plan`, each size is then profiled (`asyncflow profile` of the same config, its FSDP2 ranks as local
+processes) and `asyncflow plan`'s simulator predicts the run's step time from that profile and the run's own prompt
+and response lengths, beside the median `time/step_s` the run measured.
 
     .venv-vllm/bin/python benchmarks/bench_scale.py --sizes 30m,166m          # 0.5b: ~12 GB free and a long time
     .venv-vllm/bin/python benchmarks/bench_scale.py --sizes 166m \
@@ -38,6 +41,10 @@ from rehearsal import EXAMPLE, folder_bytes, rehearse, rows  # noqa: E402  (the 
 
 SIZES = {"30m": "preset:qwen2.5-small", "166m": "preset:qwen2.5-0.5b-2l", "0.5b": "preset:qwen2.5-0.5b"}
 MIB = 2**20
+# `asyncflow profile` runs the trainer as the run does (FSDP2 ranks, bf16, the token budget) but on this host's
+# processes: no Ray nodes, an in-process queue, the built-in engine for generation (a few percent of a step here)
+PROFILE_PLACEMENT = ["runtime.kind=inline", "runtime.rollout_resources={}", "runtime.trainer_resources={}",
+                     "runtime.weight_sync=shared_memory", "weights.stage_on_driver=true"]
 
 
 def available_gb() -> float:
@@ -141,6 +148,41 @@ def measure(size: str, overrides: list[str], output: Path, min_free_gb: float) -
     return result
 
 
+def take_profile(model: str, overrides: list[str], profile: Path, repeats: int) -> float:
+    """`asyncflow profile` of `model` under the run's config on this machine, into `profile`; its seconds."""
+    cmd = [sys.executable, "-m", "asyncflow.cli", "profile", str(EXAMPLE), f"model.path={model}", *overrides,
+           *PROFILE_PLACEMENT, "--threads", "1", "--repeats", str(repeats), "--out", str(profile)]
+    print(f"profiling {model} ({repeats} timing(s) per point) ...", file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=7200)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return time.monotonic() - t0
+
+
+def predicted_step(profile: Path, model: str, overrides: list[str], run_dir: Path) -> dict[str, Any]:
+    """The step time `asyncflow plan`'s simulator predicts from `profile` for the run's workload (its mode, batch
+    shape, token budget and the prompt and response lengths it logged), against the run's median `time/step_s`."""
+    from asyncflow.config import load_config
+    from asyncflow.plan.planner import PlanSpec, plan
+    from asyncflow.plan.workload import Lengths, Workload, lengths_from_run
+
+    config = load_config(str(EXAMPLE), [f"model.path={model}", *overrides])
+    logged = rows(run_dir)
+    G, k = config.rollout.group_size, config.workflow.max_staleness
+    prompt = statistics.mean(r["prompt_length/mean"] for r in logged if "prompt_length/mean" in r)
+    workload = Workload(prompts_per_step=config.rollout.prompts_per_step, group_size=G, prompt=Lengths(mean=prompt),
+                        response=lengths_from_run(run_dir))
+    spec = PlanSpec(profile=str(profile), devices=2, workload=workload, slots=config.rollout.max_batch_size,
+                    micro_batch_groups=max(1, config.train.micro_batch_size // G), staleness=[k],
+                    max_tokens_per_micro_batch=config.train.max_tokens_per_micro_batch, steps=12)
+    label = {"async": f"async k={k}"}.get(config.workflow.mode, config.workflow.mode)
+    predicted = next(p.step_s for p in plan(spec) if p.mode == label)
+    measured = statistics.median(r["time/step_s"] for r in logged if "time/step_s" in r)
+    return {"predicted_step_s": round(predicted, 2), "measured_step_s": round(measured, 2),
+            "plan_error": f"{100 * (predicted / measured - 1):+.0f}%"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="CONFIG overrides (section.key=value)")
@@ -150,6 +192,8 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[],
                         help="space-separated CONFIG overrides; every size runs once per variant")
     parser.add_argument("--output", type=Path)
+    parser.add_argument("--plan", action="store_true", help="profile each size and print asyncflow plan's prediction")
+    parser.add_argument("--repeats", type=int, default=1, help="--plan: the profile's timings per point")
     args = parser.parse_args()
     output = args.output or Path(tempfile.mkdtemp(prefix="bench-scale-"))
     sizes = args.sizes.split(",")
@@ -161,7 +205,12 @@ def main() -> None:
         for index, variant in enumerate(variants):
             folder = output if len(variants) == 1 else output / f"variant{index}"
             overrides = [f"train.steps={args.steps}", *args.overrides, *variant]
-            print(json.dumps(measure(size, overrides, folder, args.min_free_gb)), flush=True)
+            result = measure(size, overrides, folder, args.min_free_gb)
+            if args.plan and "stopped" not in result:
+                profile = folder / size / "profile.yaml"
+                result["profile_s"] = round(take_profile(SIZES[size], overrides, profile, args.repeats))
+                result.update(predicted_step(profile, SIZES[size], overrides, folder / size / "run"))
+            print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

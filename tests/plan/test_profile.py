@@ -2,6 +2,8 @@
 run's own paths (rollout worker, policy trainer, queue, reward functions), packed micro-batches measured apart
 unless packing is off; coefficients fitted >= 0 without clipping."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -16,12 +18,13 @@ SMALL = ["rollout.max_batch_size=16", "rollout.max_new_tokens=4", "rollout.promp
          "train.micro_batch_size=16"]  # fmt: skip
 
 
-@pytest.mark.parametrize("packing", ["auto", "off"])
+@pytest.mark.parametrize(("packing", "budget"), [("auto", None), ("off", None), ("auto", 64)])
 @pytest.mark.slow
-def test_profile_measures_every_role(tmp_path, packing):
+def test_profile_measures_every_role(tmp_path, packing, budget):
     out = tmp_path / "profile.yaml"
-    assert main(["profile", "examples/arithmetic_grpo.yaml", *SMALL, f"train.packing={packing}", "--threads", "1",
-                 "--repeats", "2", "--out", str(out)]) == 0  # fmt: skip
+    options = [f"train.max_tokens_per_micro_batch={budget}"] if budget else []
+    assert main(["profile", "examples/arithmetic_grpo.yaml", *SMALL, f"train.packing={packing}", *options, "--threads",
+                 "1", "--repeats", "2", "--out", str(out)]) == 0  # fmt: skip
     profile = Profile.load(out)
     assert profile.kind == "measured" and profile.model == "preset:tiny-llama"
     assert profile.decode_step_s > 0 and profile.train_token_s > 0 and profile.optimizer_step_s > 0
@@ -30,6 +33,9 @@ def test_profile_measures_every_role(tmp_path, packing):
     assert (profile.train_packed_token_s is None) == (packing == "off")
     costs = Costs.from_profile(profile)
     assert costs.train(1000, packed=True) >= costs.train(0) and costs.prefill(16, 1) > 0
+    # a read over the token budget is timed against the micro-batches the trainer splits it into
+    split = [int(n) for n in re.findall(r"'micro_batches': (\d+)", profile.notes)]
+    assert split and (max(split) > 1 if budget else set(split) == {1}), split
 
 
 def test_a_negative_coefficient_is_fixed_at_zero_and_the_others_fitted_again():

@@ -6,17 +6,22 @@ import dataclasses
 import numpy as np
 import pytest
 
+from asyncflow.models.logprobs import TrainSample
+from asyncflow.models.tri_model import should_pack
 from asyncflow.plan.costs import Costs, ModelShape, Profile, qwen_like
 from asyncflow.plan.sim import (
     SimSpec,
     _queued_offsets,
+    engine_micro_batches,
     generation_offsets,
+    micro_batch_tokens,
     shared_host_stretch,
     simulate,
     take_groups,
 )
 from asyncflow.plan.workload import Lengths, Workload
 from asyncflow.transfer.samplers import Candidate, GroupSampler
+from asyncflow.workers.trainer import token_budget_micro_batches
 
 COSTS = Costs(decode_step_s=0.01, decode_row_s=0.001, decode_row_token_s=1e-6, prefill_token_s=1e-4,
               train_micro_batch_s=0.01, train_token_s=1e-4, optimizer_step_s=0.05, publish_s=0.02, swap_s=0.01,
@@ -65,6 +70,38 @@ def test_vectorised_and_queued_generation_agree():
     context = float(P.mean() + L.mean() / 2)
     slow = np.stack([_queued_offsets(P[r], L[r], 16, COSTS, context) for r in range(3)])
     np.testing.assert_allclose(fast, slow, rtol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_token_budget_splits_a_read_as_the_trainer_does(seed):
+    """Under `train.max_tokens_per_micro_batch` the simulated trainer runs the micro-batches the real one runs: as
+    many, each packed (its groups' prompt once) exactly when the tri-model forward would pack it."""
+    rng = np.random.default_rng(seed)
+    G, groups = 4, int(rng.integers(1, 5))
+    P = np.repeat(rng.integers(8, 48, groups), G)
+    L = np.repeat(rng.integers(1, 24, groups), G)  # equal within a group: the sim's padded count is then exact
+    budget = int(rng.integers(40, 400))
+    simulated = engine_micro_batches(P, L, G, budget)
+    real = token_budget_micro_batches((P + L).tolist(), [i // G for i in range(len(P))], budget, len(P))
+    assert len(simulated) == len(real)
+    for rows, (tokens, packed) in zip(real, simulated, strict=True):
+        samples = [TrainSample([3] * int(P[i]), [5] * int(L[i]), i // G) for i in rows]
+        assert packed == should_pack(samples), (rows, tokens)
+        assert tokens <= len(rows) * (P[rows] + L[rows]).max()
+    assert engine_micro_batches(P, L, G, None) == [micro_batch_tokens(P, L, G)]
+
+
+def test_a_token_budget_costs_a_fixed_cost_per_micro_batch():
+    P, L = np.full((6, 8), 36), np.full((6, 8), 8)
+    spec = SimSpec(mode="async", prompt_lengths=P, response_lengths=L, group_size=4, costs=COSTS, max_staleness=1,
+                   micro_batch_groups=2, timeline_replicas=1)
+    whole = simulate(spec)
+    split = simulate(dataclasses.replace(spec, max_tokens_per_micro_batch=128))  # 2 rows of 44 tokens each
+    count = [sum(e["name"] == "train_micro_batch" for e in r.events) for r in (whole, split)]
+    assert count == [6, 24]
+    # 4 packed micro-batches of 2 rows (36 + 16 tokens) against one of 8 (2 x (36 + 32)): 3 more fixed costs
+    expected = 3 * COSTS.train_micro_batch_s + (4 * 52 - 136) * COSTS.train_packed_token_s
+    assert split.trainer_busy_s - whole.trainer_busy_s == pytest.approx(6 * expected, rel=1e-6)
 
 
 @pytest.mark.parametrize("mode, k", [("sync", 0), ("stream", 0), ("async", 1), ("async", 3)])

@@ -7,8 +7,9 @@ small grid (median of `repeats`):
   + context * decode_row_token_s)), over batch sizes B up to `rollout.max_batch_size`, two lengths and two
   prompt lengths (a prefill has a cost per row besides its tokens);
 - a training micro-batch as a run trains it: complete rows read from the configured runtime's queue by the run's
-  `PolicyTrainer` (its loader, the configured loss and engine, the tri-model forward included), against its
-  tokens (`micro_batch_tokens`, equal lengths), at a quarter of and at `train.micro_batch_size` rows, after a
+  `PolicyTrainer` (its loader, the configured loss and engine, the tri-model forward included), against the
+  micro-batches and tokens the trainer runs for a read (`engine_micro_batches`: equal lengths, split by
+  `train.max_tokens_per_micro_batch` where set), at a quarter of and at `train.micro_batch_size` rows, after a
   warm-up, with distinct prompts (unpacked: `train_token_s`) and with groups sharing their prompt
   (shared-prompt packed: `train_packed_token_s`, dearer per token); and the trainer's optimizer step after a
   micro-batch;
@@ -53,7 +54,7 @@ from asyncflow.engines.base import (
 from asyncflow.engines.torch_inference import TorchInferenceEngine
 from asyncflow.models.loading import load_model, load_tokenizer, resolve_model_path
 from asyncflow.plan.costs import Profile
-from asyncflow.plan.sim import micro_batch_tokens
+from asyncflow.plan.sim import engine_micro_batches
 from asyncflow.transfer import GroupSampler, TransferQueue
 from asyncflow.workers.loops import partition_name
 from asyncflow.workers.rollout import PROMPT_COLUMNS, WRITE_ROWS, RolloutWorker
@@ -137,22 +138,24 @@ def measure_training(
     """(train_micro_batch_s, train_token_s, train_packed_token_s, optimizer_step_s, points, engine): micro-batches
     as a run trains them: complete rows (the columns a rollout worker writes) read from `queue` and trained by the
     run's `PolicyTrainer.train_partition` (its loader prefetching the next micro-batch while one trains; the
-    configured loss and engine), `MICRO_BATCHES` per partition, with distinct prompts (unpacked) and with groups
-    sharing their prompt (packed as `train.packing` decides), each against the tokens `micro_batch_tokens`
-    counts; and the trainer's `finish_step` (the optimizer step) after each partition. On `model.device`, each
-    timing waits for the device's queued work (`_sync`)."""
+    configured loss and engine), `MICRO_BATCHES` reads per partition, with distinct prompts (unpacked) and with
+    groups sharing their prompt (packed as `train.packing` decides), each read against the micro-batches and tokens
+    `engine_micro_batches` counts (a read split by `train.max_tokens_per_micro_batch` as the trainer splits it);
+    and the trainer's `finish_step` (the optimizer step) after each partition. On `model.device`, each timing waits
+    for the device's queued work (`_sync`)."""
     device = config.model.device
     engine = make_train_engine(config.train.engine, **train_engine_options(config, model_path, policy))
     rows, G = config.train.micro_batch_size, config.rollout.group_size
     trainer = PolicyTrainer(engine, config.algo, micro_batch_size=rows, temperature=config.rollout.temperature,
                             max_tokens_per_micro_batch=config.train.max_tokens_per_micro_batch)
     can_pack = config.train.packing != "off"
+    budget = config.train.max_tokens_per_micro_batch
     rng = np.random.default_rng(1)
     names = (f"train_{i}" for i in itertools.count())
     optimizer: list[float] = []  # each after a partition's gradients, as in a run (AdamW skips parameters without)
 
     def train(n: int, R: int, shared: bool) -> float:
-        """Seconds per micro-batch of `n` rows of `R` response tokens, over a partition of `MICRO_BATCHES`; then
+        """Seconds per read of `n` rows of `R` response tokens, over a partition of `MICRO_BATCHES` reads; then
         the optimizer step, timed into `optimizer`."""
         name, total = next(names), n * MICRO_BATCHES
         prompts = [torch.from_numpy(rng.integers(3, vocab, prompt)) for _ in range(total // G if shared else total)]
@@ -182,11 +185,13 @@ def measure_training(
     for shared in sorted({False, can_pack}):
         for n in sorted({max(G, rows // 4), rows}):
             for R in lengths:
-                tokens, packed = micro_batch_tokens(np.full(n, prompt), np.full(n, R), G if shared else 1)
+                pieces = engine_micro_batches(np.full(n, prompt), np.full(n, R), G if shared else 1, budget)
                 s = float(np.median([train(n, R, shared) for _ in range(repeats)]))
-                features.append([1.0, 0.0 if packed else tokens, tokens if packed else 0.0])
+                features.append([float(len(pieces)), sum(t for t, packed in pieces if not packed),
+                                 sum(t for t, packed in pieces if packed)])
                 seconds.append(s)
-                points.append({"rows": n, "tokens": tokens, "packed": packed, "seconds": round(s, 5)})
+                points.append({"rows": n, "micro_batches": len(pieces), "tokens": sum(t for t, _ in pieces),
+                               "packed": pieces[0][1], "seconds": round(s, 5)})
     fixed, per_token, per_packed_token = nonnegative_fit(features, seconds)
     return (float(fixed), float(per_token), float(per_packed_token) if can_pack else None,
             float(np.median(optimizer)), points, engine)

@@ -44,6 +44,8 @@ class PlanSpec(BaseModel):
     micro_batch_groups: int = Field(8, ge=1)
     """Groups per trainer read in `stream` / `async`."""
     sync_micro_batch_rows: int = Field(64, ge=1)
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    """`train.max_tokens_per_micro_batch`: each trainer read split into micro-batches of at most this many tokens."""
     staleness: list[int] = [1, 2]
     sync_switch_s: float = Field(0.0, ge=0)
     """Colocated `sync`: seconds per step its devices spend switching between inference and training (verl-style
@@ -92,6 +94,7 @@ def plan(spec: PlanSpec) -> list[Prediction]:
             costs=_costs(profile, model, tp, train, spec.sync_switch_s if mode == "sync" else 0.0),
             max_staleness=max(k, 1), replicas=replicas, sync_replicas=replicas, slots=spec.slots,
             micro_batch_groups=spec.micro_batch_groups, sync_micro_batch_rows=spec.sync_micro_batch_rows,
+            max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
             on_weight_update="resume" if resume else "finish",
         )  # fmt: skip
         result = simulate(sim)

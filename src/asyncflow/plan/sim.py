@@ -42,6 +42,7 @@ import numpy as np
 
 from asyncflow.plan.costs import Costs
 from asyncflow.workers.loops import oldest_admissible_version
+from asyncflow.workers.trainer import token_budget_micro_batches
 
 Mode = Literal["sync", "stream", "async"]
 
@@ -78,6 +79,9 @@ class SimSpec:
     (rolling updates), as the rollout loops of the real runtimes do."""
     trainer_start_s: float = 0.0
     """When the trainer asks for its first rows (after what it does before step 0: an evaluation ...)."""
+    max_tokens_per_micro_batch: int | None = None
+    """`train.max_tokens_per_micro_batch`: each trainer read is split into micro-batches of at most this many
+    forward tokens, as the trainer splits it (`engine_micro_batches`); None: one micro-batch per read."""
 
     @property
     def steps(self) -> int:
@@ -276,9 +280,29 @@ def micro_batch_tokens(prompts: np.ndarray, responses: np.ndarray, group_size: i
     return (packed, True) if packed <= 0.9 * unpacked else (unpacked, False)
 
 
-def padded_tokens(spec: SimSpec, step: int, rows: slice | np.ndarray) -> tuple[float, bool]:
-    """`micro_batch_tokens` of `rows` of step `step`."""
-    return micro_batch_tokens(spec.prompt_lengths[step][rows], spec.response_lengths[step][rows], spec.group_size)
+def engine_micro_batches(prompts: np.ndarray, responses: np.ndarray, group_size: int, budget: int | None
+                         ) -> list[tuple[float, bool]]:
+    """`micro_batch_tokens` of each micro-batch the trainer runs for one read of these rows (whole groups in row
+    order): with a token `budget` split as `asyncflow.workers.trainer.token_budget_micro_batches` splits it (a
+    group that does not fit is split into rows, which then share micro-batches; rows of one group still share
+    their prompt), else the read as one."""
+    if budget is None:
+        return [micro_batch_tokens(prompts, responses, group_size)]
+    groups = np.arange(len(prompts)) // group_size
+    out = []
+    for rows in token_budget_micro_batches((prompts + responses).tolist(), groups.tolist(), budget, len(prompts)):
+        P, L, g = prompts[rows], responses[rows], groups[rows]
+        runs = np.flatnonzero(np.diff(g, prepend=-1))  # where each run of one group's rows starts
+        unpacked = float(len(rows) * (P + L).max())
+        packed = float(len(runs) * (P[runs] + np.add.reduceat(L, runs)).max())
+        out.append((packed, True) if packed <= 0.9 * unpacked else (unpacked, False))
+    return out
+
+
+def train_read(spec: SimSpec, c: Costs, step: int, rows: slice | np.ndarray) -> list[float]:
+    """Seconds of each micro-batch of one trainer read of `rows` of step `step`."""
+    P, L = spec.prompt_lengths[step][rows], spec.response_lengths[step][rows]
+    return [c.train(*tokens) for tokens in engine_micro_batches(P, L, spec.group_size, spec.max_tokens_per_micro_batch)]
 
 
 def queue_calls(rows: int, spec: SimSpec) -> int:
@@ -307,9 +331,9 @@ def _simulate_sync(spec: SimSpec) -> SimResult:
         t0 = t
         t += c.put_prompts_s
         for start in range(0, spec.rows, mb):
-            dt = c.train(*padded_tokens(spec, s, slice(start, start + mb)))
-            trace.span("trainer", "train_micro_batch", t, t + dt, rows=min(mb, spec.rows - start))
-            t += dt
+            for dt in train_read(spec, c, s, slice(start, start + mb)):
+                trace.span("trainer", "train_micro_batch", t, t + dt)
+                t += dt
         trace.span("trainer", "optimizer_step", t, t + c.optimizer_step_s, step=s)
         t += c.optimizer_step_s
         upd = c.publish_s + c.swap_s + c.switch_s
@@ -375,10 +399,10 @@ def _simulate_overlapped(spec: SimSpec) -> SimResult:
             asked = trainer_t
             taken, trainer_t = take_groups(group_done, unread, trainer_t, spec.micro_batch_groups)
             trace.span("trainer", "wait_rows", asked, trainer_t, partition=f"step_{s}")
-            dt = c.train(*padded_tokens(spec, s, rows_of[taken].reshape(-1)))
-            trace.span("trainer", "train_micro_batch", trainer_t, trainer_t + dt, rows=len(taken) * G)
-            trainer_t += dt
-            busy_train += dt
+            for dt in train_read(spec, c, s, rows_of[taken].reshape(-1)):
+                trace.span("trainer", "train_micro_batch", trainer_t, trainer_t + dt)
+                trainer_t += dt
+                busy_train += dt
             if keep_order:
                 order.extend(taken.tolist())
         orders.append(order)

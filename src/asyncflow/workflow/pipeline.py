@@ -86,6 +86,7 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
         "data/group_id_max": float(max(groups, default=-1)),
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std()),
+        "prompt_length/mean": float(np.mean([len(r.prompt_ids) for r in rollouts])),
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "response/truncated_fraction": float(np.mean([r.finish_reason == "length" for r in rollouts])),
