@@ -185,7 +185,7 @@ def measure_training(
     for shared in sorted({False, can_pack}):
         for n in sorted({max(G, rows // 4), rows}):
             for R in lengths:
-                pieces = engine_micro_batches(np.full(n, prompt), np.full(n, R), G if shared else 1, budget)
+                pieces = engine_micro_batches(np.full(n, prompt), np.full(n, R), G, budget, shared_prompts=shared)
                 s = float(np.median([train(n, R, shared) for _ in range(repeats)]))
                 features.append([float(len(pieces)), sum(t for t, packed in pieces if not packed),
                                  sum(t for t, packed in pieces if packed)])

@@ -280,14 +280,15 @@ def micro_batch_tokens(prompts: np.ndarray, responses: np.ndarray, group_size: i
     return (packed, True) if packed <= 0.9 * unpacked else (unpacked, False)
 
 
-def engine_micro_batches(prompts: np.ndarray, responses: np.ndarray, group_size: int, budget: int | None
-                         ) -> list[tuple[float, bool]]:
+def engine_micro_batches(prompts: np.ndarray, responses: np.ndarray, group_size: int, budget: int | None,
+                         shared_prompts: bool = True) -> list[tuple[float, bool]]:
     """`micro_batch_tokens` of each micro-batch the trainer runs for one read of these rows (whole groups in row
     order): with a token `budget` split as `asyncflow.workers.trainer.token_budget_micro_batches` splits it (a
     group that does not fit is split into rows, which then share micro-batches; rows of one group still share
-    their prompt), else the read as one."""
+    their prompt), else the read as one. `shared_prompts=False`: the rows of a group have prompts of their own (a
+    profile's unpacked points), so no micro-batch is packed."""
     if budget is None:
-        return [micro_batch_tokens(prompts, responses, group_size)]
+        return [micro_batch_tokens(prompts, responses, group_size if shared_prompts else 1)]
     groups = np.arange(len(prompts)) // group_size
     out = []
     for rows in token_budget_micro_batches((prompts + responses).tolist(), groups.tolist(), budget, len(prompts)):
@@ -295,7 +296,7 @@ def engine_micro_batches(prompts: np.ndarray, responses: np.ndarray, group_size:
         runs = np.flatnonzero(np.diff(g, prepend=-1))  # where each run of one group's rows starts
         unpacked = float(len(rows) * (P + L).max())
         packed = float(len(runs) * (P[runs] + np.add.reduceat(L, runs)).max())
-        out.append((packed, True) if packed <= 0.9 * unpacked else (unpacked, False))
+        out.append((packed, True) if shared_prompts and packed <= 0.9 * unpacked else (unpacked, False))
     return out
 
 
