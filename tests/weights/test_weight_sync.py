@@ -16,6 +16,7 @@ import torch
 from asyncflow.weights import WeightSyncError, WeightSyncTimeout, make_weight_sync
 from asyncflow.weights.background import BackgroundSender
 from asyncflow.weights.buckets import allocate_payload, bucket_views, materialize, pack, plan_buckets, unpack
+from asyncflow.weights.deadlines import WeightDeadlineError, within_deadline
 from asyncflow.weights.ray_transport import RaySpec
 from asyncflow.weights.torch_distributed import TorchDistributedSpec
 
@@ -344,6 +345,40 @@ def test_torch_distributed_gloo_two_processes():
     assert results.get(timeout=30)[:2] == ("closed", True)
     child.join(10)
     assert child.exitcode == 0
+
+
+@pytest.mark.slow
+def test_torch_distributed_a_peer_that_stops_polling_fails_the_next_send_within_its_timeout():
+    """A receiver that joined and took version 1, then stalls (never polls again): the broadcast of version 2
+    ends at the transport's timeout, naming the version and what it waited for; the trainer's next publish meets
+    the same failure, named by the publish phase's deadline as a run reports it."""
+    publisher = make_weight_sync("torch_distributed", num_receivers=1, timeout_s=8)  # version 1's join and send too
+    taken: list = []
+
+    def take_one_version_then_stall() -> None:
+        receiver = publisher.receiver_spec.for_rank(1).open()
+        version, stream = receiver.wait_for(1, timeout=60)
+        taken.append((version, materialize(stream), receiver))
+
+    peer = threading.Thread(target=take_one_version_then_stall, daemon=True)
+    peer.start()
+    try:
+        publisher.publish(uniform_state_dict(1), 1)
+        peer.join(60)
+        assert taken and taken[0][0] == 1
+        start = time.monotonic()
+        publisher.publish(uniform_state_dict(2), 2)
+        with pytest.raises(WeightSyncTimeout, match=r"broadcast of bucket 1/\d+ \(every receiver must poll\) "
+                                                    r"\(version 2\)"):
+            publisher.wait_published(timeout=60)
+        assert time.monotonic() - start < 8 + 15, "the transport's 8 s timeout, not the wait's 60 s"
+        # in a run the trainer's next publish meets it, under the publish phase's deadline (pipeline.py)
+        named = r"the trainer, version 3, publish phase.*every receiver must poll"
+        with pytest.raises(WeightDeadlineError, match=named):
+            within_deadline(lambda: publisher.publish(uniform_state_dict(3), 3), side="the trainer", version=3,
+                            phase="publish", timeout_s=60)
+    finally:
+        publisher.close()
 
 
 def test_torch_distributed_timeouts_name_what_was_awaited():
