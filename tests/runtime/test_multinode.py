@@ -40,15 +40,19 @@ class Cluster:
     """`ray start` node processes (each `--block`, in a process group of its own so it can be killed whole)."""
 
     def __init__(self, tmp: Path):
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
         # RAY_AUTH_MODE: a cluster of this test only (a user's cluster passes its token: docs/cluster.md)
         self.env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "RAY_worker_niceness": "0",
                     "RAY_AUTH_MODE": "disabled"}
         self.env.pop("RAY_ADDRESS", None)
         self.nodes: dict[str, subprocess.Popen] = {}
         self.tmp = tmp
-        self.temp_dir = tempfile.mkdtemp(prefix="af-ray-")  # short: Ray's socket paths live under it
+        self._new_head()
+
+    def _new_head(self) -> None:
+        """A free port for the head and a temp dir of its own (short: Ray's socket paths live under it)."""
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.temp_dir = tempfile.mkdtemp(prefix="af-ray-")
 
     def start(self, name: str, resources: dict[str, float], head: bool = False) -> None:
         where = [f"--address={self.address}"]
@@ -60,13 +64,23 @@ class Cluster:
              "--block"], env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         running = sum(process.poll() is None for process in self.nodes.values())
-        self.wait_for(lambda nodes: sum(n["Alive"] for n in nodes) == running, f"node {name}")
+        self.wait_for(lambda nodes: sum(n["Alive"] for n in nodes) == running, f"node {name}", self.nodes[name])
 
-    def start_three_nodes(self) -> None:
-        """A head and a trainer node (`trainer_node`: one FSDP2 rank each) and a rollout node (`rollout_node`)."""
-        self.start("head", {"trainer_node": 1}, head=True)
-        self.start("rollout", {"rollout_node": 1})
-        self.start("trainer", {"trainer_node": 1})
+    def start_three_nodes(self, tries: int = 3) -> None:
+        """A head and a trainer node (`trainer_node`: one FSDP2 rank each) and a rollout node (`rollout_node`). On a
+        loaded machine a node can miss Ray's own 30 s start limit, or the head lose its port (free when picked) to
+        another process before it binds it: the whole cluster is then started again, on a new port."""
+        for attempt in range(1, tries + 1):
+            try:
+                self.start("head", {"trainer_node": 1}, head=True)
+                self.start("rollout", {"rollout_node": 1})
+                self.start("trainer", {"trainer_node": 1})
+                return
+            except (AssertionError, subprocess.TimeoutExpired):  # a node that did not join; a head that did not start
+                self.stop()
+                if attempt == tries:
+                    raise
+                self._new_head()
 
     def query(self, code: str):
         """Run `code` (it prints JSON) in a client process of the cluster; its output."""
@@ -79,9 +93,12 @@ class Cluster:
     def live_nodes(self) -> list[dict]:
         return self.query("print(json.dumps([n for n in ray.nodes()]))")
 
-    def wait_for(self, ok, what: str, timeout_s: float = 120) -> None:
+    def wait_for(self, ok, what: str, process: subprocess.Popen | None = None, timeout_s: float = 120) -> None:
+        """Until `ok(live nodes)`; fails at once if `process` (the node being started) has exited."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if process is not None and process.poll() is not None:
+                raise AssertionError(f"{what} exited with {process.returncode} before it joined the cluster")
             try:
                 if ok(self.live_nodes()):
                     return
@@ -100,6 +117,7 @@ class Cluster:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=30)
+        self.nodes.clear()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
