@@ -40,11 +40,13 @@ from typing import Any, Literal
 
 import numpy as np
 
+from asyncflow.models.tri_model import PACK_MIN_TOKEN_SAVING
 from asyncflow.plan.costs import Costs
 from asyncflow.workers.loops import oldest_admissible_version
 from asyncflow.workers.trainer import token_budget_micro_batches
 
 Mode = Literal["sync", "stream", "async"]
+PACK_AT = 1.0 - PACK_MIN_TOKEN_SAVING  # packed when its tokens are at most this share of unpacked (`should_pack`)
 
 
 @dataclass
@@ -277,7 +279,7 @@ def micro_batch_tokens(prompts: np.ndarray, responses: np.ndarray, group_size: i
     if len(responses) % G:
         return unpacked, False
     packed = float(len(responses) // G * (prompts[::G] + responses.reshape(-1, G).sum(axis=1)).max())
-    return (packed, True) if packed <= 0.9 * unpacked else (unpacked, False)
+    return (packed, True) if packed <= PACK_AT * unpacked else (unpacked, False)
 
 
 def engine_micro_batches(prompts: np.ndarray, responses: np.ndarray, group_size: int, budget: int | None,
@@ -296,7 +298,7 @@ def engine_micro_batches(prompts: np.ndarray, responses: np.ndarray, group_size:
         runs = np.flatnonzero(np.diff(g, prepend=-1))  # where each run of one group's rows starts
         unpacked = float(len(rows) * (P + L).max())
         packed = float(len(runs) * (P[runs] + np.add.reduceat(L, runs)).max())
-        out.append((packed, True) if shared_prompts and packed <= 0.9 * unpacked else (unpacked, False))
+        out.append((packed, True) if shared_prompts and packed <= PACK_AT * unpacked else (unpacked, False))
     return out
 
 
