@@ -27,7 +27,10 @@ def test_profile_measures_every_role(tmp_path, packing, budget):
                  "1", "--repeats", "2", "--out", str(out)]) == 0  # fmt: skip
     profile = Profile.load(out)
     assert profile.kind == "measured" and profile.model == "preset:tiny-llama"
-    assert profile.decode_step_s > 0 and profile.train_token_s > 0 and profile.optimizer_step_s > 0
+    assert profile.decode_step_s > 0 and profile.optimizer_step_s > 0
+    # under a token budget every micro-batch holds about `budget` tokens: the fixed and per-token parts are near
+    # collinear and only their sum at that size is determined (which is what the simulator charges)
+    assert (profile.train_micro_batch_s + 64 * profile.train_token_s > 0) if budget else profile.train_token_s > 0
     assert profile.queue_call_s > 0 and profile.reward_row_s > 0 and profile.weight_bytes > 0
     assert profile.put_prompts_s > 0 and profile.notes.startswith("measured on cpu ")
     assert (profile.train_packed_token_s is None) == (packing == "off")
@@ -47,6 +50,15 @@ def test_a_negative_coefficient_is_fixed_at_zero_and_the_others_fitted_again():
     assert intercept == 0.0 and slope == pytest.approx(0.5)
     assert np.abs(slope * x - seconds).max() < np.abs(0.6 * x - seconds).max()
     assert nonnegative_fit([[1.0, v] for v in x], (2 * x + 1).tolist()) == pytest.approx([1.0, 2.0])
+
+
+def test_a_relative_fit_keeps_the_coefficient_that_only_the_small_points_show():
+    """seconds = 1 ms per decode step + 0.1 ms per prefill token, the two long-prefill points 5% off. Absolute least
+    squares lets their noise (10 ms) decide the decode step (0.08 ms fitted); relative errors recover it."""
+    steps_and_tokens = [[2, 0], [4, 0], [2, 2000], [4, 2000]]
+    seconds = [0.002, 0.004, 0.202 * 1.05, 0.204 * 0.95]
+    assert nonnegative_fit(steps_and_tokens, seconds)[0] < 1e-4
+    assert nonnegative_fit(steps_and_tokens, seconds, relative=True) == pytest.approx([1e-3, 1e-4], rel=0.01)
 
 
 def test_profile_loads_the_policy_and_the_rollout_engine_on_the_configured_device(monkeypatch):

@@ -5,14 +5,16 @@ small grid (median of `repeats`):
 - generation by a run's rollout worker on the torch inference engine at no stop token, so every row decodes
   exactly T tokens: total = prefill_token_s * prompt tokens + prefill_row_s * B + T * (decode_step_s + B * (decode_row_s
   + context * decode_row_token_s)), over batch sizes B up to `rollout.max_batch_size`, two lengths and two
-  prompt lengths (a prefill has a cost per row besides its tokens);
+  prompt lengths, 8 and 128 tokens (a prefill has a cost per row besides its tokens), fitted by relative error;
 - a training micro-batch as a run trains it: complete rows read from the configured runtime's queue by the run's
   `PolicyTrainer` (its loader, the configured loss and engine, the tri-model forward included), against the
   micro-batches and tokens the trainer runs for a read (`engine_micro_batches`: equal lengths, split by
   `train.max_tokens_per_micro_batch` where set), at a quarter of and at `train.micro_batch_size` rows, after a
   warm-up, with distinct prompts (unpacked: `train_token_s`) and with groups sharing their prompt
   (shared-prompt packed: `train_packed_token_s`, dearer per token); and the trainer's optimizer step after a
-  micro-batch;
+  micro-batch. Under a token budget every micro-batch holds about the budget's tokens, so how a micro-batch's cost
+  splits into its fixed and per-token parts is loosely determined; their sum at that size, what the simulator
+  charges, is not;
 - a weight version: the trainer's `state_dict` loaded into the inference engine (`update_weights`), per byte;
 - the TransferQueue calls of one partition (`measure_queue_calls`), on the configured runtime's queue, and a
   step's prompts put there as the trainer puts them (`measure_put_prompts`);
@@ -87,11 +89,15 @@ def _median_time(fn: Callable[[], object], repeats: int, device: torch.device | 
     return float(np.median(times))
 
 
-def nonnegative_fit(features: list[list[float]], seconds: list[float]) -> np.ndarray:
+def nonnegative_fit(features: list[list[float]], seconds: list[float], *, relative: bool = False) -> np.ndarray:
     """Least squares with every coefficient >= 0. A coefficient that comes out negative is fixed at 0 and the others
     are fitted again, until none is negative. Clipping it alone would leave the others fitted around its negative
-    share, away from the measured points (BENCHMARKS.md, "The fit")."""
+    share, away from the measured points (BENCHMARKS.md, "The fit"). `relative`: minimise each point's error as a
+    fraction of its seconds, for points that span orders of magnitude, where the noise of the largest would otherwise
+    decide the coefficients that only the smallest show (a decode step beside a long prefill)."""
     X, y = np.asarray(features, dtype=np.float64), np.asarray(seconds, dtype=np.float64)
+    if relative:
+        X, y = X / y[:, None], np.ones_like(y)
     free = np.ones(X.shape[1], dtype=bool)
     while True:
         coef = np.zeros(X.shape[1])
@@ -128,7 +134,7 @@ def measure_generation(engine: TorchInferenceEngine, *, prompts: list[int], batc
                 features.append([B * P, B, T, T * B, T * B * (P + T / 2)])
                 seconds.append(s)
                 points.append({"batch": B, "new_tokens": T, "prompt": P, "seconds": round(s, 5)})
-    return nonnegative_fit(features, seconds), points
+    return nonnegative_fit(features, seconds, relative=True), points
 
 
 def measure_training(
@@ -300,7 +306,10 @@ def measure_profile(config: Config, *, repeats: int = 5, name: str = "") -> Prof
     batches = sorted({1, max(1, top // 8), max(1, top // 2), top})
     lengths = sorted({max(2, config.rollout.max_new_tokens // 2), config.rollout.max_new_tokens})
     list(inference.generate(iter([GenerationRequest(0, [3] * prompt)]), SamplingParams(max_new_tokens=4)))  # warm
-    gen, gen_points = measure_generation(inference, prompts=[prompt // 2, 2 * prompt], batches=batches,
+    # prompts of 8 and 128 tokens (within data.max_prompt_tokens): a prefill long enough to stand out of a tiny
+    # model's per-step overhead, and a range that brackets a task's prompts rather than extrapolating to them
+    longest = max(prompt, min(8 * prompt, config.data.max_prompt_tokens))
+    gen, gen_points = measure_generation(inference, prompts=[prompt // 2, longest], batches=batches,
                                          lengths=lengths, repeats=repeats, vocab=vocab)
     with run_queue(config) as (queue, cpu_s):
         fixed, per_token, per_packed_token, optimizer, train_points, trainer = measure_training(
