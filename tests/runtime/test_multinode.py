@@ -154,7 +154,8 @@ def rows(run_dir: Path) -> list[dict]:
 
 def last_step(run_dir: Path) -> int:
     """The newest logged step (-1 before the first)."""
-    return rows(run_dir)[-1]["step"] if (run_dir / "metrics.jsonl").exists() and rows(run_dir) else -1
+    logged = rows(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    return logged[-1]["step"] if logged else -1
 
 
 def placed(log: str) -> dict[str, str]:
