@@ -99,8 +99,10 @@ def test_vllm_settings_are_a_section_of_the_vllm_engine():
     assert build_config({}, vllm).rollout.factory_options() == {"weight_transfer": "file",
                                                                  "gpu_memory_utilization": 0.4}
     options = build_config({}, [*vllm, "rollout.vllm.weight_transfer=collective", "rollout.vllm.kv_cache_gb=0.5",
-                                "rollout.engine_options={gpu_memory_utilization: 0.9}"]).rollout.factory_options()
-    assert options == {"weight_transfer": "collective", "gpu_memory_utilization": 0.9, "kv_cache_memory_bytes": 2**29}
+                                "rollout.vllm.executor=uni", "rollout.engine_options={gpu_memory_utilization: 0.9}"]
+                           ).rollout.factory_options()
+    assert options == {"weight_transfer": "collective", "gpu_memory_utilization": 0.9, "kv_cache_memory_bytes": 2**29,
+                       "distributed_executor_backend": "uni"}
     assert build_config({}, []).rollout.factory_options() == {}  # the torch engine takes none of them
     timed = build_config({}, [*vllm, "runtime.call_timeout_s=30", "runtime.start_timeout_s=90"])
     options = timed.rollout.factory_options(timed.runtime)  # vLLM's own waits end within the run's deadlines

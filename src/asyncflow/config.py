@@ -211,6 +211,13 @@ class VLLMConfig(Section):
     safetensors file in /dev/shm that the workers reload; the default, as on vLLM's CPU build it measured faster
     than gloo over TCP loopback (BENCHMARKS.md)."""
 
+    executor: Literal["mp", "uni"] | None = None
+    """Where vLLM runs the model (its `distributed_executor_backend`, for one device). `uni`: inside vLLM's engine-core
+    process; `mp`: in a worker process of its own beside it, one process more to start and stop; null: vLLM's
+    choice, `mp` on a CPU (vLLM sets OpenMP threads up for that process) and `uni` on one GPU. On a 2-core CPU an
+    engine with `uni` started in 9.6 s against 15.2 s (19 against 27 CPU-seconds) and generated within 0.7-1.3x of
+    `mp`'s time, depending on the model (docs/vllm.md)."""
+
     def factory_options(self, runtime: RuntimeConfig | None = None) -> dict[str, Any]:
         """These settings as keyword arguments of `asyncflow.engines.vllm_engine`'s factory; with `runtime`, the
         engine's own waits (its start; each call inside it: a weight update's group join and broadcasts, a
@@ -221,6 +228,8 @@ class VLLMConfig(Section):
             options |= {"start_timeout_s": runtime.start_timeout_s, "call_timeout_s": runtime.call_timeout_s}
         if self.kv_cache_gb is not None:
             options["kv_cache_memory_bytes"] = int(self.kv_cache_gb * 2**30)
+        if self.executor is not None:
+            options["distributed_executor_backend"] = self.executor
         return options
 
 

@@ -106,6 +106,7 @@ def perturbed(model, scale: float = 0.05, seed: int = 0) -> dict[str, torch.Tens
 def test_greedy_equals_the_torch_engine(engine, llama):
     requests = make_requests(12, seed=1) + long_requests(3)
     assert isinstance(engine, InferenceEngine)
+    assert engine._llm.vllm_config.parallel_config.distributed_executor_backend == "mp"  # vLLM's own on a CPU
     got = run(engine, requests, temperature=0.0, max_new_tokens=16, stop_token_ids=(EOS,))
     want = torch_greedy(llama, requests, max_new_tokens=16, stop_token_ids=(EOS,))
     assert sorted(got) == sorted(want)
@@ -449,9 +450,10 @@ LORA = LoRASettings(rank=4, alpha=8.0, target_modules="all-linear")
 
 @pytest.fixture(scope="module")
 def adapter_engine(tiny_llama_path):
-    """An engine under adapter sync with 3 adapter slots (`workflow.max_staleness` 2)."""
+    """An engine under adapter sync with 3 adapter slots (`workflow.max_staleness` 2), the model in vLLM's engine
+    core (`uni`; the module's other engine runs vLLM's default on a CPU, a worker process: `mp`)."""
     engine = make_inference_engine("vllm", model_path=str(tiny_llama_path), max_batch_size=9, seed=0, adapter=LORA,
-                                   adapter_slots=3)
+                                   adapter_slots=3, distributed_executor_backend="uni")
     yield engine
     engine.shutdown()
 

@@ -92,7 +92,7 @@ def test_grpo_on_the_moe_preset_with_vllm_rollouts(tmp_path, mode, one_torch_thr
     code = main(["train", f"--output={tmp_path}", "model.path=preset:tiny-moe", "train.steps=3", "eval.every=0",
                  f"workflow.mode={mode}", "rollout.engine=vllm", "run.progress=false", "sft.before_rl=false",
                  "rollout.prompts_per_step=2", "rollout.group_size=4", "train.micro_batch_size=8", "checkpoint.every=0",
-                 "export.at_end=false", "runtime.kind=inline", "--threads=1"])
+                 "export.at_end=false", "runtime.kind=inline", "rollout.vllm.executor=uni", "--threads=1"])
     assert code == 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     trained = [row for row in rows if "loss" in row]

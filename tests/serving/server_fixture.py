@@ -12,11 +12,11 @@ TEMPLATE = ("{% for m in messages %}<s>{{ m.role }}: {{ m.content }}</s>{% endfo
 
 @contextmanager
 def running_server(model_path, chat_template: str, *, limits=None, tokenizer_wrapper=None, prepare_weights=None,
-                   replicas: int = 1, engine: str = "torch"):
+                   replicas: int = 1, engine: str = "torch", engine_options=None):
     """(server thread, engine service, episode recorder) of `asyncflow serve MODEL` with `KEY` and `NAME`
     (`limits`: its `ServingLimits`; `tokenizer_wrapper(tokenizer)`: what the server tokenizes with;
     `prepare_weights(weights)`: run on the loaded `ServedWeights` before serving, e.g. a few training steps;
-    `replicas`: engines behind the router; `engine`: their kind)."""
+    `replicas`: engines behind the router; `engine`: their kind, `engine_options` their factory's options)."""
     from asyncflow.serving.episodes import EpisodeRecorder
     from asyncflow.serving.server import ServerThread
     from asyncflow.workflow.serve import build_app, load_served
@@ -29,7 +29,8 @@ def running_server(model_path, chat_template: str, *, limits=None, tokenizer_wra
         weights.tokenizer = tokenizer_wrapper(weights.tokenizer)
     extra = {} if limits is None else {"limits": limits}
     app, service = build_app(weights, api_key=KEY, name=NAME, chat_template=chat_template, request_timeout_s=60,
-                             recorder=recorder, replicas=replicas, engine=engine, **extra)
+                             recorder=recorder, replicas=replicas, engine=engine,
+                             engine_options=engine_options, **extra)
     thread = ServerThread(app, **extra).start()
     try:
         yield thread, service, recorder

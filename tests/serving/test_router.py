@@ -121,7 +121,8 @@ def test_serve_with_two_vllm_replicas_keeps_a_user_on_the_replica_holding_their_
 
     headers = {"Authorization": f"Bearer {KEY}"}
     prefix = {user: "".join(str((i * seed) % 10) for i in range(200)) + "+" for user, seed in (("ann", 7), ("bo", 3))}
-    with running_server(tiny_llama_path, "", replicas=2, engine="vllm") as (thread, service, _):
+    uni = {"distributed_executor_backend": "uni"}  # one process fewer per engine (docs/vllm.md)
+    with running_server(tiny_llama_path, "", replicas=2, engine="vllm", engine_options=uni) as (thread, service, _):
         assert isinstance(service, ReplicaRouter)
         for turn, user in enumerate(("ann", "bo", "ann", "bo", "ann")):
             response = httpx.post(thread.url + "/v1/completions", headers=headers, timeout=120, json={

@@ -8,7 +8,7 @@ import pytest
 from asyncflow.api import open_run, train
 from asyncflow.config import build_config
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]  # two engine starts, ~30 CPU-s each
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]  # an engine start each, ~20 CPU-s
 pytest.importorskip("vllm", reason="needs vLLM: bash scripts/test_vllm.sh")
 
 
@@ -17,7 +17,7 @@ def vllm_config(tmp_path, *overrides: str):
         f"run.output_dir={tmp_path}", "run.progress=false", "model.path=preset:tiny-llama", "rollout.engine=vllm",
         "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "rollout.max_batch_size=16",
         "train.micro_batch_size=16", "eval.every=0", "data.test_size=4", "checkpoint.every=0",
-        "runtime.call_timeout_s=300", *overrides,
+        "runtime.call_timeout_s=300", "rollout.vllm.executor=uni", *overrides,
     ])  # fmt: skip
 
 
@@ -37,6 +37,8 @@ def test_sync_inline(tmp_path):
 
     with open_run(config, on_step=check_engine) as run:
         assert type(run.runtime.local_rollout.engine).__name__ == "VLLMInferenceEngine"
+        # one process fewer: the model runs in vLLM's engine core (vLLM's CPU platform alone would make it `mp`)
+        assert run.runtime.local_rollout.engine._llm.vllm_config.parallel_config.distributed_executor_backend == "uni"
         history = run.train()
         rows = [h for h in history if "staleness/max" in h]
         assert [h["staleness/max"] for h in rows] == [0.0, 0.0, 0.0]

@@ -364,9 +364,14 @@ class VLLMInferenceEngine(InferenceEngineBase):
 
     @staticmethod
     async def _start(args: Any) -> Any:
+        """vLLM's `AsyncLLM` (on the loop's thread, so its output handler runs on this loop). A `uni` executor is
+        kept on a CPU, where vLLM's platform turns it into `mp` (a worker process beside the engine core)."""
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        return AsyncLLM.from_engine_args(args)  # on the loop's thread, so its output handler runs on this loop
+        config = args.create_engine_config()
+        if args.distributed_executor_backend == "uni":
+            config.parallel_config.distributed_executor_backend = "uni"
+        return AsyncLLM.from_vllm_config(config, disable_log_stats=args.disable_log_stats)
 
     async def _label(self, version: int) -> None:
         await self._llm.engine_core.set_weight_version_async(str(version))

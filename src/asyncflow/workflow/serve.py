@@ -17,8 +17,10 @@ from __future__ import annotations
 import copy
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -123,11 +125,13 @@ def _base_path(base: str, run_dir: Path) -> str:
 
 def build_app(weights: ServedWeights, *, api_key: str, name: str | None = None, engine: str = "torch",
               max_batch_size: int = 64, device: str = "cpu", seed: int = 0, chat_template: str | None = None,
-              request_timeout_s: float = 600.0, recorder=None, limits=None, replicas: int = 1):
+              request_timeout_s: float = 600.0, recorder=None, limits=None, replicas: int = 1,
+              engine_options: Mapping[str, Any] | None = None):
     """-> (app, service): the engine from the registry, one `EngineService` over it (an engine error fails the
     requests it was running, the next ones are served), the API over that (`recorder`: an `EpisodeRecorder` for
     the `/episodes/{id}/v1` routes; `limits`: `ServingLimits`, pass the same to the uvicorn runner). `replicas` > 1:
-    that many engines (replica `r` samples with seed `seed + r`) behind a `ReplicaRouter`, which is `service`."""
+    that many engines (replica `r` samples with seed `seed + r`) behind a `ReplicaRouter`, which is `service`;
+    `engine_options`: further keyword arguments of the engine's factory."""
     from asyncflow.serving.api import ServedModel, make_app
     from asyncflow.serving.router import ReplicaRouter
 
@@ -138,7 +142,8 @@ def build_app(weights: ServedWeights, *, api_key: str, name: str | None = None, 
     for r in range(replicas):
         own = model if r == 0 else copy.deepcopy(model)
         inference = make_inference_engine(engine, model=own, max_batch_size=max_batch_size, device=device,
-                                          seed=seed + r, weight_version=weights.weight_version)
+                                          seed=seed + r, weight_version=weights.weight_version,
+                                          **(engine_options or {}))
         services.append(EngineService(inference, SamplingParams(), name=f"engine-service-{r}", restart_on_error=True))
     service: EngineService | ReplicaRouter = services[0] if replicas == 1 else ReplicaRouter(services)
     config = model.config
