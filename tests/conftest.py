@@ -31,11 +31,25 @@ def pytest_collection_modifyitems(config, items):
         # Ray asyncflow starts itself first (below), before that worker's cluster is up
         if xdist and ("ray_cluster" in fixtures or "no_ray_running" in fixtures):
             item.add_marker(pytest.mark.xdist_group("ray"))
+        elif xdist and shares_module_setup(item):  # set up once, on the worker that runs the whole module
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     # The tests of a Ray that asyncflow itself starts and shuts down (`no_ray_running`) run before the session's
     # cluster is up: once it is, they cannot start their own. Under xdist the `long` tests start next, each on a
     # worker while the other works through the short ones (longest first: the run does not wait on one at its end).
     items.sort(key=lambda item: ("no_ray_running" not in getattr(item, "fixturenames", ()),
                                  not (xdist and item.get_closest_marker("long"))))
+
+
+def shares_module_setup(item) -> bool:
+    """Whether `item` uses a fixture of module or class scope defined in its own module (a model trained, a server
+    or an engine started once for the module): under xdist the module then runs on one worker, else each worker
+    that takes one of its tests sets the fixture up again."""
+    module = item.nodeid.split("::")[0]
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(
+        defs[-1].scope in ("module", "class") and defs[-1].baseid.split("::")[0] == module
+        for defs in info.name2fixturedefs.values()
+    )
 
 
 def pytest_collection_finish(session):
