@@ -10,6 +10,7 @@ the default run). The tests mirror the package layout, so one layer runs alone i
 
 import importlib.util
 import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,9 @@ def pytest_collection_modifyitems(config, items):
     # The tests of a Ray that asyncflow itself starts and shuts down (`no_ray_running`) run before the session's
     # cluster is up: once it is, they cannot start their own. Under xdist the `long` tests start next, each on a
     # worker while the other works through the short ones (longest first: the run does not wait on one at its end).
-    items.sort(key=lambda item: ("no_ray_running" not in getattr(item, "fixturenames", ()),
+    # A test whose answer is computed in the background (tests/test_types.py) runs last: the answer is ready by then.
+    items.sort(key=lambda item: (hasattr(getattr(item, "module", None), "start_in_background"),
+                                 "no_ray_running" not in getattr(item, "fixturenames", ()),
                                  not (xdist and item.get_closest_marker("long"))))
 
 
@@ -53,14 +56,17 @@ def shares_module_setup(item) -> bool:
 
 
 def pytest_collection_finish(session):
-    """A collected test module's `start_in_background()` is called once collection ends (tests/test_types.py: mypy at
-    the lowest priority, ~90 s of one core on a cold cache, on the CPU the tests before it leave idle). Not under
-    xdist (each worker collects every module: the test checks in the foreground) nor for `--collect-only`."""
-    if hasattr(session.config, "workerinput") or session.config.option.collectonly:
+    """A selected test module's `start_in_background(run_id, start)` is called once collection ends
+    (tests/test_types.py: mypy at the lowest priority, ~90 s of one core on a cold cache, on the CPU the tests before
+    it leave idle). Under xdist every worker collects every module: the first one starts the work, all of them learn
+    where its answer will lie (`run_id`: the run's, shared by its workers). Not for `--collect-only`."""
+    if session.config.option.collectonly:
         return
+    worker = getattr(session.config, "workerinput", None)
+    run_id = worker["testrunuid"] if worker else uuid.uuid4().hex
     for module in {item.module for item in session.items if getattr(item, "module", None) is not None}:
         if hasattr(module, "start_in_background"):
-            module.start_in_background()
+            module.start_in_background(run_id, start=worker is None or worker["workerid"] == "gw0")
 
 
 @pytest.fixture(scope="session")

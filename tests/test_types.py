@@ -3,18 +3,21 @@ checked where pyproject's overrides say so). Imports of other modules are follow
 (`--follow-imports=silent`).
 
 Its cache is the default `.mypy_cache` at the repository's root: the first run reads torch's and transformers' types
-(about 90 s of one core), later runs recheck only what changed (about 7 s of CPU). In a run of the suite a first
-mypy starts at the lowest priority as soon as this module is collected (conftest's `pytest_collection_finish` calls
-`start_in_background`): it fills the cache with the CPU the tests before this one leave idle, and takes none from
-them. The test uses its answer when it has finished; otherwise it stops it (mypy writes its cache module group by
-module group, so the work done is kept) and checks again at normal priority."""
+(about 90 s of one core), later runs recheck only what changed (about 7 s of CPU). In a run of the suite that selects
+this test, a first mypy starts at the lowest priority as soon as collection ends (conftest's `pytest_collection_finish`
+calls `start_in_background`; under xdist in the first worker only) and writes its answer into a folder named after
+the run; the test runs last (conftest) and waits for that answer, so mypy fills the cache with CPU the other tests
+leave idle instead of holding a worker for a minute. Run alone, the test checks in the foreground."""
 
 from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -26,36 +29,49 @@ PACKAGES = ("asyncflow",)
 COMMAND = [sys.executable, "-m", "mypy", "--config-file", "pyproject.toml", "--follow-imports=silent",
            *(arg for name in PACKAGES for arg in ("-p", name))]
 TIMEOUT_S = 900
+# mypy's exit code into `rc` once it has ended (its output is already in `out`): the file the test waits for
+WRAPPER = ("import os, subprocess, sys; code = subprocess.run(sys.argv[2:]).returncode; "
+           "open(sys.argv[1] + '.tmp', 'w').write(str(code)); os.replace(sys.argv[1] + '.tmp', sys.argv[1])")
 
-_background: subprocess.Popen[str] | None = None
+_answer_dir: Path | None = None  # where this session's background mypy writes `out` and `rc`
 
 
-def start_in_background() -> None:
-    """Start mypy at the lowest CPU priority (once): `test_the_type_checker_finds_no_error` reads its answer."""
-    global _background
-    if _background is None:
-        _background = subprocess.Popen(COMMAND, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                       preexec_fn=lambda: os.nice(19))
-        atexit.register(_background.kill)  # a session stopped early leaves no mypy behind
+def answer_dir(run_id: str) -> Path:
+    """The folder of the background answer of test run `run_id` (the same in every xdist worker of a run)."""
+    return Path(tempfile.gettempdir()) / f"asyncflow-typecheck-{run_id}"
+
+
+def start_in_background(run_id: str, start: bool = True) -> None:
+    """Record where run `run_id`'s answer lies; with `start`, start mypy there at the lowest CPU priority (once)."""
+    global _answer_dir
+    if _answer_dir is not None:
+        return
+    _answer_dir = answer_dir(run_id)
+    if not start:
+        return
+    _answer_dir.mkdir(parents=True, exist_ok=True)
+    atexit.register(shutil.rmtree, _answer_dir, True)
+    with open(_answer_dir / "out", "w") as out:
+        process = subprocess.Popen([sys.executable, "-c", WRAPPER, str(_answer_dir / "rc"), *COMMAND], cwd=ROOT,
+                                   stdout=out, stderr=subprocess.STDOUT, preexec_fn=lambda: os.nice(19))
+    atexit.register(process.kill)  # a session stopped early leaves no mypy behind (runs before the removal)
 
 
 def background_answer() -> tuple[int, str] | None:
-    """The background mypy's exit code and output if it has finished; None (and it is stopped) if not."""
-    if _background is None:
+    """The background mypy's exit code and output, waited for up to TIMEOUT_S; None where none was started."""
+    if _answer_dir is None or not (_answer_dir / "out").exists():
         return None
-    if _background.poll() is None:
-        _background.kill()
-        _background.communicate(timeout=60)
-        return None
-    out, err = _background.communicate(timeout=60)
-    return _background.returncode, out[-6000:] + err[-2000:]
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (_answer_dir / "rc").exists():
+        assert time.monotonic() < deadline, f"the background mypy gave no answer within {TIMEOUT_S} s"
+        time.sleep(0.5)
+    return int((_answer_dir / "rc").read_text()), (_answer_dir / "out").read_text()[-8000:]
 
 
 # Over 60 s when it runs alone on a clean clone (~90 s): mypy's first run reads torch's and transformers' types. In a
-# run of the suite the background mypy has filled the cache by then, and the check here takes seconds.
+# run of the suite it runs last and the background mypy has answered by then (not `long`: that would start it first).
 @pytest.mark.slow
-@pytest.mark.long
-@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.timeout(TIMEOUT_S + 60)
 def test_the_type_checker_finds_no_error():
     answer = background_answer()
     if answer is None:
