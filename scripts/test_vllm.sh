@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_vllm.sh
 # The CI-size rehearsal (marker `rehearsal`, ~80 s on an idle machine) is one of them; two workers as in test.sh.
-exec .venv-vllm/bin/python -m pytest -m vllm -n "${ASYNCFLOW_TEST_WORKERS:-2}" --dist loadgroup --durations=10 "$@"
+exec .venv-vllm/bin/python -m pytest -m vllm -n "${ASYNCFLOW_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder \
+  --durations=10 "$@"

@@ -19,6 +19,7 @@ TESTS = Path(__file__).resolve().parent
 SRC = TESTS.parent / "src"
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns the `xdist_group` marks into groups
 def pytest_collection_modifyitems(config, items):
     xdist = config.pluginmanager.hasplugin("xdist")
     no_vllm = importlib.util.find_spec("vllm") is None  # a `-m` that selects `vllm` tests in .venv: skipped, named
