@@ -33,7 +33,8 @@ def pytest_collection_modifyitems(config, items):
         # Ray asyncflow starts itself first (below), before that worker's cluster is up
         if xdist and ("ray_cluster" in fixtures or "no_ray_running" in fixtures):
             item.add_marker(pytest.mark.xdist_group("ray"))
-        elif xdist and shares_module_setup(item):  # set up once, on the worker that runs the whole module
+        elif xdist and not item.get_closest_marker("xdist_group") and shares_module_setup(item):
+            # its module's fixtures set up once, on the worker that runs the module's tests
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     # The tests of a Ray that asyncflow itself starts and shuts down (`no_ray_running`) run before the session's
     # cluster is up: once it is, they cannot start their own. Under xdist the `long` tests start next, each on a
@@ -54,6 +55,15 @@ def shares_module_setup(item) -> bool:
         defs[-1].scope in ("module", "class") and defs[-1].baseid.split("::")[0] == module
         for defs in info.name2fixturedefs.values()
     )
+
+
+def pytest_configure(config):
+    """`--dist loadgroup` groups tests by the `@group` xdist writes into their node ids, which pytest >= 9.2 no longer
+    lets it change (pytest-xdist#1386): the groups would group nothing, each worker starting its own Ray cluster and
+    setting module fixtures up again, with no error. Such a run stops here, naming the fix."""
+    if config.getoption("dist", "no") == "loadgroup" and pytest.version_tuple[:2] >= (9, 2):
+        raise pytest.UsageError(f"pytest {pytest.__version__} leaves `--dist loadgroup` grouping nothing "
+                                "(pytest-xdist#1386): install the test extra's pytest, `pip install 'pytest<9.2'`")
 
 
 def pytest_collection_finish(session):

@@ -26,9 +26,10 @@ from asyncflow.weights import WeightSyncError, make_weight_sync
 from asyncflow.weights.buckets import materialize
 
 # the module's engine starts in the first test's setup (hence the timeout); tiny models run on one torch thread
-# one xdist worker runs the whole module: its engines are built once (module fixtures, ~20 s each), not once a worker
+# one xdist worker runs the whole module, the one of the session's Ray cluster (one test uses it): its engines are
+# built once (module fixtures, ~20 s each), not once a worker
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread"),
-              pytest.mark.xdist_group("vllm_engine")]
+              pytest.mark.xdist_group("ray")]
 vllm = pytest.importorskip("vllm", reason="needs vLLM: bash scripts/test_vllm.sh")
 
 EOS = 2
