@@ -85,7 +85,7 @@ class Cluster:
     def live_nodes(self) -> list[dict]:
         """The cluster's nodes as `ray.nodes()` lists them (`NodeID`, `Alive`, `Resources`), read from its GCS by
         the client Ray's own node table uses: milliseconds, where a driver process per poll (`ray.init` to call
-        `ray.nodes()`) took 1.2 CPU-seconds, and joins no cluster."""
+        `ray.nodes()`) took 1.5 s; it joins no cluster."""
         from ray._raylet import GcsClient
         from ray.core.generated.gcs_pb2 import GcsNodeInfo
 
