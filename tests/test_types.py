@@ -39,17 +39,13 @@ WRAPPER = ("import os, subprocess, sys; code = subprocess.run(sys.argv[2:]).retu
 _answer_dir: Path | None = None  # where this session's background mypy writes `out` and `rc`
 
 
-def answer_dir(run_id: str) -> Path:
-    """The folder of the background answer of test run `run_id` (the same in every xdist worker of a run)."""
-    return Path(tempfile.gettempdir()) / f"asyncflow-typecheck-{run_id}"
-
-
 def start_in_background(run_id: str, start: bool = True) -> None:
-    """Record where run `run_id`'s answer lies; with `start`, start mypy there at the lowest CPU priority (once)."""
+    """Record where run `run_id`'s answer lies (the same folder in every xdist worker of a run); with `start`, start
+    mypy there at the lowest CPU priority (once)."""
     global _answer_dir
     if _answer_dir is not None:
         return
-    _answer_dir = answer_dir(run_id)
+    _answer_dir = Path(tempfile.gettempdir()) / f"asyncflow-typecheck-{run_id}"
     if not start:
         return
     _answer_dir.mkdir(parents=True, exist_ok=True)
