@@ -92,11 +92,13 @@ def pytest_collection_finish(session):
 def ray_cluster(_isolated_cache):
     """A local 2-CPU Ray cluster shared by every test that asks for it. Its workers import `src` and every
     test folder (actors unpickle functions defined in test modules); runtimes join it instead of starting
-    their own."""
+    their own. Its workers run at normal priority, as those of a cluster asyncflow starts (Ray's default, nice 15,
+    left a vLLM replica ~3% of a core beside two busy processes: one test took 580 s instead of 27)."""
     ray = pytest.importorskip("ray")
     folders = [SRC, TESTS, *sorted(p for p in TESTS.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))]
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([*map(str, folders), *([saved] if saved else [])])  # workers inherit
+    os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         yield ray
