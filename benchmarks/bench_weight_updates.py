@@ -6,7 +6,10 @@ weights is what decides a delta's size). After every step each mode publishes th
 transport, a receiver in this process takes it and loads it into its own built-in engine (bf16 by default), and
 the engines are checked bit for bit against each other. Per mode it reports the median over the steps of: bytes
 that reached the receiver, `publish` (what the trainer waits for), `transfer` (the receiver taking the version:
-its copy out of the transport, and for a delta rebuilding it on its base) and `apply` (`update_weights`).
+its copy out of the transport, and for a delta rebuilding it on its base), `apply` (`update_weights`; a
+`torch_distributed` version is received bucket by bucket here, as a run's rollout loop receives it) and `total`
+(from `publish` until the publisher has sent the version whole). `torch_distributed` runs its receiver (rank 1) in
+this process, over gloo on the loopback: its bytes cross a TCP socket.
 
 Modes are entries of `MODES`: a name, how to build its publisher and how its engine takes a received version. A
 third kind of update (adapter-only LoRA) is one more entry.
@@ -37,6 +40,7 @@ sys.path.insert(0, SRC)
 
 from asyncflow.engines.torch_inference import TorchInferenceEngine  # noqa: E402
 from asyncflow.weights import make_weight_sync  # noqa: E402
+from asyncflow.weights.buckets import Weights, materialize  # noqa: E402
 from asyncflow.weights.delta import encode_delta, engine_weights  # noqa: E402
 
 # name -> (hidden, layers, heads, kv heads, intermediate, vocab); tied embeddings
@@ -45,6 +49,8 @@ SHAPES = {
     "120m": (768, 14, 12, 4, 2048, 32000),
 }
 TIMEOUT_S = 120.0
+TIMED = ("bytes", "publish", "transfer", "apply", "total")  # medians over the steps
+TRANSPORTS = ["inprocess", "shared_memory", "ray", "torch_distributed"]
 
 
 def build_model(preset: str, seed: int = 0) -> torch.nn.Module:
@@ -76,8 +82,8 @@ class Mode:
     apply: Callable[[TorchInferenceEngine, int, dict], None]
 
 
-def _load(engine: TorchInferenceEngine, version: int, weights: dict) -> None:
-    engine.update_weights(weights, version)
+def _load(engine: TorchInferenceEngine, version: int, weights: Weights) -> None:
+    engine.update_weights(materialize(weights), version)  # as the rollout loop does: a stream is received here
 
 
 MODES = [
@@ -89,7 +95,14 @@ MODES = [
 
 
 def _options(transport: str) -> dict:
+    if transport == "torch_distributed":  # one receiver (rank 1) in this process, over gloo on the loopback
+        return {"timeout_s": TIMEOUT_S, "num_receivers": 1}
     return {"timeout_s": TIMEOUT_S} if transport == "ray" else {}
+
+
+def _open_receiver(publisher):
+    spec = publisher.receiver_spec
+    return spec.for_rank(1).open() if hasattr(spec, "for_rank") else spec.open()
 
 
 def encodings(base, new) -> dict[str, float]:
@@ -117,7 +130,7 @@ def bench(preset: str, lr: float, args) -> list[dict]:
     for mode in MODES:
         engines[mode.name] = TorchInferenceEngine(build_model(preset).to(dtype).eval().requires_grad_(False))
         publishers[mode.name] = mode.publisher(args.transport, dtype)
-        receivers[mode.name] = publishers[mode.name].receiver_spec.open()
+        receivers[mode.name] = _open_receiver(publishers[mode.name])
     samples: dict[str, list[dict]] = {mode.name: [] for mode in MODES}
     previous = None
     encoded: list[dict] = []
@@ -136,15 +149,17 @@ def bench(preset: str, lr: float, args) -> list[dict]:
                 t0 = time.perf_counter()
                 publisher.publish(weights, version)
                 t1 = time.perf_counter()
-                publisher.wait_published(TIMEOUT_S)
                 got = receiver.wait_for(version, TIMEOUT_S)
                 t2 = time.perf_counter()
                 mode.apply(engine, got[0], got[1])
                 t3 = time.perf_counter()
                 del got  # a consumer lets the version go once loaded (the rollout loop does)
+                publisher.wait_published(TIMEOUT_S)  # a collective send ends once the receiver has taken it all
+                t4 = time.perf_counter()
                 if version:
                     samples[mode.name].append({"bytes": receiver.received_bytes, "kind": receiver.received_kind,
-                                               "publish": t1 - t0, "transfer": t2 - t1, "apply": t3 - t2})
+                                               "publish": t1 - t0, "transfer": t2 - t1, "apply": t3 - t2,
+                                               "total": t4 - t0})
             reference = engines[MODES[0].name].model.state_dict()
             for mode in MODES[1:]:
                 state = engines[mode.name].model.state_dict()
@@ -166,7 +181,7 @@ def bench(preset: str, lr: float, args) -> list[dict]:
             rows.append({
                 "preset": preset, "params": params, "lr": lr, "mode": name,
                 "deltas": sum(x["kind"] == "delta" for x in part), "steps": len(part),
-                **{key: statistics.median(x[key] for x in part) for key in ("bytes", "publish", "transfer", "apply")},
+                **{key: statistics.median(x[key] for x in part) for key in TIMED},
             })
     if encoded:
         rows.append({"preset": preset, "params": params, "lr": lr, "mode": "encodings",
@@ -179,7 +194,7 @@ def main() -> None:
     parser.add_argument("--presets", default="30m,120m")
     parser.add_argument("--lrs", default="1e-6,1e-5")
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--transport", default="shared_memory", choices=["inprocess", "shared_memory", "ray"])
+    parser.add_argument("--transport", default="shared_memory", choices=TRANSPORTS)
     parser.add_argument("--engine-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--encodings", action="store_true")
     args = parser.parse_args()
@@ -201,10 +216,9 @@ def main() -> None:
                 if r["mode"] == "encodings":
                     extra.append(r)
                     continue
-                total = r["publish"] + r["transfer"] + r["apply"]
                 print(f"| {preset} ({r['params'] / 1e6:.0f}M) | {lr:g} | {r['mode']} | {r['deltas']}/{r['steps']} | "
                       f"{r['bytes'] / 2**20:.1f} | {r['bytes'] / full['bytes']:.3f} | {r['publish']:.3f} | "
-                      f"{r['transfer']:.3f} | {r['apply']:.3f} | {total:.3f} |", flush=True)
+                      f"{r['transfer']:.3f} | {r['apply']:.3f} | {r['total']:.3f} |", flush=True)
     if extra:
         print("\n| model | lr | engine-dtype MB | delta MB | delta encode s | zlib(XOR) MB | zlib(XOR) encode s |")
         print("|---|---:|---:|---:|---:|---:|---:|")

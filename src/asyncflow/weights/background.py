@@ -22,14 +22,19 @@ from asyncflow.weights.buckets import (
 )
 
 Layout = Callable[[Weights], Manifest]
+# (version, manifest, buckets) -> None, or buckets of the same layout the sender keeps no longer: staged into next
+# instead of the ones just sent, which the sender then keeps
+Send = Callable[[int, Manifest, list[torch.Tensor]], "list[torch.Tensor] | None"]
 
 
 @dataclass
 class _Staged:
     manifest: Manifest
-    payload: torch.Tensor
-    buckets: list[torch.Tensor]
+    buckets: list[torch.Tensor]  # views of one payload
     version: int = -1
+
+    def on_cuda(self) -> bool:
+        return bool(self.buckets) and self.buckets[0].is_cuda
 
 
 class BackgroundSender:
@@ -40,8 +45,9 @@ class BackgroundSender:
 
     `publish` packs into a free staging payload and queues it; the thread sends it with
     `send(version, manifest, buckets)`. Two payloads circulate: one being sent, the other pending
-    or free. A publish while one is pending supersedes it (reuses its payload; that version is
-    never sent); the version already being sent completes. The first failure is sticky: every
+    or free (a `send` that keeps the buckets it sent, a delta publisher's base, returns other buckets of the same
+    layout, which circulate in their place). A publish while one is pending supersedes it (reuses its payload;
+    that version is never sent); the version already being sent completes. The first failure is sticky: every
     later call raises it. `dtype`: floating tensors wider than it are staged and sent in it (the receiving
     engine's dtype: a bf16 engine gets half the bytes of fp32); None keeps each tensor's own. `layout` (default:
     `manifest_of` cast to `dtype`) lays the staging payload out instead; `write_weights` copies into it, casting
@@ -51,7 +57,7 @@ class BackgroundSender:
     def __init__(
         self,
         transport: str,
-        send: Callable[[int, Manifest, list[torch.Tensor]], None],
+        send: Send,
         *,
         bucket_bytes: int,
         staging_device: torch.device | str = "cpu",
@@ -96,11 +102,10 @@ class BackgroundSender:
             else:
                 staged = self._free.pop() if self._free else None
         if staged is None or staged.manifest != manifest:
-            payload = allocate_payload(manifest, self.staging_device)
-            staged = _Staged(manifest, payload, bucket_views(manifest, payload))
+            staged = _Staged(manifest, bucket_views(manifest, allocate_payload(manifest, self.staging_device)))
         write_weights(state_dict, manifest, staged.buckets)
-        if staged.payload.is_cuda:  # the sender thread must not read the payload before the copy lands
-            torch.cuda.current_stream(staged.payload.device).synchronize()
+        if staged.on_cuda():  # the sender thread must not read the payload before the copy lands
+            torch.cuda.current_stream(staged.buckets[0].device).synchronize()
         staged.version = version
         with self._cond:
             self._pending = staged
@@ -143,7 +148,9 @@ class BackgroundSender:
                     if self._idle is not None:
                         self._idle()
                     continue
-                self._send(staged.version, staged.manifest, staged.buckets)
+                kept = self._send(staged.version, staged.manifest, staged.buckets)
+                if kept is not None:  # the sender keeps what it sent and gives these back
+                    staged = _Staged(staged.manifest, kept)
                 with self._cond:
                     self._sending = False
                     if len(self._free) < 2:

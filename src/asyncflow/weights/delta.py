@@ -23,12 +23,12 @@ count_0 .. count_{B-1}, encoding_0 .. encoding_{B-1}]`, then per bucket its valu
 
 Where the time goes (`benchmarks/bench_weight_updates.py`): the trainer's thread only casts the version into a
 staging payload; compare and encode run on the publisher's sender thread, which writes the blob straight into the
-channel's buffer where it has one layout (`shared_memory`: only the blob's bytes are copied) and copies the new
-version into its base (a memcpy: cheaper than patching it once more than a few percent changed). No full version is
-copied per delta: the full channel gets one only when no delta is sent, or when a receiver asks. A receiver hands
-out the version it holds without a copy and patches it in place once released (`HeldVersion`), so in the steady
-state no full-size buffer is allocated or copied on either side (fresh multi-hundred-MB buffers cost more in page
-faults than a copy into them).
+channel's buffer where it has one layout (`shared_memory`: only the blob's bytes are copied); the staged version
+then becomes its base, and the old base's buffers go back to the sender to stage the next version into. No full
+version is copied per delta: the full channel gets one only when no delta is sent, or when a receiver asks. A
+receiver hands out the version it holds without a copy and patches it in place once released (`HeldVersion`), so
+in the steady state no full-size buffer is allocated or copied on either side (fresh multi-hundred-MB buffers cost
+more in page faults than a copy into them).
 
 Two channels (`inprocess`, `shared_memory`, `ray`): `DeltaPublisher` publishes each version's delta against
 the version before (when it is at most `max_fraction` of the full bytes) on one publisher, or else the full
@@ -314,7 +314,8 @@ class DeltaPublisher:
 
     `publish` casts the version into a staging payload in the engine's dtype on the caller's thread (the
     snapshot) and returns; a `BackgroundSender` thread encodes it against the base, publishes both channels
-    and patches the base in place, so the trainer steps while the delta is encoded. The base is the last
+    and keeps it as the next base (the old base's buffers are staged into next), so the trainer steps while the
+    delta is encoded. The base is the last
     version sent (a superseded one never is), and only that thread touches it. `timeout_s` bounds `close`.
 
     Two channels: the full channel gets a version only when no delta is sent (the first version, a delta over
@@ -349,9 +350,10 @@ class DeltaPublisher:
     def publish(self, state_dict: Weights, version: int) -> None:
         self._sender.publish(materialize(state_dict), version)
 
-    def _send(self, version: int, manifest: Manifest, buckets: list[torch.Tensor]) -> None:
+    def _send(self, version: int, manifest: Manifest, buckets: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """On the sender thread: the delta (when it pays), then the full version (one of them on one collective
-        channel), then the base moves on."""
+        channel), then the base moves on: the staged version becomes the base, and the old base's buffers go back
+        to the sender to stage into (no copy)."""
         new = Packed(version, manifest, buckets)
         capacity = align(int(self.max_fraction * new.nbytes))
         out = None
@@ -374,12 +376,15 @@ class DeltaPublisher:
                 self.delta.publish({DELTA_KEY: blob}, version)
         else:
             self._publish_full(new)
-        # the staging payload goes back to the sender: the base is a copy of its own (a memcpy, faster than
-        # patching the base with the blob once more than a few percent changed)
-        self._base = new.copy(into=self._base)
+        given_back = None
+        if self._base is None or self._base.manifest != manifest:  # the first version (or a new layout)
+            self._base = new.copy()  # the staged buffers stay the sender's
+        else:
+            given_back, self._base = self._base.buckets, new
         self.last_kind, self.last_delta_bytes = ("delta", blob.numel()) if blob is not None else ("full", 0)
         if self.delta is not None:
             self._serve_requests()
+        return given_back
 
     def _publish_full(self, version: Packed) -> None:
         """`version` on the full channel, after the delta channel's send (ray sends in the background: a receiver
