@@ -315,8 +315,8 @@ class DeltaPublisher:
     `publish` casts the version into a staging payload in the engine's dtype on the caller's thread (the
     snapshot) and returns; a `BackgroundSender` thread encodes it against the base, publishes both channels
     and keeps it as the next base (the old base's buffers are staged into next), so the trainer steps while the
-    delta is encoded. The base is the last
-    version sent (a superseded one never is), and only that thread touches it. `timeout_s` bounds `close`.
+    delta is encoded. The base is the last version sent (a superseded one never is), and only that thread touches
+    it. `timeout_s` bounds `close`.
 
     Two channels: the full channel gets a version only when no delta is sent (the first version, a delta over
     `max_fraction`) or when a receiver asked for one (`request_full`: it holds no base, or missed a delta); the
