@@ -33,9 +33,6 @@ class _Staged:
     buckets: list[torch.Tensor]  # views of one payload
     version: int = -1
 
-    def on_cuda(self) -> bool:
-        return bool(self.buckets) and self.buckets[0].is_cuda
-
 
 class BackgroundSender:
     """Double-buffered staging plus one sender thread.
@@ -104,7 +101,7 @@ class BackgroundSender:
         if staged is None or staged.manifest != manifest:
             staged = _Staged(manifest, bucket_views(manifest, allocate_payload(manifest, self.staging_device)))
         write_weights(state_dict, manifest, staged.buckets)
-        if staged.on_cuda():  # the sender thread must not read the payload before the copy lands
+        if staged.buckets and staged.buckets[0].is_cuda:  # the sender thread must not read it before the copy lands
             torch.cuda.current_stream(staged.buckets[0].device).synchronize()
         staged.version = version
         with self._cond:
